@@ -1,0 +1,139 @@
+"""SPEC §3-§4: construction options, their validation, and the state copy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.wacc_torch.support import WORK_DTYPE_PARAMS, TwoLayer
+from wacc_ref.formats import FORMATS, is_representable
+from wacc_torch import (
+    AccumulatorState,
+    InvalidLossScaleError,
+    WeightedAccumulationError,
+    WeightedGradientsAccumulator,
+)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_new_accumulator_starts_with_an_empty_window(dtype: torch.dtype) -> None:
+    """A new accumulator reports its options and zero counters in ``state``."""
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=2.0**10)
+    assert accumulator.state == AccumulatorState(
+        dtype=dtype, loss_scale=2.0**10, issued=0, zero_weight=0, total_weight=0.0, fused=False
+    )
+    record = accumulator.state_dict()
+    assert record["param_names"] == [] and record["pending"] == {}
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
+)
+def test_unsupported_work_dtype_is_refused_by_name(dtype: torch.dtype) -> None:
+    """A torch dtype other than the four work dtypes raises a ValueError naming it."""
+    with pytest.raises(WeightedAccumulationError, match=str(dtype).removeprefix("torch.")):
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", None, float])
+def test_non_dtype_is_refused_with_type_error(dtype: object) -> None:
+    """A dtype option that is not a torch.dtype raises TypeError naming it."""
+    with pytest.raises(TypeError, match=repr(dtype).replace("(", r"\(").replace(")", r"\)")):
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)  # type: ignore[arg-type]
+
+
+def test_options_are_keyword_only() -> None:
+    """dtype, loss_scale and fused cannot be passed positionally."""
+    with pytest.raises(TypeError):
+        WeightedGradientsAccumulator(torch.float32, 1.0)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_largest_representable_power_of_two_loss_scale_is_accepted(dtype: torch.dtype) -> None:
+    """The largest power of two below D's overflow threshold is a valid loss scale."""
+    fmt = FORMATS[str(dtype).removeprefix("torch.")]
+    scale = 2.0**fmt.emax
+    assert WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale).state.loss_scale == scale
+
+
+def test_float16_accepts_2_pow_15_and_refuses_2_pow_16() -> None:
+    """fp16 takes S = 2**15 but refuses S = 2**16 (not representable), naming value and dtype."""
+    assert WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=2.0**15)
+    assert not is_representable(2.0**16, "float16")
+    with pytest.raises(InvalidLossScaleError, match=r"65536\.0.*float16"):
+        WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=2.0**16)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        # 1 + 2**-8 needs 9 significand bits: fine in fp16 (11), not in bf16 (8).
+        pytest.param(torch.bfloat16, 1.0 + 2.0**-8, id="bf16-9-bits"),
+        # 1 + 2**-11 needs 12 bits: not in fp16.
+        pytest.param(torch.float16, 1.0 + 2.0**-11, id="fp16-12-bits"),
+        # 1 + 2**-24 needs 25 bits: not in fp32.
+        pytest.param(torch.float32, 1.0 + 2.0**-24, id="fp32-25-bits"),
+    ],
+)
+def test_loss_scale_not_representable_in_dtype_is_refused(dtype: torch.dtype, scale: float) -> None:
+    """A loss scale that D would round raises InvalidLossScaleError naming the value and D."""
+    assert not is_representable(scale, str(dtype).removeprefix("torch."))
+    with pytest.raises(InvalidLossScaleError, match=rf"{scale!r}.*{dtype}"):
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [0.0, -0.0, -1.0, float("nan"), float("inf"), -float("inf"), True, "1.0", None, 1 + 0j],
+    ids=repr,
+)
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_invalid_loss_scale_is_refused_by_value(dtype: torch.dtype, scale: object) -> None:
+    """Zero, negative, non-finite and non-real loss scales raise InvalidLossScaleError naming S and D."""
+    with pytest.raises(InvalidLossScaleError) as caught:
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)  # type: ignore[arg-type]
+    assert repr(scale) in str(caught.value) and str(dtype) in str(caught.value)
+
+
+def test_integer_loss_scale_is_taken_exactly() -> None:
+    """An int loss scale is accepted as the equal float; one beyond float64 precision is refused."""
+    assert WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=1024).state.loss_scale == 1024.0
+    with pytest.raises(InvalidLossScaleError, match=str(2**53 + 1)):
+        WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=2**53 + 1)
+
+
+@pytest.mark.parametrize("fused", [1, 0, "yes", None])
+def test_fused_must_be_a_bool(fused: object) -> None:
+    """A non-bool ``fused`` raises TypeError naming it."""
+    with pytest.raises(TypeError, match=repr(fused)):
+        WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=fused)  # type: ignore[arg-type]
+
+
+def test_fused_mode_is_declared_in_state() -> None:
+    """``fused=True`` is visible in ``state`` and in the record."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=True)
+    assert accumulator.state.fused is True
+    assert accumulator.state_dict()["fused"] is True
+
+
+def test_state_is_a_frozen_copy() -> None:
+    """``state`` cannot be mutated and reading it changes nothing (counters, buffers, .grad)."""
+    module = TwoLayer()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=4.0)
+    for parameter in module.parameters():
+        parameter.grad = torch.ones_like(parameter) if parameter.requires_grad else None
+    accumulator.accumulate_sum(module, 3)
+    before = accumulator.state
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.issued = 7  # type: ignore[misc]
+    record = accumulator.state_dict()
+    for _ in range(3):
+        assert accumulator.state == before
+    assert accumulator.state_dict()["pending"].keys() == record["pending"].keys()
+    for name, buffer in record["pending"].items():
+        assert torch.equal(accumulator.state_dict()["pending"][name], buffer)
+    assert before == AccumulatorState(
+        dtype=torch.float32, loss_scale=4.0, issued=1, zero_weight=0, total_weight=3.0, fused=False
+    )

@@ -1,0 +1,1 @@
+"""wacc_ref: the exact reference model of the wacc accumulation semantics (no torch)."""

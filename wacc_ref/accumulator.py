@@ -1,0 +1,561 @@
+"""The reference accumulator: SPEC §3-§9 and §11, line by line, on exact values (no torch).
+
+:class:`ReferenceAccumulator` has the constructor, methods, counters, errors and records of
+``wacc_torch.WeightedGradientsAccumulator`` minus devices.  ``params`` plays the module: an
+ordered mapping name -> shape of the parameters that require grad; ``grads`` maps names to
+array-likes of floats holding the gradient values exactly (any gradient dtype: ``conv_D`` needs
+none, see :func:`wacc_ref.formats.conv_to`).
+
+Modes
+-----
+``emulated`` (default)
+    Every step is the SPEC's reproducible sequence of roundings, each the exact operation rounded
+    once (:mod:`wacc_ref.arith`):
+
+    * sum (§5): ``buf <- round_D(buf + conv_D(g))``; ``W <- round_64(W + w)``;
+    * mean (§6): ``t = round_D(conv_D(g) * w_D)``, ``buf <- round_D(buf + t)``;
+      ``W <- round_64(W + w_D)``, with ``w_D = conv_D(w)``;
+    * finish_mean (§8): ``y = round_D(buf / S)``, ``out = round_D(round_op(y / round_op(W)))``.
+
+    With ``fused=True`` the mean step follows ``fused_variant`` instead, one of the three
+    results SPEC §6 allows: ``"fma"`` ``round_D(buf + c*w_D)``, ``"op_rounded"``
+    ``round_D(round_op(buf + c*w_D))``, ``"two_step"`` the reproducible result; ``c = conv_D(g)``.
+``exact``
+    No rounding at all (SPEC §12.2): contributions ``c_k = g_k`` (sums) or ``g_k * w_D`` (means)
+    with ``g`` as handed in (before conversion), ``W`` the exact sum of the counted weights
+    (``w``, or ``w_D`` for means).  Pending sums and ``W`` are exact :class:`fractions.Fraction`
+    values.  ``finish_*`` return ``grads`` = the exact result rounded ONCE to float64 (from the
+    exact rational, so there is no double rounding) and ``exact_grads`` = the exact result rounded
+    once to ``precision`` bits as :class:`mpmath.mpf` (the final division ``sum / (S*W)`` is the
+    only operation done at that precision, with ``mpmath.libmp`` and an explicit precision).
+    NaN or infinite gradients raise :class:`~wacc_ref.errors.ExactModeError`.
+
+Lazy buffers: a parameter's buffer is allocated at +0.0 on its first non-None gradient in a
+batch with weight > 0, so a first contribution of -0.0 gives ``round(+0 + -0) = +0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal, cast
+
+import mpmath
+import mpmath.libmp
+import numpy as np
+import numpy.typing as npt
+
+from wacc_ref import arith
+from wacc_ref.arith import (
+    BitwiseFloat,
+    fused_mean_step_accepts,
+    fused_mean_step_candidates,
+)
+from wacc_ref.errors import (
+    ExactModeError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    RecordError,
+    ZeroTotalWeightError,
+)
+from wacc_ref.formats import FLOAT64, WORK_DTYPES, Format, conv_to, get_format, op_format, round_to
+from wacc_ref.records import (
+    FORMAT_VERSION,
+    Binding,
+    format_value,
+    gradient_array,
+    validate_counters,
+    validate_loss_scale,
+    validate_params,
+    validate_pending,
+    validate_record,
+    validate_weight,
+)
+
+__all__ = [
+    "FUSED_VARIANTS",
+    "MODES",
+    "BitwiseFloat",
+    "ReferenceAccumulator",
+    "ReferenceResult",
+    "ReferenceState",
+    "fused_mean_step_accepts",
+    "fused_mean_step_candidates",
+]
+
+FusedVariant = Literal["fma", "op_rounded", "two_step"]
+Mode = Literal["emulated", "exact"]
+FUSED_VARIANTS: tuple[str, ...] = ("fma", "op_rounded", "two_step")
+MODES: tuple[str, ...] = ("emulated", "exact")
+_MIN_PRECISION = 2  # mpmath needs at least 1 bit; 2 keeps round-to-nearest meaningful
+
+
+@dataclass(frozen=True)
+class ReferenceState:
+    """A copy of the accumulator's scalar state (SPEC §3); reading it changes nothing.
+
+    ``total_weight`` is a float in ``emulated`` mode and an exact Fraction in ``exact`` mode.
+    """
+
+    dtype: str
+    loss_scale: float
+    issued: int
+    zero_weight: int
+    total_weight: float | Fraction
+    fused: bool
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """What ``finish_sums`` / ``finish_mean`` hand over (SPEC §7, §8).
+
+    ``grads`` maps every tracked parameter to a float64 array (``None`` for a parameter without
+    a buffer in the window).  ``emulated``: the exact D values.  ``exact``: the exact result
+    rounded once to float64.  ``exact_grads`` (``exact`` mode only): object arrays of
+    :class:`mpmath.mpf`, the exact result rounded once to the accumulator's ``precision``;
+    ``exact_weight`` (``exact`` mode only): W as an exact Fraction (``weight`` is W rounded once
+    to float64).
+    """
+
+    grads: dict[str, np.ndarray | None]
+    weight: float
+    loss_scale: float
+    issued: int
+    zero_weight: int
+    normalized: bool
+    exact_grads: dict[str, np.ndarray | None] | None = None
+    exact_weight: Fraction | None = None
+
+
+def _object_array(values: list[Fraction], shape: tuple[int, ...]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array.reshape(shape)
+
+
+def _exact_gradient(name: str, gradient: npt.NDArray[np.float64]) -> np.ndarray:
+    flat = gradient.reshape(-1)
+    if not np.isfinite(flat).all():
+        index = int(np.flatnonzero(~np.isfinite(flat))[0])
+        raise ExactModeError(
+            f"gradient of {name!r} holds {float(flat[index])!r} at flat index {index}; the exact "
+            f"mode models real numbers only"
+        )
+    return _object_array([Fraction(v) for v in flat.tolist()], gradient.shape)
+
+
+def _mpf(value: Fraction, precision: int) -> mpmath.mpf:
+    """``value`` rounded once to ``precision`` bits, nearest-even, as an mpf (never global prec)."""
+    raw = mpmath.libmp.from_rational(value.numerator, value.denominator, precision, "n")
+    return mpmath.mpf(raw, prec=precision, rounding="n")
+
+
+class ReferenceAccumulator:
+    """Pure-Python model of ``WeightedGradientsAccumulator`` (SPEC §3-§9, §11); see the module doc.
+
+    Options: ``dtype`` the work dtype D (torch spelling), ``loss_scale`` S, ``fused`` (§6 opt-in
+    one-pass mean step; declared in ``state``), ``fused_variant`` which of the allowed fused
+    results the emulation follows, ``mode`` ``"emulated"`` or ``"exact"``, ``precision`` the
+    bits of ``exact_grads`` in exact mode.
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: str,
+        loss_scale: float,
+        fused: bool = False,
+        fused_variant: str = "fma",
+        mode: str = "emulated",
+        precision: int = 256,
+    ) -> None:
+        if not isinstance(dtype, str) or dtype not in WORK_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not a work dtype; work dtypes: {WORK_DTYPES}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, got {fused!r}")
+        if fused_variant not in FUSED_VARIANTS:
+            raise ValueError(f"fused_variant {fused_variant!r} is not one of {FUSED_VARIANTS}")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if isinstance(precision, bool) or not isinstance(precision, int):
+            raise TypeError(f"precision must be an int (bits), got {precision!r}")
+        if precision < _MIN_PRECISION:
+            raise ValueError(f"precision must be >= {_MIN_PRECISION} bits, got {precision}")
+        self._dtype: Format = get_format(dtype)
+        self._loss_scale = validate_loss_scale(loss_scale, self._dtype)
+        self._fused = fused
+        self._fused_variant = cast(FusedVariant, fused_variant)
+        self._mode = cast(Mode, mode)
+        self._precision = precision
+        self._binding: Binding | None = None
+        self._pending: dict[str, np.ndarray] = {}
+        self._issued = 0
+        self._zero_weight = 0
+        self._total_weight: float | Fraction = Fraction(0) if self._exact else 0.0
+
+    # -- read-only views ---------------------------------------------------------------------
+
+    @property
+    def _exact(self) -> bool:
+        return self._mode == "exact"
+
+    @property
+    def mode(self) -> str:
+        """``"emulated"`` or ``"exact"``."""
+        return self._mode
+
+    @property
+    def fused_variant(self) -> str:
+        """Which SPEC §6 fused result the emulation follows when ``fused`` is on."""
+        return self._fused_variant
+
+    @property
+    def precision(self) -> int:
+        """Bits of ``exact_grads`` in exact mode."""
+        return self._precision
+
+    @property
+    def state(self) -> ReferenceState:
+        """A copy of ``dtype, loss_scale, issued, zero_weight, total_weight, fused``."""
+        return ReferenceState(
+            dtype=self._dtype.name,
+            loss_scale=self._loss_scale,
+            issued=self._issued,
+            zero_weight=self._zero_weight,
+            total_weight=self._total_weight,
+            fused=self._fused,
+        )
+
+    @property
+    def param_names(self) -> list[str]:
+        """The tracked parameters in registration order (``[]`` while none is bound)."""
+        return [name for name, _ in self._binding or ()]
+
+    # -- accumulation --------------------------------------------------------------------------
+
+    def _checked_binding(self, params: Mapping[str, tuple[int, ...]]) -> Binding:
+        binding = validate_params(params)
+        if self._binding is not None and binding != self._binding:
+            raise ParameterMismatchError(
+                f"params {[(n, list(s)) for n, s in binding]!r} differ from the tracked set "
+                f"{[(n, list(s)) for n, s in self._binding]!r}"
+            )
+        return binding
+
+    def _checked_grads(self, grads: object, binding: Binding) -> dict[str, npt.NDArray[np.float64]]:
+        if not isinstance(grads, Mapping):
+            raise TypeError(
+                f"grads must be a mapping name -> gradient or None, got {type(grads).__name__}"
+            )
+        shapes = dict(binding)
+        for name in grads:
+            if name not in shapes:
+                raise ParameterMismatchError(
+                    f"grads has a gradient for {name!r}, which is not a tracked parameter "
+                    f"(tracked: {list(shapes)})"
+                )
+        checked = {}
+        for name, shape in binding:
+            value = grads.get(name)
+            if value is not None:
+                checked[name] = gradient_array(name, value, shape)
+        return checked
+
+    def _accumulate(
+        self,
+        params: Mapping[str, tuple[int, ...]],
+        weight: float,
+        grads: Mapping[str, npt.ArrayLike | None],
+        *,
+        mean: bool,
+    ) -> None:
+        # Validate everything and compute the new window into locals; commit at the end only.
+        w = validate_weight(weight)
+        binding = self._checked_binding(params)
+        # Structure (names, dtype kinds, shapes) is checked for every call; values are read only
+        # for a weight > 0 (SPEC §5: a zero-weight batch reads no gradient).
+        checked = self._checked_grads(grads, binding)
+        if w == 0:
+            self._binding = binding
+            self._issued += 1
+            self._zero_weight += 1
+            return
+        w_counted = w
+        if mean:
+            w_d = conv_to(w, self._dtype)
+            if w_d == 0 or not math.isfinite(w_d):
+                raise InvalidWeightError(
+                    f"weight {format_value(w)} becomes {format_value(w_d)} in "
+                    f"{self._dtype.name}: it does not survive the work dtype"
+                )
+            w_counted = w_d
+        arith.check_gradual_underflow()
+        new_pending = dict(self._pending)
+        for name, gradient in checked.items():
+            if self._exact:
+                new_pending[name] = self._exact_step(name, gradient, w_counted if mean else None)
+            else:
+                new_pending[name] = self._emulated_step(name, gradient, w_counted if mean else None)
+        if self._exact:
+            new_total: float | Fraction = cast(Fraction, self._total_weight) + Fraction(w_counted)
+        else:
+            new_total = cast(float, self._total_weight) + w_counted  # round_64(W + w)
+        self._binding = binding
+        self._pending = new_pending
+        self._total_weight = new_total
+        self._issued += 1
+
+    def _emulated_step(
+        self, name: str, gradient: npt.NDArray[np.float64], w_d: float | None
+    ) -> npt.NDArray[np.float64]:
+        d = self._dtype
+        old = self._pending.get(name)
+        buf = np.zeros(gradient.shape, dtype=np.float64) if old is None else old
+        c = arith.conv_array(gradient, d)
+        if w_d is None:
+            return arith.add_rounded(buf, c, d)
+        variant = self._fused_variant if self._fused else "two_step"
+        if variant == "fma":
+            return arith.fma_rounded(buf, c, w_d, d)
+        if variant == "op_rounded":
+            return arith.round_array(arith.fma_rounded(buf, c, w_d, op_format(d)), d)
+        t = arith.mul_rounded(c, w_d, d)
+        return arith.add_rounded(buf, t, d)
+
+    def _exact_step(
+        self, name: str, gradient: npt.NDArray[np.float64], w_d: float | None
+    ) -> np.ndarray:
+        contributions = _exact_gradient(name, gradient).reshape(-1).tolist()
+        if w_d is not None:
+            weight = Fraction(w_d)
+            contributions = [c * weight for c in contributions]
+        old = self._pending.get(name)
+        if old is not None:
+            contributions = [
+                a + c for a, c in zip(old.reshape(-1).tolist(), contributions, strict=True)
+            ]
+        return _object_array(contributions, gradient.shape)
+
+    def accumulate_sum(
+        self,
+        params: Mapping[str, tuple[int, ...]],
+        weight: float,
+        *,
+        grads: Mapping[str, npt.ArrayLike | None],
+    ) -> None:
+        """SPEC §5: add a loss-SUM microbatch of token/sample count ``weight``.
+
+        ``w == 0``: only ``issued`` and ``zero_weight`` move (no gradient value is read).
+        ``w > 0``: ``buf <- round_D(buf + conv_D(g))`` per element, ``W <- round_64(W + w)``.
+        A gradient that is missing or None is a zero contribution.  Raises
+        :class:`InvalidWeightError`, :class:`ParameterMismatchError` (or ``ExactModeError``);
+        state is unchanged after any raise.
+        """
+        self._accumulate(params, weight, grads, mean=False)
+
+    def accumulate_mean(
+        self,
+        params: Mapping[str, tuple[int, ...]],
+        weight: float,
+        *,
+        grads: Mapping[str, npt.ArrayLike | None],
+    ) -> None:
+        """SPEC §6: add a loss-MEAN microbatch; it contributes ``g * w_D`` with ``w_D = conv_D(w)``.
+
+        Reproducible order: ``t = round_D(conv_D(g) * w_D)``, ``buf <- round_D(buf + t)``,
+        ``W <- round_64(W + w_D)`` (or the chosen fused variant).  ``w > 0`` whose ``w_D`` is 0 or
+        not finite raises :class:`InvalidWeightError`; state is unchanged after any raise.
+        """
+        self._accumulate(params, weight, grads, mean=True)
+
+    # -- finishing -----------------------------------------------------------------------------
+
+    def _reset_window(self) -> None:
+        self._pending = {}
+        self._issued = 0
+        self._zero_weight = 0
+        self._total_weight = Fraction(0) if self._exact else 0.0
+
+    def _exact_result(self, divisor: Fraction | None, *, normalized: bool) -> ReferenceResult:
+        grads: dict[str, np.ndarray | None] = {}
+        exact_grads: dict[str, np.ndarray | None] = {}
+        for name, shape in self._binding or ():
+            buffer = self._pending.get(name)
+            if buffer is None:
+                grads[name] = exact_grads[name] = None
+                continue
+            values = [v if divisor is None else v / divisor for v in buffer.reshape(-1).tolist()]
+            grads[name] = np.array(
+                [round_to(v, FLOAT64) for v in values], dtype=np.float64
+            ).reshape(shape)
+            mpf_values = np.empty(len(values), dtype=object)
+            mpf_values[:] = [_mpf(v, self._precision) for v in values]
+            exact_grads[name] = mpf_values.reshape(shape)
+        total = cast(Fraction, self._total_weight)
+        return ReferenceResult(
+            grads=grads,
+            weight=round_to(total, FLOAT64),
+            loss_scale=self._loss_scale,
+            issued=self._issued,
+            zero_weight=self._zero_weight,
+            normalized=normalized,
+            exact_grads=exact_grads,
+            exact_weight=total,
+        )
+
+    def finish_sums(self) -> ReferenceResult:
+        """SPEC §7: hand over the pending sums (no division) and start a new empty window."""
+        if self._exact:
+            result = self._exact_result(None, normalized=False)
+        else:
+            result = ReferenceResult(
+                grads={
+                    name: (None if name not in self._pending else self._pending[name].copy())
+                    for name, _ in self._binding or ()
+                },
+                weight=cast(float, self._total_weight),
+                loss_scale=self._loss_scale,
+                issued=self._issued,
+                zero_weight=self._zero_weight,
+                normalized=False,
+            )
+        self._reset_window()
+        return result
+
+    def finish_mean(self) -> ReferenceResult:
+        """SPEC §8: ``y = round_D(buf / S)``, ``out = round_D(round_op(y / round_op(W)))``.
+
+        Division is sequential (``S * W`` is never formed).  ``W == 0`` raises
+        :class:`ZeroTotalWeightError` and clears nothing.  Starts a new empty window.
+        """
+        if self._total_weight == 0:
+            raise ZeroTotalWeightError(
+                f"finish_mean on a window with total weight 0 (issued={self._issued}, "
+                f"zero_weight={self._zero_weight}); nothing was cleared"
+            )
+        if self._exact:
+            divisor = Fraction(self._loss_scale) * cast(Fraction, self._total_weight)
+            result = self._exact_result(divisor, normalized=True)
+        else:
+            arith.check_gradual_underflow()
+            d = self._dtype
+            op = op_format(d)
+            weight_op = round_to(cast(float, self._total_weight), op)
+            grads: dict[str, np.ndarray | None] = {}
+            for name, _ in self._binding or ():
+                buffer = self._pending.get(name)
+                if buffer is None:
+                    grads[name] = None
+                    continue
+                y = arith.div_rounded(buffer, self._loss_scale, d)
+                grads[name] = arith.round_array(arith.div_rounded(y, weight_op, op), d)
+            result = ReferenceResult(
+                grads=grads,
+                weight=cast(float, self._total_weight),
+                loss_scale=self._loss_scale,
+                issued=self._issued,
+                zero_weight=self._zero_weight,
+                normalized=True,
+            )
+        self._reset_window()
+        return result
+
+    # -- records -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """The record of SPEC §9 (keys documented in :mod:`wacc_ref.records`); a deep copy."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "dtype": self._dtype.name,
+            "loss_scale": self._loss_scale,
+            "fused": self._fused,
+            "issued": self._issued,
+            "zero_weight": self._zero_weight,
+            "total_weight": self._total_weight,
+            "param_names": [name for name, _ in self._binding or ()],
+            "param_shapes": [list(shape) for _, shape in self._binding or ()],
+            "pending": {
+                name: self._pending[name].copy()
+                for name, _ in self._binding or ()
+                if name in self._pending
+            },
+        }
+
+    def load_state_dict(
+        self, record: Mapping[str, object], params: Mapping[str, tuple[int, ...]]
+    ) -> None:
+        """SPEC §9: restore counters and pending buffers for ``params`` from ``record``.
+
+        Everything is validated first (:class:`RecordError` naming the field;
+        :class:`ParameterMismatchError` for malformed ``params``); on any failure the
+        accumulator is exactly as it was.  A record that binds no parameters loads with any
+        ``params`` and leaves the accumulator unbound.
+        """
+        loaded = validate_record(
+            record,
+            params,
+            dtype=self._dtype,
+            loss_scale=self._loss_scale,
+            fused=self._fused,
+            exact=self._exact,
+        )
+        self._binding = loaded.binding
+        self._pending = loaded.pending
+        self._issued = loaded.issued
+        self._zero_weight = loaded.zero_weight
+        self._total_weight = loaded.total_weight
+
+    @classmethod
+    def from_pending(
+        cls,
+        params: Mapping[str, tuple[int, ...]],
+        pending: Mapping[str, npt.ArrayLike],
+        state: ReferenceState,
+        *,
+        fused_variant: str = "fma",
+        mode: str = "emulated",
+        precision: int = 256,
+    ) -> ReferenceAccumulator:
+        """SPEC §9: a new accumulator bound to ``params`` that continues ``state`` with ``pending``.
+
+        ``pending`` holds the buffers the caller already restored (only those allocated).
+        Names, shapes and values that are not D values raise :class:`ParameterMismatchError`;
+        inconsistent counters raise :class:`RecordError`; a bad loss scale in ``state`` raises
+        :class:`InvalidLossScaleError`.
+        """
+        if not isinstance(state, ReferenceState):
+            raise TypeError(f"state must be a ReferenceState, got {type(state).__name__}")
+        accumulator = cls(
+            dtype=state.dtype,
+            loss_scale=state.loss_scale,
+            fused=state.fused,
+            fused_variant=fused_variant,
+            mode=mode,
+            precision=precision,
+        )
+        binding = validate_params(params)
+        validated = validate_pending(
+            pending,
+            binding,
+            accumulator._dtype,
+            exact=accumulator._exact,
+            error=ParameterMismatchError,
+            field="pending",
+        )
+        issued, zero_weight, total_weight = validate_counters(
+            issued=state.issued,
+            zero_weight=state.zero_weight,
+            total_weight=state.total_weight,
+            bound=True,
+            pending_empty=not validated,
+            exact=accumulator._exact,
+            error=RecordError,
+        )
+        accumulator._binding = binding
+        accumulator._pending = validated
+        accumulator._issued = issued
+        accumulator._zero_weight = zero_weight
+        accumulator._total_weight = total_weight
+        return accumulator

@@ -1,0 +1,441 @@
+"""Validation of parameter sets, pending buffers and records (SPEC §9) for the reference model.
+
+Record (``state_dict``) schema — the same keys as ``wacc_torch``:
+
+``format_version`` (int)
+    :data:`FORMAT_VERSION` (1).
+``dtype`` (str)
+    The work dtype D in torch spelling (``"float64"``, ``"float32"``, ``"float16"``,
+    ``"bfloat16"``).
+``loss_scale`` (float)
+    The loss scale S.
+``fused`` (bool)
+    Whether the accumulator runs the opt-in fused mean step of SPEC §6.
+``issued`` (int)
+    Microbatches accumulated in the window, zero-weight ones included.
+``zero_weight`` (int)
+    How many of them had weight exactly 0.
+``total_weight`` (float; a :class:`fractions.Fraction` in ``exact`` mode)
+    W, the running total of the counted weights.
+``param_names`` (list[str])
+    The tracked parameters in registration order; ``[]`` while none is bound.
+``param_shapes`` (list[list[int]])
+    Their shapes, in the same order.
+``pending`` (dict[str, numpy.ndarray])
+    Only the buffers allocated so far, in registration order.  ``emulated``: float64 arrays
+    holding exact D values (NaN and ±inf included).  ``exact``: object arrays of
+    :class:`fractions.Fraction` (exact sums; never NaN or inf).
+
+Every check here runs before anything is mutated; the caller commits only a fully validated
+result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import cast
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from wacc_ref.arith import round_array
+from wacc_ref.errors import (
+    InvalidLossScaleError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    RecordError,
+    WeightedAccumulationError,
+)
+from wacc_ref.formats import Format, round_to
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RECORD_KEYS",
+    "Binding",
+    "ValidatedRecord",
+    "gradient_array",
+    "format_value",
+    "validate_counters",
+    "validate_loss_scale",
+    "validate_params",
+    "validate_pending",
+    "validate_record",
+    "validate_weight",
+]
+
+FORMAT_VERSION = 1
+RECORD_KEYS: tuple[str, ...] = (
+    "format_version",
+    "dtype",
+    "loss_scale",
+    "fused",
+    "issued",
+    "zero_weight",
+    "total_weight",
+    "param_names",
+    "param_shapes",
+    "pending",
+)
+
+Binding = tuple[tuple[str, tuple[int, ...]], ...]
+"""The tracked parameter set: ``(name, shape)`` pairs in registration order."""
+
+# Floating dtypes a gradient may arrive in whose values numpy converts to float64 exactly.
+_NUMPY_FLOAT_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        np.float16,
+        np.float32,
+        np.float64,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+    )
+)
+
+
+@dataclass(frozen=True)
+class ValidatedRecord:
+    """A record that passed every check, in the accumulator's internal representation."""
+
+    binding: Binding | None
+    pending: dict[str, np.ndarray]
+    issued: int
+    zero_weight: int
+    total_weight: float | Fraction
+
+
+def format_value(value: object) -> str:
+    """``repr`` of a value, with its hex form for a float (so that a message reproduces it)."""
+    return f"{value!r} ({value.hex()})" if isinstance(value, float) else repr(value)
+
+
+def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
+    """SPEC §4: a finite float > 0, exactly representable in D."""
+    problem = None
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float | np.number):
+        problem = "is not a real number"
+    elif isinstance(loss_scale, np.complexfloating):
+        problem = "is not a real number"
+    elif isinstance(loss_scale, float | np.floating) and not math.isfinite(loss_scale):
+        problem = "is not finite"
+    elif not loss_scale > 0:
+        problem = "is not > 0"
+    else:
+        exact_value = (
+            Fraction(int(loss_scale))
+            if isinstance(loss_scale, int | np.integer)
+            else Fraction(float(loss_scale))
+        )
+        if Fraction(round_to(exact_value, dtype)) != exact_value:
+            problem = f"is not exactly representable in {dtype.name}"
+    if problem is not None:
+        raise InvalidLossScaleError(
+            f"loss_scale {format_value(loss_scale)} {problem}; it must be a finite value > 0 "
+            f"exactly representable in the work dtype {dtype.name}"
+        )
+    return float(cast(float, loss_scale))
+
+
+def validate_weight(weight: object) -> float:
+    """A weight is a finite number >= 0 (int or float, not bool); returns it as a Python float."""
+    if isinstance(weight, bool | np.bool_) or not isinstance(
+        weight, int | float | np.integer | np.floating
+    ):
+        raise InvalidWeightError(
+            f"weight must be a finite int or float >= 0, got {weight!r} ({type(weight).__name__})"
+        )
+    try:
+        value = float(weight)
+    except OverflowError:
+        raise InvalidWeightError(f"weight {weight!r} does not fit a float64") from None
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise InvalidWeightError(f"weight must be a finite number >= 0, got {format_value(value)}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _shape(value: object, *, what: str, error: type[WeightedAccumulationError]) -> tuple[int, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        raise error(f"{what} must be a sequence of non-negative ints, got {value!r}")
+    dims = list(value)
+    if not all(_is_int(d) and int(d) >= 0 for d in dims):
+        raise error(f"{what} must be a sequence of non-negative ints, got {value!r}")
+    return tuple(int(d) for d in dims)
+
+
+def validate_params(params: object) -> Binding:
+    """Check a parameter mapping (name -> shape, registration order) and return its binding.
+
+    Raises :class:`ParameterMismatchError` for a non-mapping, an empty mapping, a non-string
+    name or a malformed shape.
+    """
+    if not isinstance(params, Mapping):
+        raise ParameterMismatchError(
+            f"params must be a mapping name -> shape, got {params!r} ({type(params).__name__})"
+        )
+    if not params:
+        raise ParameterMismatchError("params is empty: there is no parameter to accumulate")
+    binding = []
+    for name, shape in params.items():
+        if not isinstance(name, str):
+            raise ParameterMismatchError(f"parameter name {name!r} is not a str")
+        checked = _shape(shape, what=f"shape of {name!r}", error=ParameterMismatchError)
+        binding.append((name, checked))
+    return tuple(binding)
+
+
+def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDArray[np.float64]:
+    """The float64 array of a gradient, exactly; :class:`ParameterMismatchError` otherwise.
+
+    Accepted: floating arrays (numpy float16/32/64, ml_dtypes bfloat16/float8) and array-likes of
+    Python floats.  Integer, bool, complex and object dtypes are refused (PyTorch refuses a
+    non-floating ``.grad``), as is a shape other than the parameter's.
+    """
+    array = np.asarray(value)
+    if array.dtype not in _NUMPY_FLOAT_DTYPES:
+        raise ParameterMismatchError(
+            f"gradient of {name!r} has dtype {array.dtype}, not a floating dtype of at most 64 bits"
+        )
+    if array.shape != shape:
+        raise ParameterMismatchError(
+            f"gradient of {name!r} has shape {list(array.shape)}, the parameter has {list(shape)}"
+        )
+    return np.array(array, dtype=np.float64)
+
+
+def _exact_element(value: object, *, what: str, error: type[WeightedAccumulationError]) -> Fraction:
+    if isinstance(value, Fraction):
+        return value
+    if _is_int(value):
+        return Fraction(int(value))  # type: ignore[call-overload]
+    if isinstance(value, float | np.floating) and np.dtype(type(value)).itemsize <= 8:
+        if not math.isfinite(value):
+            raise error(f"{what} holds {value!r}; the exact mode has no NaN or infinity")
+        return Fraction(float(value))
+    raise error(f"{what} holds {value!r} ({type(value).__name__}), not an exact real")
+
+
+def validate_pending(
+    pending: object,
+    binding: Binding | None,
+    dtype: Format,
+    *,
+    exact: bool,
+    error: type[WeightedAccumulationError],
+    field: str,
+) -> dict[str, np.ndarray]:
+    """Check pending buffers against a binding and ``dtype``; return copies in binding order.
+
+    ``emulated`` (``exact=False``): float arrays whose every value is a value of ``dtype``
+    (NaN and ±inf allowed), returned as float64.  ``exact``: arrays of exact reals (Fraction,
+    int, finite float), returned as object arrays of Fraction.  Raises ``error`` naming
+    ``field`` and the parameter.
+    """
+    if not isinstance(pending, Mapping):
+        raise error(f"{field} must be a mapping name -> buffer, got {type(pending).__name__}")
+    shapes = dict(binding or ())
+    for name in pending:
+        if name not in shapes:
+            raise error(
+                f"{field} has a buffer for {name!r}, which is not a tracked parameter "
+                f"(tracked: {list(shapes)})"
+            )
+    validated: dict[str, np.ndarray] = {}
+    for name, shape in binding or ():
+        if name not in pending:
+            continue
+        what = f"{field}[{name!r}]"
+        array = np.asarray(pending[name])
+        if array.shape != shape:
+            raise error(f"{what} has shape {list(array.shape)}, the parameter has {list(shape)}")
+        if exact:
+            flat = [_exact_element(v, what=what, error=error) for v in array.reshape(-1).tolist()]
+            buffer = np.empty(len(flat), dtype=object)
+            buffer[:] = flat
+            validated[name] = buffer.reshape(shape)
+            continue
+        if array.dtype not in _NUMPY_FLOAT_DTYPES:
+            raise error(f"{what} has dtype {array.dtype}; a float64 array of {dtype.name} values")
+        values = np.array(array, dtype=np.float64)
+        rounded = round_array(values, dtype)
+        same = (rounded == values) | (np.isnan(rounded) & np.isnan(values))
+        if not same.all():
+            bad = float(values[~same][0])
+            raise error(f"{what} holds {bad!r} ({bad.hex()}), which is not a {dtype.name} value")
+        validated[name] = values
+    return validated
+
+
+def validate_counters(
+    *,
+    issued: object,
+    zero_weight: object,
+    total_weight: object,
+    bound: bool,
+    pending_empty: bool,
+    exact: bool,
+    error: type[WeightedAccumulationError],
+) -> tuple[int, int, float | Fraction]:
+    """Check the window counters for consistency; return them as ``(issued, zero_weight, W)``.
+
+    ``issued`` and ``zero_weight`` are ints (not bools) with ``0 <= zero_weight <= issued``;
+    ``W`` is finite and ``>= 0`` (a float, or in ``exact`` mode also a Fraction or int).  A
+    window of zero-weight batches only has ``W == 0`` and no buffer; one with a counted batch has
+    ``W > 0`` (each counted weight is > 0); an unbound accumulator has issued nothing.
+    """
+    if not _is_int(issued):
+        raise error(f"issued must be an int, got {issued!r} ({type(issued).__name__})")
+    if not _is_int(zero_weight):
+        raise error(
+            f"zero_weight must be an int, got {zero_weight!r} ({type(zero_weight).__name__})"
+        )
+    issued_, zero_weight_ = int(issued), int(zero_weight)  # type: ignore[call-overload]
+    if issued_ < 0:
+        raise error(f"issued must be >= 0, got {issued_}")
+    if not 0 <= zero_weight_ <= issued_:
+        raise error(f"zero_weight must be in [0, issued={issued_}], got {zero_weight_}")
+    weight: float | Fraction
+    if exact and isinstance(total_weight, Fraction):
+        weight = total_weight
+    elif exact and _is_int(total_weight):
+        weight = Fraction(int(total_weight))  # type: ignore[call-overload]
+    elif isinstance(total_weight, float | np.floating) and not isinstance(total_weight, bool):
+        if np.dtype(type(total_weight)).itemsize > 8 or not math.isfinite(total_weight):
+            raise error(f"total_weight must be a finite float >= 0, got {total_weight!r}")
+        weight = Fraction(float(total_weight)) if exact else float(total_weight)
+    elif _is_int(total_weight):
+        weight = float(int(total_weight))  # type: ignore[call-overload]
+        if weight != int(total_weight):  # type: ignore[call-overload]
+            raise error(f"total_weight {total_weight!r} is not exactly a float64")
+    else:
+        raise error(
+            f"total_weight must be a finite float >= 0, got {total_weight!r} "
+            f"({type(total_weight).__name__})"
+        )
+    if weight < 0:
+        raise error(f"total_weight must be >= 0, got {total_weight!r}")
+    if not bound and issued_ != 0:
+        raise error(f"issued is {issued_} but no parameter is bound (param_names is empty)")
+    if issued_ == zero_weight_:
+        if weight != 0:
+            raise error(
+                f"total_weight is {total_weight!r} but every one of the {issued_} issued "
+                f"batches had weight 0 (zero_weight == issued)"
+            )
+        if not pending_empty:
+            raise error(
+                f"pending holds buffers but every one of the {issued_} issued batches had "
+                f"weight 0 (zero_weight == issued)"
+            )
+    elif weight == 0:
+        raise error(
+            f"total_weight is 0 but {issued_ - zero_weight_} batches had a weight > 0 "
+            f"(issued={issued_}, zero_weight={zero_weight_})"
+        )
+    return issued_, zero_weight_, weight
+
+
+def _record_binding(record: Mapping[str, object]) -> Binding | None:
+    names, shapes = record["param_names"], record["param_shapes"]
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+        raise RecordError(f"param_names must be a list of str, got {names!r}")
+    if not all(isinstance(n, str) for n in names):
+        raise RecordError(f"param_names must be a list of str, got {names!r}")
+    if len(set(names)) != len(names):
+        raise RecordError(f"param_names has duplicates: {list(names)!r}")
+    if isinstance(shapes, str | bytes) or not isinstance(shapes, Sequence):
+        raise RecordError(f"param_shapes must be a list of shapes, got {shapes!r}")
+    if len(shapes) != len(names):
+        raise RecordError(
+            f"param_shapes has {len(shapes)} entries but param_names has {len(names)}"
+        )
+    parsed = tuple(
+        _shape(s, what=f"param_shapes entry of {n!r}", error=RecordError)
+        for n, s in zip(names, shapes, strict=True)
+    )
+    if not names:
+        return None
+    return tuple(zip(names, parsed, strict=True))
+
+
+def validate_record(
+    record: object,
+    params: object,
+    *,
+    dtype: Format,
+    loss_scale: float,
+    fused: bool,
+    exact: bool,
+) -> ValidatedRecord:
+    """Check a record against this accumulator's fixed options and ``params``; return it parsed.
+
+    ``params`` is checked first (:class:`ParameterMismatchError`); every record problem raises
+    :class:`RecordError` naming the field.  A record that binds no parameters loads with any
+    ``params`` (and leaves the accumulator unbound); one that binds parameters must name exactly
+    ``params``, in order, with the same shapes.
+    """
+    binding_of_params = validate_params(params)
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a mapping, got {type(record).__name__}")
+    missing = [k for k in RECORD_KEYS if k not in record]
+    if missing:
+        raise RecordError(f"record lacks the field(s) {missing}")
+    unknown = [k for k in record if k not in RECORD_KEYS]
+    if unknown:
+        raise RecordError(f"record has unknown field(s) {unknown!r}")
+    version = record["format_version"]
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise RecordError(f"format_version is {version!r}; this reader knows {FORMAT_VERSION}")
+    if record["dtype"] != dtype.name:
+        raise RecordError(f"dtype is {record['dtype']!r}; this accumulator works in {dtype.name!r}")
+    scale = record["loss_scale"]
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, float | int)
+        or (math.isnan(scale) or scale != loss_scale)
+    ):
+        raise RecordError(
+            f"loss_scale is {scale!r}; this accumulator's loss scale is {loss_scale!r}"
+        )
+    if not isinstance(record["fused"], bool) or record["fused"] != fused:
+        raise RecordError(f"fused is {record['fused']!r}; this accumulator has fused={fused}")
+    binding = _record_binding(record)
+    if binding is not None:
+        names_of_params = [n for n, _ in binding_of_params]
+        if [n for n, _ in binding] != names_of_params:
+            raise RecordError(
+                f"param_names {[n for n, _ in binding]!r} do not match the parameters "
+                f"{names_of_params!r}"
+            )
+        if binding != binding_of_params:
+            raise RecordError(
+                f"param_shapes {[list(s) for _, s in binding]!r} do not match the parameters' "
+                f"shapes {[list(s) for _, s in binding_of_params]!r}"
+            )
+    pending = validate_pending(
+        record["pending"], binding, dtype, exact=exact, error=RecordError, field="pending"
+    )
+    issued, zero_weight, total_weight = validate_counters(
+        issued=record["issued"],
+        zero_weight=record["zero_weight"],
+        total_weight=record["total_weight"],
+        bound=binding is not None,
+        pending_empty=not pending,
+        exact=exact,
+        error=RecordError,
+    )
+    return ValidatedRecord(
+        binding=binding,
+        pending=pending,
+        issued=issued,
+        zero_weight=zero_weight,
+        total_weight=total_weight,
+    )

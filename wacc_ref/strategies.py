@@ -1,0 +1,558 @@
+"""Hypothesis strategies for accumulation scenarios (the edge cases SPEC §1–§9 are about).
+
+Each strategy is small and named after the family of inputs it reaches:
+
+* :func:`gradient_values` — values exactly representable in a gradient dtype: ±0, subnormals,
+  the normal/subnormal boundary, values near ``max_finite``, boundaries of the work dtype (its
+  smallest subnormal, its overflow threshold), short dyadics (exact sums), random values over the
+  whole exponent range; NaN/inf only when asked.
+* :func:`scaled_gradient_values` — loss-scaled gradients: ``S`` times a moderate value, and values
+  in the top binade of the work dtype (buffers near overflow).
+* :func:`unequal_microbatches` — token counts 1 … 10**6 with a skew (largest/smallest) up to 10**5
+  within a window.
+* :func:`zero_weights` — windows with explicit zero-weight batches (``0.0`` and ``-0.0``),
+  including windows where every batch has weight zero.
+* :func:`loss_scales` / :func:`overflow_prone_scales` — powers of two (and a few other exact
+  values) representable in ``D``; the overflow-prone ones lie in the top binades of ``D`` so that
+  ``S·W`` overflows ``D`` while ``S`` and ``W`` do not (fp16: ``S = 2**15``, ``W = 4096``).
+* :func:`checkpoint_interruptions` — checkpoints (sync or async) inserted before any step, each
+  optionally followed by corrupted-record restores and by a restore right away or some steps later.
+* :func:`scenarios` — complete :class:`~wacc_ref.scenario.Scenario` objects combining them.
+
+Sizes are capped by the named constants below so that a scenario runs on the reference in
+milliseconds.  Cancellation (``x`` in one microbatch, ``-x`` in a later one of the same window) is
+drawn explicitly by :func:`scenarios`, element by element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hypothesis import strategies as st
+
+from wacc_ref import formats
+from wacc_ref.scenario import (
+    CORRUPTION_KINDS,
+    Accumulate,
+    Checkpoint,
+    Finish,
+    GradValues,
+    Restore,
+    RestoreCorrupted,
+    Scenario,
+    Step,
+)
+
+__all__ = [
+    "MAX_CORRUPTIONS_PER_CHECKPOINT",
+    "MAX_INTERRUPTIONS",
+    "MAX_PARAMETERS",
+    "MAX_PARAMETER_ELEMENTS",
+    "MAX_SKEW",
+    "MAX_STEPS",
+    "MAX_TOKEN_COUNT",
+    "MAX_WINDOW_MICROBATCHES",
+    "OVERFLOW_SCALE_BINADES",
+    "PARAMETER_NAMES",
+    "Interruption",
+    "checkpoint_interruptions",
+    "gradient_values",
+    "loss_scales",
+    "overflow_prone_scales",
+    "scaled_gradient_values",
+    "scenarios",
+    "unequal_microbatches",
+    "zero_weights",
+]
+
+# Size caps (a scenario must run on the reference in milliseconds).
+MAX_PARAMETERS = 3  # tracked parameters per scenario
+MAX_PARAMETER_ELEMENTS = 4  # elements per parameter
+MAX_WINDOW_MICROBATCHES = 8  # accumulate steps per window
+MAX_STEPS = 24  # accumulate + finish steps per scenario (interruptions come on top)
+MAX_INTERRUPTIONS = 3  # checkpoints inserted per scenario
+MAX_CORRUPTIONS_PER_CHECKPOINT = 2  # corrupted restores right after one checkpoint
+
+# Weights: token counts and their spread within a window.
+MAX_TOKEN_COUNT = 10**6
+MAX_SKEW = 10**5
+
+# Overflow-prone loss scales are 2**k with k in [emax - OVERFLOW_SCALE_BINADES, emax] of D.
+OVERFLOW_SCALE_BINADES = 20
+# Ordinary loss scales are 2**k with |k| <= ORDINARY_SCALE_EXPONENT (clipped to D).
+ORDINARY_SCALE_EXPONENT = 24
+# A few loss scales that are not powers of two (exact in every work dtype: at most 7 bits).
+NON_POWER_OF_TWO_SCALES = (3.0, 0.75, 1000.0)
+# "Moderate" gradient magnitudes: binades 2**-MODERATE_EXPONENT ... 2**MODERATE_EXPONENT.
+MODERATE_EXPONENT = 10
+# Short dyadics m * 2**k: at most SHORT_DYADIC_BITS significant bits, |k| <= SHORT_DYADIC_EXPONENT.
+SHORT_DYADIC_BITS = 6
+SHORT_DYADIC_EXPONENT = 8
+
+PARAMETER_NAMES = ("weight", "bias", "encoder.layer.0.weight", "head.bias", "norm.scale")
+
+_ZERO_WEIGHTS = (0.0, -0.0)
+_ACCUMULATE_KINDS: dict[str, Literal["sum", "mean"]] = {"sum": "sum", "mean": "mean"}
+_FINISH_KINDS: dict[str, Literal["sums", "mean"]] = {"sums": "sums", "mean": "mean"}
+_INVALID_WEIGHTS = (-1.0, -0.5, math.nan, math.inf, -math.inf)
+
+
+def _check_positive_int(value: int, *, name: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_dtypes(dtypes: Sequence[str], *, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    chosen = tuple(dtypes)
+    if not chosen or any(d not in allowed for d in chosen):
+        raise ValueError(f"{name} must be a non-empty selection of {list(allowed)}, got {dtypes!r}")
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient values
+# ---------------------------------------------------------------------------------------------
+
+
+def _normal_values(fmt: formats.Format, lowest: int, highest: int) -> st.SearchStrategy[float]:
+    """Normal values of ``fmt`` with exponents in [lowest, highest] (clipped to the format)."""
+    low, high = max(lowest, fmt.emin), min(highest, fmt.emax)
+    if low > high:
+        return st.nothing()
+    fraction_bits = fmt.precision - 1
+
+    def build(sign: bool, exponent: int, fraction: int) -> float:
+        # (2**(p-1) + fraction) * 2**(exponent - p + 1): exact in float64 (p <= 53, normal range).
+        magnitude = math.ldexp((1 << fraction_bits) + fraction, exponent - fraction_bits)
+        return -magnitude if sign else magnitude
+
+    values = st.builds(
+        build,
+        st.booleans(),
+        st.integers(low, high),
+        st.integers(0, (1 << fraction_bits) - 1),
+    )
+    # e4m3fn's top binade is short (its all-ones pattern is NaN): keep only finite values.
+    return values.filter(lambda v: abs(v) <= fmt.max_finite)
+
+
+def _subnormal_values(fmt: formats.Format) -> st.SearchStrategy[float]:
+    """Nonzero subnormal values of ``fmt`` (m * min_subnormal, exact in float64)."""
+    top = (1 << (fmt.precision - 1)) - 1
+    return st.builds(
+        lambda sign, m: -m * fmt.min_subnormal if sign else m * fmt.min_subnormal,
+        st.booleans(),
+        st.integers(1, top),
+    )
+
+
+def _short_dyadics(fmt: formats.Format) -> st.SearchStrategy[float]:
+    """m * 2**k with few significant bits: sums of such values are often exact."""
+    bits = min(fmt.precision, SHORT_DYADIC_BITS)
+    highest = min(SHORT_DYADIC_EXPONENT, fmt.emax - bits)
+    return st.builds(
+        lambda m, k: math.ldexp(m, k),
+        st.integers(-(1 << bits) + 1, (1 << bits) - 1),
+        st.integers(-SHORT_DYADIC_EXPONENT, highest),
+    )
+
+
+def _boundary_values(fmt: formats.Format) -> list[float]:
+    """±0, smallest/largest subnormal, smallest normal, 1, largest two finite values of ``fmt``."""
+    below_max = fmt.max_finite - formats.ulp(fmt.max_finite, fmt)
+    magnitudes = [
+        fmt.min_subnormal,
+        fmt.min_normal - fmt.min_subnormal,
+        fmt.min_normal,
+        1.0,
+        below_max,
+        fmt.max_finite,
+    ]
+    return [0.0, -0.0] + [s * m for m in magnitudes for s in (1.0, -1.0)]
+
+
+def _work_boundary_values(grad: formats.Format, work: formats.Format) -> list[float]:
+    """Values of ``grad`` at the edges of ``work``: its tie-to-zero, subnormal and overflow points.
+
+    Each edge of ``work`` (half its smallest subnormal, 1.5 of it, its largest finite value, the
+    overflow tie max + ulp/2, its smallest normal) is rounded into ``grad``; infinite results
+    (``grad`` narrower than ``work``) are dropped.
+    """
+    tie_above_max = work.max_finite + formats.ulp(work.max_finite, work) / 2.0
+    edges = [
+        work.min_subnormal / 2.0,
+        work.min_subnormal * 1.5,
+        work.min_normal,
+        work.max_finite,
+        tie_above_max,
+    ]
+    values = []
+    for edge in edges:
+        for signed in (edge, -edge):
+            rounded = formats.round_to(signed, grad)
+            if math.isfinite(rounded):
+                values.append(rounded)
+    return values
+
+
+def gradient_values(
+    dtype: str,
+    *,
+    work_dtype: str | None = None,
+    allow_nan: bool = False,
+    allow_infinity: bool = False,
+) -> st.SearchStrategy[float]:
+    """Floats exactly representable in the gradient dtype ``dtype``.
+
+    Reaches ±0, subnormals, the subnormal/normal boundary, values near ``max_finite``, short
+    dyadics, moderate values and the whole exponent range; with ``work_dtype``, also values of
+    ``dtype`` at the edges of the work dtype (tie-to-zero, overflow threshold).  NaN and ±inf only
+    when ``allow_nan`` / ``allow_infinity`` (inf only if the format has one).  Shrinks towards
+    short dyadics.
+    """
+    fmt = formats.get_format(dtype)
+    specials = _boundary_values(fmt)
+    if work_dtype is not None:
+        specials += _work_boundary_values(fmt, formats.get_format(work_dtype))
+    branches: list[st.SearchStrategy[float]] = [
+        _short_dyadics(fmt),
+        _normal_values(fmt, -MODERATE_EXPONENT, MODERATE_EXPONENT),
+        st.sampled_from(specials),
+        _subnormal_values(fmt),
+        _normal_values(fmt, fmt.emin, fmt.emax),
+        _normal_values(fmt, fmt.emax, fmt.emax),  # the top binade: near max_finite
+    ]
+    non_finite: list[float] = []
+    if allow_nan:
+        non_finite.append(math.nan)
+    if allow_infinity and fmt.has_inf:
+        non_finite += [math.inf, -math.inf]
+    if non_finite:
+        branches.append(st.sampled_from(non_finite))
+    return st.one_of(branches)
+
+
+def scaled_gradient_values(
+    dtype: str, *, work_dtype: str, loss_scale: float
+) -> st.SearchStrategy[float]:
+    """Loss-scaled gradients in ``dtype``: ``round(S * x)`` for moderate ``x``, and top-binade
+    values of the work dtype (buffers near its overflow), all rounded into ``dtype``.
+
+    Results that overflow ``dtype`` are replaced by its largest finite value (same sign).
+    """
+    grad = formats.get_format(dtype)
+    work = formats.get_format(work_dtype)
+
+    def into_grad(value: float) -> float:
+        rounded = formats.round_to(value, grad)
+        if math.isfinite(rounded):
+            return rounded
+        return math.copysign(grad.max_finite, value)
+
+    moderate = _normal_values(formats.get_format("float64"), -MODERATE_EXPONENT, MODERATE_EXPONENT)
+    # S * x is exact in float64 unless it leaves float64's range, where ldexp saturates to inf
+    # and into_grad then clamps: any value of the grad dtype is acceptable here.
+    scaled = moderate.map(lambda x: into_grad(x * loss_scale))
+    near_work_max = _normal_values(work, work.emax - 1, work.emax).map(into_grad)
+    return st.one_of(scaled, near_work_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def unequal_microbatches(
+    draw: st.DrawFn,
+    *,
+    min_size: int = 1,
+    max_size: int = MAX_WINDOW_MICROBATCHES,
+    max_count: int = MAX_TOKEN_COUNT,
+    max_skew: int = MAX_SKEW,
+) -> list[int]:
+    """Token counts of one window: ints in [1, max_count], largest/smallest <= max_skew.
+
+    The smallest count is drawn first (the SPEC's 1, 7, 200, 3 example among the favourites),
+    then every count lies in [smallest, min(max_count, smallest * max_skew)], with both ends
+    drawn explicitly so that the full skew is reached.
+    """
+    _check_positive_int(min_size, name="min_size", minimum=0)
+    _check_positive_int(max_size, name="max_size", minimum=max(min_size, 1))
+    _check_positive_int(max_count, name="max_count")
+    _check_positive_int(max_skew, name="max_skew")
+    smallest = draw(st.one_of(st.sampled_from((1, 7, 200, 3)), st.integers(1, max_count)))
+    smallest = min(smallest, max_count)
+    largest = min(max_count, smallest * max_skew)
+    count = st.one_of(st.integers(smallest, largest), st.sampled_from((smallest, largest)))
+    return draw(st.lists(count, min_size=min_size, max_size=max_size))
+
+
+@st.composite
+def zero_weights(
+    draw: st.DrawFn,
+    *,
+    min_size: int = 1,
+    max_size: int = MAX_WINDOW_MICROBATCHES,
+    max_count: int = MAX_TOKEN_COUNT,
+) -> list[float]:
+    """Weights of one window with at least one explicit zero (``0.0`` or ``-0.0``).
+
+    Either every weight is zero (an all-zero window: ``finish_mean`` must raise), or zeros are
+    mixed with unequal token counts.
+    """
+    _check_positive_int(min_size, name="min_size")
+    _check_positive_int(max_size, name="max_size", minimum=min_size)
+    size = draw(st.integers(min_size, max_size))
+    zero = st.sampled_from(_ZERO_WEIGHTS)
+    if draw(st.booleans()):
+        return [draw(zero) for _ in range(size)]
+    counts = draw(unequal_microbatches(min_size=size, max_size=size, max_count=max_count))
+    is_zero = draw(st.lists(st.booleans(), min_size=size, max_size=size))
+    if not any(is_zero):
+        is_zero[draw(st.integers(0, size - 1))] = True
+    return [draw(zero) if z else float(c) for z, c in zip(is_zero, counts, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scales
+# ---------------------------------------------------------------------------------------------
+
+
+def _power_of_two_scales(
+    fmt: formats.Format, lowest: int, highest: int
+) -> st.SearchStrategy[float]:
+    # Every 2**k with k in [emin - p + 1, emax] is a value of fmt (subnormal ones included).
+    low = max(lowest, fmt.emin - fmt.precision + 1)
+    high = min(highest, fmt.emax)
+    return st.integers(low, high).map(lambda k: math.ldexp(1.0, k))
+
+
+def loss_scales(dtype: str) -> st.SearchStrategy[float]:
+    """Ordinary loss scales of work dtype ``dtype``: 1, powers of two 2**-24 … 2**24 (clipped to
+    the dtype), and a few exact non-powers of two (3, 0.75, 1000)."""
+    fmt = formats.get_format(dtype)
+    return st.one_of(
+        st.just(1.0),
+        _power_of_two_scales(fmt, -ORDINARY_SCALE_EXPONENT, ORDINARY_SCALE_EXPONENT),
+        st.sampled_from([s for s in NON_POWER_OF_TWO_SCALES if formats.is_representable(s, fmt)]),
+    )
+
+
+def overflow_prone_scales(dtype: str) -> st.SearchStrategy[float]:
+    """Powers of two S in the top OVERFLOW_SCALE_BINADES binades of work dtype ``dtype``.
+
+    S itself is finite in ``D``; ``S·W`` overflows ``D`` as soon as ``W > max_finite / S``, i.e.
+    for W >= 2 at the top scale (fp16: 2**15 · 4096 = 2**27 > 65504), W >= 2**21 at the lowest.
+    The top scale is drawn explicitly.
+    """
+    fmt = formats.get_format(dtype)
+    top = math.ldexp(1.0, fmt.emax)
+    return st.one_of(
+        st.just(top), _power_of_two_scales(fmt, fmt.emax - OVERFLOW_SCALE_BINADES, fmt.emax)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and interruptions
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """One checkpoint inserted before base step ``at``, with what follows it.
+
+    ``corruptions`` are corrupted-record restores right after the checkpoint; ``restore_after`` is
+    the number of base steps that run before the restore (None: no restore).
+    """
+
+    at: int
+    asynchronous: bool
+    corruptions: tuple[str, ...]
+    restore_after: int | None
+
+
+@st.composite
+def checkpoint_interruptions(
+    draw: st.DrawFn,
+    base_steps: Sequence[Step],
+    *,
+    max_interruptions: int = MAX_INTERRUPTIONS,
+    corruption_kinds: Sequence[str] = CORRUPTION_KINDS,
+    max_corruptions: int = MAX_CORRUPTIONS_PER_CHECKPOINT,
+) -> tuple[Step, ...]:
+    """``base_steps`` with checkpoints inserted at any positions (before the first step, between
+    any two, after the last), each sync or async, each optionally followed by corrupted-record
+    restores and by a restore — right away (stop and resume) or after some further steps (the
+    steps in between are lost, as after a crash; the data position is the caller's).
+    """
+    _check_positive_int(max_interruptions, name="max_interruptions", minimum=0)
+    _check_positive_int(max_corruptions, name="max_corruptions", minimum=0)
+    kinds = tuple(corruption_kinds)
+    if any(kind not in CORRUPTION_KINDS for kind in kinds):
+        raise ValueError(f"unknown corruption kinds in {kinds!r}; known: {CORRUPTION_KINDS}")
+    steps = tuple(base_steps)
+    count = draw(st.integers(0, max_interruptions))
+    inserted: list[list[Step]] = [[] for _ in range(len(steps) + 1)]
+    for _ in range(count):
+        at = draw(st.integers(0, len(steps)))
+        corruptions: tuple[str, ...] = ()
+        if kinds and max_corruptions:
+            corruptions = tuple(draw(st.lists(st.sampled_from(kinds), max_size=max_corruptions)))
+        restore_after = draw(st.one_of(st.none(), st.just(0), st.integers(0, len(steps) - at)))
+        interruption = Interruption(at, draw(st.booleans()), corruptions, restore_after)
+        inserted[at].append(Checkpoint(asynchronous=interruption.asynchronous))
+        inserted[at].extend(RestoreCorrupted(kind) for kind in interruption.corruptions)
+        if interruption.restore_after is not None:
+            inserted[at + interruption.restore_after].append(Restore())
+    result: list[Step] = []
+    for position, step in enumerate(steps):
+        result.extend(inserted[position])
+        result.append(step)
+    result.extend(inserted[len(steps)])
+    return tuple(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _shapes(draw: st.DrawFn, *, max_elements: int) -> tuple[int, ...]:
+    rank = draw(st.integers(0, 2))
+    shape: list[int] = []
+    remaining = max_elements
+    for _ in range(rank):
+        dim = draw(st.integers(1, remaining))
+        shape.append(dim)
+        remaining //= dim
+    return tuple(shape)
+
+
+@st.composite
+def _window_weights(draw: st.DrawFn, *, max_size: int, invalid_weights: bool) -> list[float]:
+    weights: list[float]
+    if draw(st.booleans()):
+        weights = [float(c) for c in draw(unequal_microbatches(max_size=max_size))]
+    else:
+        weights = draw(zero_weights(max_size=max_size))
+    # Rarely (1 in 8 windows): replace one weight by an invalid one (InvalidWeightError path).
+    if invalid_weights and draw(st.integers(0, 7)) == 0:
+        weights[draw(st.integers(0, len(weights) - 1))] = draw(st.sampled_from(_INVALID_WEIGHTS))
+    return weights
+
+
+@st.composite
+def scenarios(
+    draw: st.DrawFn,
+    *,
+    work_dtypes: Sequence[str] = formats.WORK_DTYPES,
+    grad_dtypes: Sequence[str] | None = None,
+    max_steps: int = MAX_STEPS,
+    max_parameters: int = MAX_PARAMETERS,
+    max_elements: int = MAX_PARAMETER_ELEMENTS,
+    kinds: Sequence[str] = ("sum", "mean"),
+    fused: bool | None = None,
+    allow_nan: bool = False,
+    allow_infinity: bool = False,
+    invalid_weights: bool = True,
+    max_interruptions: int = MAX_INTERRUPTIONS,
+    corruption_kinds: Sequence[str] = CORRUPTION_KINDS,
+) -> Scenario:
+    """Complete scenarios: dtypes, loss scale, parameters, windows of microbatches, finishes and
+    checkpoint interruptions.
+
+    ``grad_dtypes`` defaults to all six formats.  ``max_steps`` caps the accumulate and finish
+    steps; interruptions add at most ``max_interruptions * (2 + MAX_CORRUPTIONS_PER_CHECKPOINT)``
+    steps.  Windows use sums, means or both (``kinds``), unequal token counts or explicit zero
+    weights (all-zero windows included), rarely an invalid weight (``invalid_weights``); each
+    window ends with ``finish_sums`` or ``finish_mean``, or is left open.  Gradients come from
+    :func:`gradient_values` (and :func:`scaled_gradient_values` when the loss scale is
+    overflow-prone); a parameter may be None or absent in a step; an element may repeat the
+    negation of one of its earlier values in the window (cancellation).  ``fused`` None draws it.
+    """
+    work_choice = _check_dtypes(work_dtypes, name="work_dtypes", allowed=formats.WORK_DTYPES)
+    grad_choice = _check_dtypes(
+        tuple(formats.FORMATS) if grad_dtypes is None else grad_dtypes,
+        name="grad_dtypes",
+        allowed=tuple(formats.FORMATS),
+    )
+    _check_positive_int(max_steps, name="max_steps")
+    _check_positive_int(max_parameters, name="max_parameters")
+    _check_positive_int(max_elements, name="max_elements")
+    kind_choice = tuple(kinds)
+    if not kind_choice or any(k not in ("sum", "mean") for k in kind_choice):
+        raise ValueError(f"kinds must be a non-empty selection of ('sum', 'mean'), got {kinds!r}")
+
+    work = draw(st.sampled_from(work_choice))
+    grad = draw(st.sampled_from(grad_choice))
+    overflow_prone = draw(st.booleans())
+    scale = draw(overflow_prone_scales(work) if overflow_prone else loss_scales(work))
+    is_fused = draw(st.booleans()) if fused is None else fused
+
+    count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
+    names = draw(st.permutations(PARAMETER_NAMES))[:count]
+    parameters = tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+
+    values = gradient_values(
+        grad, work_dtype=work, allow_nan=allow_nan, allow_infinity=allow_infinity
+    )
+    if overflow_prone:
+        values = st.one_of(values, scaled_gradient_values(grad, work_dtype=work, loss_scale=scale))
+
+    base: list[Step] = []
+    target = draw(st.integers(1, max_steps))
+    while len(base) < target:
+        window_kinds = draw(st.sampled_from([(k,) for k in kind_choice] + [kind_choice]))
+        weights = draw(
+            _window_weights(
+                max_size=min(MAX_WINDOW_MICROBATCHES, target - len(base)),
+                invalid_weights=invalid_weights,
+            )
+        )
+        history: dict[tuple[str, int], list[float]] = {}
+        for weight in weights:
+            kind = _ACCUMULATE_KINDS[draw(st.sampled_from(window_kinds))]
+            grads: list[tuple[str, GradValues]] = []
+            for name, shape in parameters:
+                presence = draw(st.sampled_from(("values", "values", "none", "absent")))
+                if presence == "absent":
+                    continue
+                if presence == "none":
+                    grads.append((name, None))
+                    continue
+                element_values: list[float] = []
+                for position in range(math.prod(shape)):
+                    earlier = history.setdefault((name, position), [])
+                    cancel = draw(st.booleans()) if earlier else False
+                    if cancel:
+                        value = -draw(st.sampled_from(earlier))  # cancels an earlier value
+                    else:
+                        value = draw(values)
+                    earlier.append(value)
+                    element_values.append(value)
+                grads.append((name, tuple(element_values)))
+            base.append(Accumulate(kind=kind, weight=weight, grads=tuple(grads)))
+        ending = draw(st.sampled_from(("sums", "mean", "open")))
+        if ending != "open" and len(base) < max_steps:
+            base.append(Finish(_FINISH_KINDS[ending]))
+
+    steps: tuple[Step, ...] = tuple(base)
+    if max_interruptions:
+        steps = draw(
+            checkpoint_interruptions(
+                base, max_interruptions=max_interruptions, corruption_kinds=corruption_kinds
+            )
+        )
+    return Scenario(
+        work_dtype=work,
+        grad_dtype=grad,
+        loss_scale=scale,
+        fused=is_fused,
+        parameters=parameters,
+        steps=steps,
+    )

@@ -1,0 +1,38 @@
+"""wacc_torch: weighted gradient accumulation over unequal microbatches, for PyTorch.
+
+See ``shared/SPEC.md`` for the normative semantics. Production code: imports torch only.
+"""
+
+from wacc_torch.accumulator import (
+    AccumulatedGradients,
+    AccumulatorState,
+    StateDictHandle,
+    WeightedGradientsAccumulator,
+    normalize_sums,
+)
+from wacc_torch.errors import (
+    InvalidLossScaleError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    RecordError,
+    WeightedAccumulationError,
+    ZeroTotalWeightError,
+)
+from wacc_torch.records import FORMAT_VERSION, load_record, save_record
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AccumulatedGradients",
+    "AccumulatorState",
+    "InvalidLossScaleError",
+    "InvalidWeightError",
+    "ParameterMismatchError",
+    "RecordError",
+    "StateDictHandle",
+    "WeightedAccumulationError",
+    "WeightedGradientsAccumulator",
+    "ZeroTotalWeightError",
+    "load_record",
+    "normalize_sums",
+    "save_record",
+]

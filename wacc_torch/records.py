@@ -1,0 +1,254 @@
+"""Records (checkpoints) of a :class:`~wacc_torch.WeightedGradientsAccumulator` (SPEC §9).
+
+A record is the dict returned by ``state_dict()``; its keys are documented there. This module
+validates records field by field and reads/writes record files. Nothing here mutates an
+accumulator: the accumulator validates a whole record first and only then swaps its state in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wacc_torch._dtypes import WORK_DTYPES, dtype_name
+from wacc_torch.errors import RecordError
+
+__all__ = ["FORMAT_VERSION", "RECORD_KEYS", "load_record", "save_record"]
+
+FORMAT_VERSION = 1
+RECORD_KEYS: tuple[str, ...] = (
+    "format_version",
+    "dtype",
+    "loss_scale",
+    "fused",
+    "issued",
+    "zero_weight",
+    "total_weight",
+    "param_names",
+    "param_shapes",
+    "pending",
+)
+
+
+@dataclass(frozen=True)
+class ValidatedRecord:
+    """The parts of a validated record that the accumulator restores."""
+
+    issued: int
+    zero_weight: int
+    total_weight: float
+    param_names: tuple[str, ...]
+    param_shapes: tuple[tuple[int, ...], ...]
+    pending: Mapping[str, torch.Tensor]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_counters(
+    *, issued: object, zero_weight: object, total_weight: object, has_pending: bool
+) -> tuple[int, int, float]:
+    """Validate the window counters together; raise :class:`RecordError` naming the field."""
+    if not _is_int(issued):
+        raise RecordError(f"field 'issued' must be an int, got {issued!r}")
+    if not _is_int(zero_weight):
+        raise RecordError(f"field 'zero_weight' must be an int, got {zero_weight!r}")
+    assert isinstance(issued, int) and isinstance(zero_weight, int)
+    if issued < 0:
+        raise RecordError(f"field 'issued' must be >= 0, got {issued!r}")
+    if not 0 <= zero_weight <= issued:
+        raise RecordError(
+            f"field 'zero_weight' must satisfy 0 <= zero_weight <= issued, got "
+            f"zero_weight={zero_weight!r}, issued={issued!r}"
+        )
+    if not _is_real(total_weight):
+        raise RecordError(f"field 'total_weight' must be a float, got {total_weight!r}")
+    assert isinstance(total_weight, int | float)
+    weight = float(total_weight)
+    if not (math.isfinite(weight) and weight >= 0.0):
+        raise RecordError(f"field 'total_weight' must be finite and >= 0, got {total_weight!r}")
+    positive_batches = issued - zero_weight
+    if positive_batches == 0 and weight != 0.0:
+        raise RecordError(
+            f"field 'total_weight' must be 0 when every issued batch had zero weight "
+            f"(issued={issued}, zero_weight={zero_weight}), got {total_weight!r}"
+        )
+    # Every positive-weight batch adds w > 0 and rounding is monotone, so W > 0 after one.
+    if positive_batches > 0 and weight == 0.0:
+        raise RecordError(
+            f"field 'total_weight' must be > 0 after {positive_batches} positive-weight "
+            f"batch(es), got {total_weight!r}"
+        )
+    if positive_batches == 0 and has_pending:
+        raise RecordError(
+            f"field 'pending' must be empty when no positive-weight batch was issued "
+            f"(issued={issued}, zero_weight={zero_weight})"
+        )
+    return issued, zero_weight, weight
+
+
+def _check_shape(field: str, index: int, shape: object) -> tuple[int, ...]:
+    if not isinstance(shape, list | tuple | torch.Size) or not all(
+        _is_int(size) and size >= 0 for size in shape
+    ):
+        raise RecordError(
+            f"field '{field}'[{index}] must be a list of non-negative ints, got {shape!r}"
+        )
+    return tuple(int(size) for size in shape)
+
+
+def validate_record(
+    record: object,
+    *,
+    dtype: torch.dtype,
+    loss_scale: float,
+    fused: bool,
+    tracked: Sequence[tuple[str, torch.Size]],
+) -> ValidatedRecord:
+    """Check every field of ``record`` against an accumulator and a module's tracked parameters.
+
+    ``tracked`` lists the module's ``requires_grad`` parameters as ``(name, shape)``. Raises
+    :class:`RecordError` naming the first bad field; returns the restorable parts otherwise.
+    """
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a dict, got {type(record).__name__}")
+    unknown = [key for key in record if key not in RECORD_KEYS]
+    if unknown:
+        raise RecordError(f"record has unknown field(s) {unknown!r}")
+    missing = [key for key in RECORD_KEYS if key not in record]
+    if missing:
+        raise RecordError(f"record lacks field(s) {missing!r}")
+
+    version = record["format_version"]
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise RecordError(f"field 'format_version' must be {FORMAT_VERSION}, got {version!r}")
+    record_dtype = record["dtype"]
+    if not isinstance(record_dtype, str) or record_dtype not in WORK_DTYPES:
+        raise RecordError(
+            f"field 'dtype' must be one of {', '.join(WORK_DTYPES)}, got {record_dtype!r}"
+        )
+    if WORK_DTYPES[record_dtype] != dtype:
+        raise RecordError(
+            f"field 'dtype' is {record_dtype!r} but this accumulator works in {dtype_name(dtype)!r}"
+        )
+    record_scale = record["loss_scale"]
+    if not _is_real(record_scale) or record_scale != loss_scale:
+        raise RecordError(
+            f"field 'loss_scale' is {record_scale!r} but this accumulator's loss scale is "
+            f"{loss_scale!r}"
+        )
+    record_fused = record["fused"]
+    if not isinstance(record_fused, bool) or record_fused != fused:
+        raise RecordError(
+            f"field 'fused' is {record_fused!r} but this accumulator has fused={fused!r}"
+        )
+
+    names = record["param_names"]
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise RecordError(f"field 'param_names' must be a list of str, got {names!r}")
+    if len(set(names)) != len(names):
+        raise RecordError(f"field 'param_names' has duplicate names: {names!r}")
+    shapes_field = record["param_shapes"]
+    if not isinstance(shapes_field, list | tuple) or len(shapes_field) != len(names):
+        raise RecordError(
+            f"field 'param_shapes' must be a list with one shape per name "
+            f"({len(names)}), got {shapes_field!r}"
+        )
+    shapes = tuple(
+        _check_shape("param_shapes", index, shape) for index, shape in enumerate(shapes_field)
+    )
+    if names:
+        # A record that binds parameters loads only into a module with exactly those.
+        module_shapes = {name: tuple(shape) for name, shape in tracked}
+        missing_in_module = [name for name in names if name not in module_shapes]
+        extra_in_module = [name for name in module_shapes if name not in set(names)]
+        if missing_in_module or extra_in_module:
+            raise RecordError(
+                f"field 'param_names' does not match the module's requires_grad parameters: "
+                f"missing from the module {missing_in_module!r}, not in the record "
+                f"{extra_in_module!r}"
+            )
+        for name, shape in zip(names, shapes, strict=True):
+            if module_shapes[name] != shape:
+                raise RecordError(
+                    f"field 'param_shapes' gives {name!r} shape {list(shape)} but the module's "
+                    f"parameter has shape {list(module_shapes[name])}"
+                )
+
+    pending = record["pending"]
+    if not isinstance(pending, Mapping):
+        raise RecordError(f"field 'pending' must be a dict, got {type(pending).__name__}")
+    shape_of = dict(zip(names, shapes, strict=True))
+    for name, buffer in pending.items():
+        if name not in shape_of:
+            raise RecordError(f"field 'pending' has a buffer {name!r} that is not in 'param_names'")
+        if not isinstance(buffer, torch.Tensor):
+            raise RecordError(
+                f"field 'pending'[{name!r}] must be a tensor, got {type(buffer).__name__}"
+            )
+        if buffer.layout != torch.strided:
+            raise RecordError(
+                f"field 'pending'[{name!r}] must be a dense tensor, got layout {buffer.layout}"
+            )
+        if buffer.dtype != dtype:
+            raise RecordError(
+                f"field 'pending'[{name!r}] has dtype {buffer.dtype}, expected {dtype}"
+            )
+        if tuple(buffer.shape) != shape_of[name]:
+            raise RecordError(
+                f"field 'pending'[{name!r}] has shape {list(buffer.shape)}, expected "
+                f"{list(shape_of[name])}"
+            )
+    issued, zero_weight, total_weight = check_counters(
+        issued=record["issued"],
+        zero_weight=record["zero_weight"],
+        total_weight=record["total_weight"],
+        has_pending=bool(pending),
+    )
+    return ValidatedRecord(
+        issued=issued,
+        zero_weight=zero_weight,
+        total_weight=total_weight,
+        param_names=tuple(names),
+        param_shapes=shapes,
+        pending=dict(pending),
+    )
+
+
+def save_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write a record (from ``state_dict()`` or ``state_dict_async().result()``) to ``path``."""
+    torch.save(dict(record), path)
+
+
+def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a record file written by :func:`save_record`, onto the CPU, without running code.
+
+    The file is read with ``torch.load(..., weights_only=True)``: a pickle payload that would
+    import or call anything beyond plain containers and tensors is refused with
+    :class:`RecordError` (as is a file that is not a torch archive). The returned dict is not
+    validated yet; ``load_state_dict`` does that. ``OSError`` (missing file, ...) propagates.
+    """
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as error:
+        raise RecordError(f"record file {os.fspath(path)!r} was refused: {error}") from error
+    if not isinstance(record, dict) or not all(isinstance(key, str) for key in record):
+        raise RecordError(
+            f"record file {os.fspath(path)!r} does not hold a dict with str keys "
+            f"(got {type(record).__name__})"
+        )
+    return record
