@@ -129,7 +129,8 @@ def round_array(values: npt.ArrayLike, fmt: str | Format) -> FloatArray:
     xs = x[finite_nonzero]
     _, exponent = np.frexp(xs)  # xs = m * 2**exponent, 0.5 <= |m| < 1
     quantum_exp = np.maximum(exponent - 1, target.emin) - (target.precision - 1)
-    rounded = np.ldexp(np.rint(np.ldexp(xs, -quantum_exp)), quantum_exp)
+    with np.errstate(over="ignore"):  # a carry past float64's range is an overflow anyway
+        rounded = np.ldexp(np.rint(np.ldexp(xs, -quantum_exp)), quantum_exp)
     overflow = np.abs(rounded) > target.max_finite
     if target.has_inf:
         rounded[overflow] = np.copysign(np.inf, rounded[overflow])
@@ -493,11 +494,17 @@ def fused_mean_step_candidates(buf: float, c: float, w_d: float, dtype: str) -> 
     float probe cannot find a NaN member.
     """
     target = get_format(dtype)
+    operands = []
     for name, value in (("buf", buf), ("c", c), ("w_d", w_d)):
-        if not isinstance(value, float):
+        if isinstance(value, bool) or not isinstance(value, float | int):
             raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
+        if isinstance(value, int) and round_to(value, FLOAT64) != value:
+            raise ValueError(f"{name}={value!r} is not exactly a float64")
+        value = float(value)
         if not math.isnan(value) and round_to(value, target) != value:
             raise ValueError(f"{name}={value!r} ({value.hex()}) is not a {target.name} value")
+        operands.append(value)
+    buf, c, w_d = operands
     fused = exact_fma(buf, c, w_d, target)
     op_rounded = round_to(exact_fma(buf, c, w_d, op_format(target)), target)
     two_step = exact_add(buf, exact_mul(c, w_d, target), target)

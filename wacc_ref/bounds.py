@@ -715,8 +715,10 @@ def _exact_value(value: Any) -> Fraction | None:
     if isinstance(value, mpmath.mpf):
         if not mpmath.isfinite(value):
             return None
-        mantissa, exponent = value.man_exp
-        return Fraction(int(mantissa)) * Fraction(2) ** int(exponent)
+        # The raw (sign, mantissa, exponent, bitcount) tuple: exact (man_exp drops the sign).
+        sign, mantissa, exponent, _ = value._mpf_
+        magnitude = Fraction(int(mantissa)) * Fraction(2) ** int(exponent)
+        return -magnitude if sign else magnitude
     if isinstance(value, bool):
         raise TypeError(f"expected a real number, got the bool {value!r}")
     if isinstance(value, int | np.integer):

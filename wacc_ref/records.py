@@ -1,4 +1,4 @@
-"""Validation of parameter sets, pending buffers and records (SPEC §9) for the reference model.
+"""Validation of user input for the reference model: loss scale, weights, parameters, records.
 
 Record (``state_dict``) schema — the same keys as ``wacc_torch``:
 
@@ -131,7 +131,8 @@ def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
             if isinstance(loss_scale, int | np.integer)
             else Fraction(float(loss_scale))
         )
-        if Fraction(round_to(exact_value, dtype)) != exact_value:
+        rounded = round_to(exact_value, dtype)
+        if not math.isfinite(rounded) or Fraction(rounded) != exact_value:
             problem = f"is not exactly representable in {dtype.name}"
     if problem is not None:
         raise InvalidLossScaleError(

@@ -88,6 +88,9 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from wacc_ref import formats
+from wacc_ref.accumulator import ReferenceAccumulator
+from wacc_ref.errors import WeightedAccumulationError
+from wacc_ref.records import RECORD_KEYS  # the shared record schema's keys, re-exported
 
 __all__ = [
     "CORRUPTION_FIELDS",
@@ -95,10 +98,15 @@ __all__ = [
     "JSON_FORMAT",
     "JSON_VERSION",
     "RECORD_KEYS",
+    "UNKNOWN_DTYPE",
+    "UNKNOWN_PARAMETER_NAME",
+    "UNKNOWN_RECORD_KEY",
     "Accumulate",
     "Checkpoint",
     "CorruptionNotApplicableError",
     "Finish",
+    "GradEntries",
+    "GradValues",
     "FinishOutcome",
     "RecordSnapshot",
     "Restore",
@@ -125,20 +133,6 @@ __all__ = [
 
 JSON_FORMAT = "wacc-scenario"
 JSON_VERSION = 1
-
-# The keys of the shared record schema (state_dict), in schema order.
-RECORD_KEYS: tuple[str, ...] = (
-    "format_version",
-    "dtype",
-    "loss_scale",
-    "fused",
-    "issued",
-    "zero_weight",
-    "total_weight",
-    "param_names",
-    "param_shapes",
-    "pending",
-)
 
 
 class ScenarioError(ValueError):
@@ -303,7 +297,7 @@ class Scenario:
     scale a finite float > 0 exactly representable in the work dtype, parameter names unique and
     non-empty, shapes tuples of non-negative ints, every gradient entry names a parameter and has
     that parameter's element count, every gradient value is exactly a value of the gradient dtype,
-    and every restore step comes after a checkpoint step.
+    there is at least one parameter, and every restore step comes after a checkpoint step.
     """
 
     work_dtype: str
@@ -352,6 +346,8 @@ class Scenario:
                     f"shape of parameter {name!r} must be non-negative ints, got {shape!r}"
                 )
             checked.append((name, dims))
+        if not checked:
+            raise ScenarioError("a scenario needs at least one parameter, got none")
         return tuple(checked)
 
     def _check_steps(self) -> None:
@@ -1144,21 +1140,19 @@ def corrupt_record(record: Mapping[str, Any], kind: str) -> dict[str, Any]:
 def run_reference(
     scenario: Scenario,
     *,
-    mode: Literal["emulated", "exact"] = "emulated",
-    fused_variant: Literal["fma", "op_rounded", "two_step"] = "fma",
+    mode: str = "emulated",
+    fused_variant: str = "fma",
     precision: int = 256,
 ) -> ScenarioTrace:
     """Run ``scenario`` step by step on the reference accumulator and return its trace.
 
     Only the SPEC's errors (``wacc_ref.errors.WeightedAccumulationError`` and subclasses) are
-    caught and recorded; anything else propagates.  ``mode``, ``fused_variant`` and ``precision``
-    go to :class:`~wacc_ref.accumulator.ReferenceAccumulator`.  In ``"exact"`` mode the snapshots
+    caught and recorded; anything else propagates.  ``mode`` (``"emulated"`` or ``"exact"``),
+    ``fused_variant`` (``"fma"``, ``"op_rounded"`` or ``"two_step"``, used only when the scenario
+    is fused) and ``precision`` go to :class:`~wacc_ref.accumulator.ReferenceAccumulator`, which
+    validates them.  In ``"exact"`` mode the snapshots
     show each exact value rounded once to float64.
     """
-    # Imported here: the accumulator module is heavier and this module's data model is useful
-    # without it (strategies, JSON).
-    from wacc_ref.accumulator import ReferenceAccumulator
-    from wacc_ref.errors import WeightedAccumulationError
 
     def fresh() -> ReferenceAccumulator:
         return ReferenceAccumulator(

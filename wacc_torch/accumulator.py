@@ -26,7 +26,6 @@ from wacc_torch._dtypes import (
 from wacc_torch.errors import (
     InvalidWeightError,
     ParameterMismatchError,
-    RecordError,
     ZeroTotalWeightError,
 )
 from wacc_torch.records import FORMAT_VERSION, check_counters, validate_record
@@ -177,9 +176,16 @@ def normalize_sums(
     finite, > 0 and exactly representable in every gradient's dtype, and
     :class:`ParameterMismatchError` for a value that is not a tensor of a work dtype.
     """
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
+        )
     if isinstance(total_weight, bool) or not isinstance(total_weight, numbers.Real):
         raise InvalidWeightError(f"total_weight must be a real number, got {total_weight!r}")
-    weight = float(total_weight)
+    try:
+        weight = float(total_weight)
+    except OverflowError:
+        weight = math.inf
     if weight == 0.0:
         raise ZeroTotalWeightError(
             f"cannot normalize by total weight {total_weight!r}: no positive weight was counted"
@@ -241,9 +247,21 @@ class _Binding:
 
 
 def _tracked_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's requires_grad parameters in registration order, checked to be accumulable."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    parameters = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not parameters:
+        raise ParameterMismatchError(
+            f"the module ({type(module).__name__}) has no requires_grad parameter to accumulate"
+        )
+    for name, parameter in parameters:
+        if not parameter.is_floating_point():
+            raise ParameterMismatchError(
+                f"parameter {name!r} has dtype {parameter.dtype}: only floating-point "
+                f"parameters can be accumulated"
+            )
+    return parameters
 
 
 class WeightedGradientsAccumulator:
@@ -279,7 +297,7 @@ class WeightedGradientsAccumulator:
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
-        # CUDA events of state_dict_async copies not yet known to be complete (see _mutating).
+        # Events of state_dict_async copies not yet known to be complete (_await_snapshots).
         self._snapshot_events: list[tuple[torch.device, torch.cuda.Event]] = []
 
     # ----------------------------------------------------------------------------- reading
@@ -313,8 +331,7 @@ class WeightedGradientsAccumulator:
         becomes ``round_64(W + w)``. For w == 0 no gradient value is read (NaN or inf ones
         included); only ``issued`` and ``zero_weight`` count it.
         """
-        value = _coerce_weight(weight)
-        self._accumulate(module, grads, weight_value=value, counted_weight=value, mean=False)
+        self._accumulate(module, grads, weight=weight, mean=False)
 
     def accumulate_mean(
         self, module: nn.Module, weight: Weight, *, grads: GradientMapping | None = None
@@ -327,28 +344,29 @@ class WeightedGradientsAccumulator:
         ``fused=True`` the one-pass ``buf.add_(conv_D(g), alpha=w_D)`` is used instead. A w > 0
         whose w_D is 0 or not finite raises :class:`InvalidWeightError`.
         """
-        value = _coerce_weight(weight)
-        counted = value
-        if value > 0.0:
-            counted = to_work_dtype(value, self._dtype)
-            if counted == 0.0 or not math.isfinite(counted):
-                raise InvalidWeightError(
-                    f"weight {weight!r} ({value.hex()}) does not survive the work dtype "
-                    f"{self._dtype}: it converts to {counted!r}"
-                )
-        self._accumulate(module, grads, weight_value=value, counted_weight=counted, mean=True)
+        self._accumulate(module, grads, weight=weight, mean=True)
 
     def _accumulate(
         self,
         module: nn.Module,
         grads: GradientMapping | None,
         *,
-        weight_value: float,
-        counted_weight: float,
+        weight: Weight,
         mean: bool,
     ) -> None:
+        # Validation order (as the reference model's): the weight's own validity, the module's
+        # tracked set, the gradients' structure, then whether a mean weight survives D.
+        weight_value = _coerce_weight(weight)
         binding, parameters = self._check_module(module)
         gradients = self._collect_gradients(binding, parameters, grads)
+        counted_weight = weight_value
+        if mean and weight_value > 0.0:
+            counted_weight = to_work_dtype(weight_value, self._dtype)
+            if counted_weight == 0.0 or not math.isfinite(counted_weight):
+                raise InvalidWeightError(
+                    f"weight {weight!r} ({weight_value.hex()}) does not survive the work dtype "
+                    f"{self._dtype}: it converts to {counted_weight!r}"
+                )
         new_total = self._total_weight + counted_weight
         if not math.isfinite(new_total):
             raise InvalidWeightError(
@@ -399,12 +417,6 @@ class WeightedGradientsAccumulator:
     def _check_module(self, module: nn.Module) -> tuple[_Binding, list[tuple[str, nn.Parameter]]]:
         """Return the (possibly new) binding and the module's tracked parameters in its order."""
         parameters = _tracked_parameters(module)
-        for name, parameter in parameters:
-            if not parameter.is_floating_point():
-                raise ParameterMismatchError(
-                    f"parameter {name!r} has dtype {parameter.dtype}: only floating-point "
-                    f"parameters can be accumulated"
-                )
         binding = self._binding
         if binding is None:
             return (
@@ -415,15 +427,15 @@ class WeightedGradientsAccumulator:
                 ),
                 parameters,
             )
-        names = [name for name, _ in parameters]
-        missing = [name for name in binding.names if name not in set(names)]
-        extra = [name for name in names if name not in set(binding.names)]
-        if missing or extra:
+        by_name = dict(parameters)
+        tracked = set(binding.names)
+        if by_name.keys() != tracked:
+            missing = [name for name in binding.names if name not in by_name]
+            extra = [name for name in by_name if name not in tracked]
             raise ParameterMismatchError(
                 f"the module's requires_grad parameters differ from the tracked set: missing "
                 f"{missing!r}, not tracked {extra!r}"
             )
-        by_name = dict(parameters)
         ordered = [(name, by_name[name]) for name in binding.names]
         for (name, parameter), shape, device in zip(
             ordered, binding.shapes, binding.devices, strict=True
@@ -453,7 +465,8 @@ class WeightedGradientsAccumulator:
                 raise TypeError(
                     f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
                 )
-            unknown = [name for name in grads if name not in set(binding.names)]
+            tracked = set(binding.names)
+            unknown = [name for name in grads if name not in tracked]
             if unknown:
                 raise ParameterMismatchError(
                     f"grads names parameter(s) {unknown!r} that are not tracked "
@@ -633,7 +646,10 @@ class WeightedGradientsAccumulator:
         ``loss_scale`` and ``fused`` must equal this accumulator's; names and shapes must match
         the module's ``requires_grad`` parameters unless the record binds none; pending buffers
         must be tensors of dtype D for recorded names; counters must be consistent). Any problem
-        raises :class:`RecordError` naming the field, leaving the accumulator as it was.
+        raises :class:`RecordError` naming the field, leaving the accumulator as it was. The
+        module is checked first: one without requires_grad parameters, or with a non-floating
+        one, raises :class:`ParameterMismatchError`. A record that binds no parameters leaves
+        the accumulator unbound (the next accumulate binds).
         Buffers are copied onto the module's parameters' devices; the record is not aliased.
         """
         parameters = _tracked_parameters(module)
@@ -648,12 +664,6 @@ class WeightedGradientsAccumulator:
         restored: dict[str, torch.Tensor] = {}
         if validated.param_names:
             device_of = {name: parameter.device for name, parameter in parameters}
-            for name, parameter in parameters:
-                if not parameter.is_floating_point():
-                    raise RecordError(
-                        f"field 'param_names' binds {name!r}, a parameter of non-floating "
-                        f"dtype {parameter.dtype}"
-                    )
             binding = _Binding(
                 names=validated.param_names,
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),
@@ -680,7 +690,7 @@ class WeightedGradientsAccumulator:
         """Re-attach saved counters ``state`` to pending buffers the caller already restored.
 
         ``pending`` maps tracked parameter names to buffers of dtype ``state.dtype`` with the
-        parameters' shapes, on the parameters' devices; they are adopted, not copied. The new
+        parameters' shapes, on the parameters' devices; they are adopted (detached), not copied. The new
         accumulator is bound to the module's ``requires_grad`` parameters. Raises
         :class:`ParameterMismatchError` for a bad buffer (name, shape, dtype, device) and
         :class:`RecordError` for inconsistent counters.
@@ -721,9 +731,12 @@ class WeightedGradientsAccumulator:
             zero_weight=state.zero_weight,
             total_weight=state.total_weight,
             has_pending=bool(pending),
+            bound=True,
         )
         accumulator._binding = binding
-        accumulator._pending = {name: pending[name] for name in binding.names if name in pending}
+        accumulator._pending = {
+            name: pending[name].detach() for name in binding.names if name in pending
+        }
         accumulator._issued = issued
         accumulator._zero_weight = zero_weight
         accumulator._total_weight = total_weight

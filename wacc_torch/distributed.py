@@ -21,6 +21,8 @@ rank:
 Buffers are reduced in ``D`` itself: gloo (PyTorch 2.13) and NCCL both sum float16 and bfloat16.
 With two ranks every element is ``round_D(a + b)``; with more ranks the association order is the
 backend's.  All of a rank's buffers must live on one device (the common data-parallel layout).
+With NCCL, call ``torch.cuda.set_device`` on every rank first: the metadata exchange and the zeros
+of a rank without buffers use the current CUDA device, as ``torch.distributed`` itself does.
 """
 
 from __future__ import annotations
@@ -108,10 +110,11 @@ def all_reduce_sums(
     Every rank of ``group`` must call this with its own local sums.  Returns, on every rank, the
     global loss-scaled sums (``normalized=False``, not divided by ``S``), the global weight (the
     correctly rounded float64 sum of the per-rank weights) and the summed counters.  The input is
-    not modified.  Raises on every rank alike (:class:`ParameterMismatchError` for differing
-    dtypes, parameter names, shapes or device types; :class:`InvalidLossScaleError` for differing
-    loss scales; :class:`WeightedAccumulationError` for an already normalized input; ``TypeError``
-    for an input that is not :class:`AccumulatedGradients`), or locally with
+    not modified: the returned tensors are views into one new flat buffer.  Raises on every rank
+    alike (:class:`ParameterMismatchError` for differing dtypes, parameter names, shapes or device
+    types; :class:`InvalidLossScaleError` for differing loss scales;
+    :class:`WeightedAccumulationError` for an already normalized input; ``TypeError`` for an input
+    that is not :class:`AccumulatedGradients`), or locally with
     :class:`ProcessGroupUnavailableError` when there is no process group to talk to.
     """
     return _all_reduce(sums, group=group, caller="all_reduce_sums", normalize=False)
@@ -137,7 +140,7 @@ def _all_reduce(
     caller: str,
     normalize: bool,
 ) -> AccumulatedGradients:
-    rank, world_size = _membership(group, caller=caller)
+    world_size = _membership(group, caller=caller)
     report = _local_report(sums, caller=caller)
     reports: list[_RankReport | None] = [None] * world_size
     dist.all_gather_object(reports, report, group=group)
@@ -172,8 +175,8 @@ def _all_reduce(
     )
 
 
-def _membership(group: ProcessGroup | None, *, caller: str) -> tuple[int, int]:
-    """This rank's index and the group size; raises locally when nobody can be talked to."""
+def _membership(group: ProcessGroup | None, *, caller: str) -> int:
+    """The group size; raises locally when nobody can be talked to."""
     if not dist.is_available():
         raise ProcessGroupUnavailableError(
             f"{caller}: torch.distributed is not available in this PyTorch build"
@@ -189,7 +192,7 @@ def _membership(group: ProcessGroup | None, *, caller: str) -> tuple[int, int]:
             f"{caller}: this process (global rank {dist.get_rank()}) is not a member of "
             f"the given process group {group!r}"
         )
-    return rank, dist.get_world_size(group)
+    return dist.get_world_size(group)
 
 
 def _local_report(sums: object, *, caller: str) -> _RankReport:
@@ -318,9 +321,16 @@ def _agree(reports: Sequence[_RankReport], *, caller: str, world_size: int) -> _
         if set(report.names) != set(first.names):
             only_here = sorted(set(report.names) - set(first.names))
             only_first = sorted(set(first.names) - set(report.names))
+            unbound = [r for r in (0, rank) if not reports[r].names]
+            hint = (
+                f" (rank {unbound[0]} tracks no parameter: its accumulator never accumulated; "
+                "a zero-weight accumulate_sum there binds the parameter set)"
+                if unbound
+                else ""
+            )
             raise ParameterMismatchError(
                 f"{caller}: parameter names differ between rank 0 and rank {rank}: only on "
-                f"rank {rank}: {only_here}; only on rank 0: {only_first}"
+                f"rank {rank}: {only_here}; only on rank 0: {only_first}{hint}"
             )
     dtypes = {r.dtype for r in reports if r.dtype is not None}
     if len(dtypes) > 1:

@@ -58,9 +58,12 @@ def _is_real(value: object) -> bool:
 
 
 def check_counters(
-    *, issued: object, zero_weight: object, total_weight: object, has_pending: bool
+    *, issued: object, zero_weight: object, total_weight: object, has_pending: bool, bound: bool
 ) -> tuple[int, int, float]:
-    """Validate the window counters together; raise :class:`RecordError` naming the field."""
+    """Validate the window counters together; raise :class:`RecordError` naming the field.
+
+    ``bound`` says whether a parameter set is bound: an unbound accumulator has issued nothing.
+    """
     if not _is_int(issued):
         raise RecordError(f"field 'issued' must be an int, got {issued!r}")
     if not _is_int(zero_weight):
@@ -76,9 +79,18 @@ def check_counters(
     if not _is_real(total_weight):
         raise RecordError(f"field 'total_weight' must be a float, got {total_weight!r}")
     assert isinstance(total_weight, int | float)
-    weight = float(total_weight)
+    try:
+        weight = float(total_weight)
+    except OverflowError:
+        weight = math.inf
+    if weight != total_weight and math.isfinite(weight):
+        raise RecordError(f"field 'total_weight' {total_weight!r} is not exactly a float64")
     if not (math.isfinite(weight) and weight >= 0.0):
         raise RecordError(f"field 'total_weight' must be finite and >= 0, got {total_weight!r}")
+    if not bound and issued != 0:
+        raise RecordError(
+            f"field 'issued' is {issued} but no parameter is bound ('param_names' is empty)"
+        )
     positive_batches = issued - zero_weight
     if positive_batches == 0 and weight != 0.0:
         raise RecordError(
@@ -160,6 +172,18 @@ def validate_record(
         raise RecordError(f"field 'param_names' must be a list of str, got {names!r}")
     if len(set(names)) != len(names):
         raise RecordError(f"field 'param_names' has duplicate names: {names!r}")
+    module_shapes = {name: tuple(shape) for name, shape in tracked}
+    if names:
+        # A record that binds parameters loads only into a module with exactly those.
+        missing_in_module = [name for name in names if name not in module_shapes]
+        recorded = set(names)
+        extra_in_module = [name for name in module_shapes if name not in recorded]
+        if missing_in_module or extra_in_module:
+            raise RecordError(
+                f"field 'param_names' does not match the module's requires_grad parameters: "
+                f"missing from the module {missing_in_module!r}, not in the record "
+                f"{extra_in_module!r}"
+            )
     shapes_field = record["param_shapes"]
     if not isinstance(shapes_field, list | tuple) or len(shapes_field) != len(names):
         raise RecordError(
@@ -169,23 +193,12 @@ def validate_record(
     shapes = tuple(
         _check_shape("param_shapes", index, shape) for index, shape in enumerate(shapes_field)
     )
-    if names:
-        # A record that binds parameters loads only into a module with exactly those.
-        module_shapes = {name: tuple(shape) for name, shape in tracked}
-        missing_in_module = [name for name in names if name not in module_shapes]
-        extra_in_module = [name for name in module_shapes if name not in set(names)]
-        if missing_in_module or extra_in_module:
+    for name, shape in zip(names, shapes, strict=True):
+        if module_shapes[name] != shape:
             raise RecordError(
-                f"field 'param_names' does not match the module's requires_grad parameters: "
-                f"missing from the module {missing_in_module!r}, not in the record "
-                f"{extra_in_module!r}"
+                f"field 'param_shapes' gives {name!r} shape {list(shape)} but the module's "
+                f"parameter has shape {list(module_shapes[name])}"
             )
-        for name, shape in zip(names, shapes, strict=True):
-            if module_shapes[name] != shape:
-                raise RecordError(
-                    f"field 'param_shapes' gives {name!r} shape {list(shape)} but the module's "
-                    f"parameter has shape {list(module_shapes[name])}"
-                )
 
     pending = record["pending"]
     if not isinstance(pending, Mapping):
@@ -216,6 +229,7 @@ def validate_record(
         zero_weight=record["zero_weight"],
         total_weight=record["total_weight"],
         has_pending=bool(pending),
+        bound=bool(names),
     )
     return ValidatedRecord(
         issued=issued,

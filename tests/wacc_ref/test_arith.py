@@ -22,7 +22,7 @@ from wacc_ref.formats import (
 
 SEED = 20240601
 OP_SEEDS = {"add": 1, "mul": 2, "div": 3}
-SAMPLES = 1500  # per format and operation; each sample also runs the Fraction ground truth
+SAMPLES = 4000  # per format and operation; each sample also runs the Fraction ground truth
 
 
 def random_values(rng: np.random.Generator, fmt: Format, count: int) -> list[float]:
@@ -94,7 +94,7 @@ def hexes(*values: float) -> str:
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_round_array_matches_round_to(name: str) -> None:
-    """round_array rounds every float64 exactly as formats.round_to does, ties and edges included."""
+    """round_array rounds every float64 exactly as formats.round_to does, ties and edges too."""
     fmt = FORMATS[name]
     rng = np.random.default_rng(SEED)
     values = random_values(rng, fmt, 2000)
@@ -126,7 +126,7 @@ def test_round_array_matches_round_to(name: str) -> None:
 
 @pytest.mark.parametrize("name", WORK_DTYPES)
 def test_conv_array_matches_conv_to(name: str) -> None:
-    """conv_array converts float64 gradients exactly as formats.conv_to (float32 detour included)."""
+    """conv_array converts float64 gradients exactly as formats.conv_to (float32 detour too)."""
     rng = np.random.default_rng(SEED + 1)
     inputs = [float(x) for x in rng.standard_normal(3000) * np.exp2(rng.integers(-140, 130, 3000))]
     inputs += random_values(rng, FORMATS["float64"], 500) + specials(FORMATS["float32"])
@@ -158,13 +158,15 @@ def test_exact_ops_follow_ieee_special_cases() -> None:
         ("0 / 0", arith.exact_div(0.0, 0.0, f), nan),
         ("-1 / inf", arith.exact_div(-1.0, inf, f), -0.0),
         ("inf / inf", arith.exact_div(inf, inf, f), nan),
-        ("fma(inf, -1, inf)", arith.exact_fma(inf, -1.0, inf, f), nan),
-        ("fma(-0, -0, 5)", arith.exact_fma(-0.0, -0.0, 5.0, f), 0.0),
-        ("fma(-0, -0, -5)", arith.exact_fma(-0.0, -0.0, -5.0, f), -0.0),
+        ("inf + -1 * inf", arith.exact_fma(inf, -1.0, inf, f), nan),
+        # exact_fma(a, b, c) is a + b*c: -0 + (-0 * 5) = -0 + -0 = -0; -0 + (+0) = +0.
+        ("-0 + -0 * 5", arith.exact_fma(-0.0, -0.0, 5.0, f), -0.0),
+        ("-0 + -0 * -5", arith.exact_fma(-0.0, -0.0, -5.0, f), 0.0),
         (
             "fma(-2**-149, 2**-75, 2**-75)",
+            # -2**-150 is a tie between -0 and -2**-149: the even one, zero, with the sign of x
             arith.exact_fma(-(2.0**-149), 2.0**-75, 2.0**-75, f),
-            0.0,
+            -0.0,
         ),
         ("mul 2**-75 * -2**-75", arith.exact_mul(2.0**-75, -(2.0**-75), f), -0.0),
         ("add max + max", arith.exact_add(FORMATS[f].max_finite, FORMATS[f].max_finite, f), inf),
@@ -184,7 +186,7 @@ def _ground_truth_ops() -> dict[str, tuple[Callable[..., float], str]]:
 @pytest.mark.parametrize("name", WORK_DTYPES)
 @pytest.mark.parametrize("op", ["add", "mul", "div"])
 def test_gmpy2_engine_matches_exact_rounding(name: str, op: str) -> None:
-    """The gmpy2 local-context engine equals round_to(exact op) on random, subnormal, overflow operands."""
+    """The gmpy2 local-context engine equals round_to(exact op), subnormal and overflow included."""
     fmt = FORMATS[name]
     exact, method = _ground_truth_ops()[op]
     engine = arith.gmpy2_engine(fmt)
@@ -361,7 +363,11 @@ def test_fused_candidates_refuse_non_format_values() -> None:
     with pytest.raises(ValueError, match=r"c=1\.00048828125"):
         arith.fused_mean_step_candidates(1.0, 1.0 + 2**-11, 1.0, "float16")
     with pytest.raises(TypeError, match="buf must be a float"):
-        arith.fused_mean_step_candidates(1, 1.0, 1.0, "float16")  # type: ignore[arg-type]
+        arith.fused_mean_step_candidates("1", 1.0, 1.0, "float16")  # type: ignore[arg-type]
+    # Integers are accepted as the floats they equal.
+    assert arith.fused_mean_step_candidates(1, 2, 3, "float16") == frozenset(
+        {arith.BitwiseFloat(7.0)}
+    )
 
 
 @pytest.mark.parametrize("name", WORK_DTYPES)
@@ -387,5 +393,6 @@ def test_fused_candidates_contain_each_vector_variant(name: str) -> None:
             ("two_step", two_step[i]),
         ):
             assert arith.fused_mean_step_accepts(value, candidates), (
-                f"{variant} {value.hex()} not in {candidates} for buf, c, w = {hexes(buf[i], c[i], w[i])}"
+                f"{variant} {value.hex()} not in {candidates} for "
+                f"buf, c, w = {hexes(buf[i], c[i], w[i])}"
             )

@@ -29,7 +29,9 @@ DEVICES = [
 ]
 
 WORK_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-WORK_DTYPE_PARAMS = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in WORK_DTYPES]
+WORK_DTYPE_PARAMS = [
+    pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in WORK_DTYPES
+]
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -55,7 +57,9 @@ def hex_values(tensor: torch.Tensor, limit: int = 8) -> list[str]:
     return [float(value).hex() for value in values]
 
 
-def assert_bitwise_equal(actual: torch.Tensor | None, expected: torch.Tensor | None, what: str) -> None:
+def assert_bitwise_equal(
+    actual: torch.Tensor | None, expected: torch.Tensor | None, what: str
+) -> None:
     """Assert same None-ness, dtype, shape and bit pattern of every element."""
     if actual is None or expected is None:
         assert actual is None and expected is None, f"{what}: {actual!r} vs {expected!r}"
@@ -67,7 +71,8 @@ def assert_bitwise_equal(actual: torch.Tensor | None, expected: torch.Tensor | N
         index = int(differ.flatten().nonzero()[0])
         raise AssertionError(
             f"{what}: {int(differ.sum())} element(s) differ; first at flat index {index}: "
-            f"{hex_values(actual.flatten()[index:])[0]} vs {hex_values(expected.flatten()[index:])[0]}"
+            f"{hex_values(actual.flatten()[index:])[0]} vs "
+            f"{hex_values(expected.flatten()[index:])[0]}"
         )
 
 
@@ -135,7 +140,9 @@ def assert_matches_reference(actual: torch.Tensor | None, expected: Any, what: s
     want = np.asarray(expected, dtype=np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape} vs {want.shape}"
     got_nan, want_nan = np.isnan(got), np.isnan(want)
-    same = (got_nan & want_nan) | (~got_nan & ~want_nan & (got.view(np.int64) == want.view(np.int64)))
+    same = (got_nan & want_nan) | (
+        ~got_nan & ~want_nan & (got.view(np.int64) == want.view(np.int64))
+    )
     if not bool(same.all()):
         index = int(np.flatnonzero(~same.reshape(-1))[0])
         raise AssertionError(

@@ -17,7 +17,13 @@ from tests.wacc_torch.support import (
     dtype_name,
     grads_snapshot,
 )
-from wacc_ref.arith import add_rounded, conv_array, fused_mean_step_accepts, fused_mean_step_candidates, mul_rounded
+from wacc_ref.arith import (
+    add_rounded,
+    conv_array,
+    fused_mean_step_accepts,
+    fused_mean_step_candidates,
+    mul_rounded,
+)
 from wacc_ref.formats import conv_to
 from wacc_torch import InvalidWeightError, WeightedGradientsAccumulator
 
@@ -37,7 +43,9 @@ def test_bfloat16_weight_1001_counts_as_1000(device: str) -> None:
     """In bf16 the weight 1001 becomes 1000 (spacing 4 in [512, 1024)), in W and in the product."""
     module = _one_parameter(device, (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
-    accumulator.accumulate_mean(module, 1001, grads={"weight": torch.tensor([1.0, 0.5], device=device)})
+    accumulator.accumulate_mean(
+        module, 1001, grads={"weight": torch.tensor([1.0, 0.5], device=device)}
+    )
     assert accumulator.state.total_weight == 1000.0
     assert _pending(accumulator).tolist() == [1000.0, 500.0]
     # The mean of one batch is then exactly its gradient: W and the product agree.
@@ -50,7 +58,11 @@ def test_float16_weight_4097_counts_as_4096(device: str) -> None:
     """In fp16 the weight 4097 becomes 4096 (spacing 4 in [4096, 8192)), also as a 0-d tensor."""
     module = _one_parameter(device)
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
-    accumulator.accumulate_mean(module, torch.tensor(4097.0, dtype=torch.float64), grads={"weight": torch.tensor([2.0**-10], device=device)})
+    accumulator.accumulate_mean(
+        module,
+        torch.tensor(4097.0, dtype=torch.float64),
+        grads={"weight": torch.tensor([2.0**-10], device=device)},
+    )
     assert accumulator.state.total_weight == 4096.0
     assert _pending(accumulator).tolist() == [4.0]
 
@@ -76,7 +88,9 @@ def _float32_mean_step(*, fused: bool) -> float:
     # c = w = 1 + 2**-12: c*w = 1 + 2**-11 + 2**-24 exactly. Two steps: round_32(c*w) is a tie
     # at 2**-24 (half the float32 quantum 2**-23 at 1) -> even: 1 + 2**-11; then
     # -1 + (1 + 2**-11) = 2**-11. One FMA: -1 + c*w = 2**-11 + 2**-24, exact in float32.
-    accumulator.accumulate_mean(module, 1.0 + 2.0**-12, grads={"weight": torch.full((64,), 1.0 + 2.0**-12)})
+    accumulator.accumulate_mean(
+        module, 1.0 + 2.0**-12, grads={"weight": torch.full((64,), 1.0 + 2.0**-12)}
+    )
     values = set(_pending(accumulator).tolist())
     assert len(values) == 1, values
     return values.pop()
@@ -94,12 +108,16 @@ def test_fused_float32_mean_is_an_fma_on_cpu() -> None:
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_mean_negative_zero_first_contribution_gives_positive_zero(device: str, dtype: torch.dtype) -> None:
+def test_mean_negative_zero_first_contribution_gives_positive_zero(
+    device: str, dtype: torch.dtype
+) -> None:
     """A first mean contribution of -0.0 (or a product that is -0.0) leaves the buffer at +0.0."""
     module = _one_parameter(device, (2,))
     for fused in (False, True):
         accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0, fused=fused)
-        accumulator.accumulate_mean(module, 3, grads={"weight": torch.tensor([-0.0, -0.0], device=device)})
+        accumulator.accumulate_mean(
+            module, 3, grads={"weight": torch.tensor([-0.0, -0.0], device=device)}
+        )
         assert bits(_pending(accumulator)).tolist() == [0, 0], f"fused={fused}"
 
 
@@ -123,9 +141,13 @@ def test_mean_matches_stepwise_rounding_reference(
     for weight in _MEAN_WEIGHTS:
         gradient = awkward_values((257,), dtype=grad_dtype, around=dtype, generator=generator)
         accumulator.accumulate_mean(module, weight, grads={"weight": gradient.to(device)})
-        product = mul_rounded(conv_array(gradient.to(torch.float64).numpy(), name), conv_to(weight, name), name)
+        product = mul_rounded(
+            conv_array(gradient.to(torch.float64).numpy(), name), conv_to(weight, name), name
+        )
         expected = add_rounded(expected, product, name)
-    assert_matches_reference(_pending(accumulator), expected, f"mean {dtype_name(grad_dtype)}->{name}")
+    assert_matches_reference(
+        _pending(accumulator), expected, f"mean {dtype_name(grad_dtype)}->{name}"
+    )
 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
@@ -137,7 +159,11 @@ def test_fused_mean_stays_in_the_admissible_set(device: str, dtype: torch.dtype)
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0, fused=True)
     name = dtype_name(dtype)
     for weight in _MEAN_WEIGHTS:
-        before = _pending(accumulator).to(torch.float64).tolist() if accumulator.state.issued else [0.0] * 48
+        before = (
+            _pending(accumulator).to(torch.float64).tolist()
+            if accumulator.state.issued
+            else [0.0] * 48
+        )
         gradient = awkward_values((48,), dtype=torch.float32, around=dtype, generator=generator)
         accumulator.accumulate_mean(module, weight, grads={"weight": gradient.to(device)})
         after = _pending(accumulator).to(torch.float64).tolist()
@@ -162,8 +188,10 @@ def test_fused_mean_stays_in_the_admissible_set(device: str, dtype: torch.dtype)
         pytest.param(torch.float32, 2.0**128, id="fp32-overflow"),
     ],
 )
-def test_weight_that_does_not_survive_the_work_dtype_is_refused(dtype: torch.dtype, weight: float) -> None:
-    """A weight > 0 whose conv_D is 0 or inf raises InvalidWeightError naming it; nothing changes."""
+def test_weight_that_does_not_survive_the_work_dtype_is_refused(
+    dtype: torch.dtype, weight: float
+) -> None:
+    """A weight > 0 whose conv_D is 0 or inf raises InvalidWeightError naming it."""
     module = _one_parameter("cpu")
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     accumulator.accumulate_mean(module, 1, grads={"weight": torch.ones(1)})

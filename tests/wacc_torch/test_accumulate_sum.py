@@ -142,12 +142,17 @@ def test_module_grad_is_taken_out_also_for_zero_weight(device: str) -> None:
 def test_grads_mapping_leaves_module_grad_alone(device: str) -> None:
     """With a ``grads`` mapping the module's .grad is neither read nor cleared."""
     module = TwoLayer(device)
-    stale = {name: torch.full(shape, 7.0, device=device) for name, shape in tracked_shapes(module).items()}
+    stale = {
+        name: torch.full(shape, 7.0, device=device)
+        for name, shape in tracked_shapes(module).items()
+    }
     for name, parameter in module.named_parameters():
         if name in stale:
             parameter.grad = stale[name].clone()
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
-    mapping = {name: torch.ones(shape, device=device) for name, shape in tracked_shapes(module).items()}
+    mapping = {
+        name: torch.ones(shape, device=device) for name, shape in tracked_shapes(module).items()
+    }
     accumulator.accumulate_sum(module, 1, grads=mapping)
     for name, parameter in module.named_parameters():
         if name in stale:
@@ -179,7 +184,7 @@ def test_missing_or_none_gradient_is_a_zero_contribution(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_weight_batch_reads_no_gradient(device: str) -> None:
-    """A weight-0 batch with NaN/inf gradients changes nothing but ``issued`` and ``zero_weight``."""
+    """A weight-0 batch with NaN/inf gradients changes only ``issued`` and ``zero_weight``."""
     module = TwoLayer(device)
     shapes = tracked_shapes(module)
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=8.0)
@@ -187,7 +192,9 @@ def test_zero_weight_batch_reads_no_gradient(device: str) -> None:
         module, 5, grads={name: torch.ones(shape, device=device) for name, shape in shapes.items()}
     )
     before = accumulator.state_dict()
-    poison = {name: torch.full(shape, float("nan"), device=device) for name, shape in shapes.items()}
+    poison = {
+        name: torch.full(shape, float("nan"), device=device) for name, shape in shapes.items()
+    }
     poison["second.bias"] = torch.full(shapes["second.bias"], float("inf"), device=device)
     accumulator.accumulate_sum(module, 0, grads=poison)
     accumulator.accumulate_sum(module, 0.0, grads=poison)
@@ -236,7 +243,9 @@ def test_buffers_are_allocated_lazily_in_the_work_dtype(device: str) -> None:
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     accumulator.accumulate_sum(module, 1, grads={})
     assert accumulator.state_dict()["pending"] == {}
-    accumulator.accumulate_sum(module, 1, grads={"second.weight": torch.ones(shapes["second.weight"], device=device)})
+    accumulator.accumulate_sum(
+        module, 1, grads={"second.weight": torch.ones(shapes["second.weight"], device=device)}
+    )
     sums = accumulator.finish_sums()
     buffer = sums.grads["second.weight"]
     assert buffer is not None and buffer.dtype == torch.float16
@@ -255,7 +264,7 @@ def test_first_accumulate_binds_the_tracked_set_without_frozen_parameters() -> N
 
 
 def test_gradient_graph_is_not_kept() -> None:
-    """A gradient that requires grad is accumulated detached (the buffer has no autograd history)."""
+    """A gradient that requires grad is accumulated detached (no autograd history)."""
     module = _one_parameter("cpu", (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     gradient = torch.ones(2, requires_grad=True) * 2

@@ -47,7 +47,7 @@ def test_non_dtype_is_refused_with_type_error(dtype: object) -> None:
 def test_options_are_keyword_only() -> None:
     """dtype, loss_scale and fused cannot be passed positionally."""
     with pytest.raises(TypeError):
-        WeightedGradientsAccumulator(torch.float32, 1.0)  # type: ignore[misc]
+        WeightedGradientsAccumulator(torch.float32, 1.0)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
@@ -91,7 +91,7 @@ def test_loss_scale_not_representable_in_dtype_is_refused(dtype: torch.dtype, sc
 )
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 def test_invalid_loss_scale_is_refused_by_value(dtype: torch.dtype, scale: object) -> None:
-    """Zero, negative, non-finite and non-real loss scales raise InvalidLossScaleError naming S and D."""
+    """Zero, negative, non-finite, non-real loss scales raise InvalidLossScaleError (S, D named)."""
     with pytest.raises(InvalidLossScaleError) as caught:
         WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)  # type: ignore[arg-type]
     assert repr(scale) in str(caught.value) and str(dtype) in str(caught.value)
@@ -99,7 +99,10 @@ def test_invalid_loss_scale_is_refused_by_value(dtype: torch.dtype, scale: objec
 
 def test_integer_loss_scale_is_taken_exactly() -> None:
     """An int loss scale is accepted as the equal float; one beyond float64 precision is refused."""
-    assert WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=1024).state.loss_scale == 1024.0
+    assert (
+        WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=1024).state.loss_scale
+        == 1024.0
+    )
     with pytest.raises(InvalidLossScaleError, match=str(2**53 + 1)):
         WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=2**53 + 1)
 

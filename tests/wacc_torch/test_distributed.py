@@ -87,9 +87,9 @@ def _exact_sum_grads(
 def _exact_mean_grads(
     shapes: Mapping[str, tuple[int, ...]], count: int, generator: torch.Generator
 ) -> dict[str, torch.Tensor | None]:
-    """Values in {-1, 0, 1} * 2**-e with e chosen so that g * count is a multiple of 1/32 below 1
-    in magnitude (1, 7/8, 25/32, 3/4): the products and all their partial sums (below 4) have at
-    most 7 significant bits, so they are exact in every work dtype."""
+    """Values in {-1, 0, 1} * 2**-e with e chosen so that g * count is 0 or ± one of 1, 7/8,
+    25/32, 3/4 (multiples of 1/32): the products and all their partial sums (below 4 in
+    magnitude) have at most 7 significant bits, so they are exact in every work dtype."""
     exponent = {1: 0, 7: 3, 200: 8, 3: 2}[count]
     return {
         name: torch.randint(-1, 2, shape, generator=generator).to(torch.float32) * 2.0**-exponent
@@ -256,6 +256,17 @@ def _scenario_errors(rank: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
     local = sums.finish_sums()
     not_sums: Any = local if rank == 0 else dict(local.grads)
     out["wrong_type"] = _captured(partial(all_reduce_sums, not_sums))
+
+    # Rank 1's accumulator never accumulated: it tracks no parameter at all.
+    if rank == 0:
+        unbound = _accumulated(
+            _linear(), one_batch, dtype=float32, loss_scale=EXACT_LOSS_SCALE, mode="sum"
+        ).finish_sums()
+    else:
+        unbound = WeightedGradientsAccumulator(
+            dtype=float32, loss_scale=EXACT_LOSS_SCALE
+        ).finish_sums()
+    out["unbound_rank"] = _captured(partial(all_reduce_mean, unbound))
 
     # Only zero-weight microbatches on both ranks: a mean is undefined, the sums are not.
     zero = _accumulated(
@@ -474,12 +485,18 @@ def _run_job(
 
 
 @pytest.fixture(scope="module")
-def rank_results() -> Iterator[list[dict[str, Any]]]:
+def inputs() -> dict[str, Any]:
+    """The inputs of every scenario (deterministic: built from a fixed seed)."""
+    return _build_inputs()
+
+
+@pytest.fixture(scope="module")
+def rank_results(inputs: Mapping[str, Any]) -> Iterator[list[dict[str, Any]]]:
     """Run the two-rank gloo job once for the whole module; each rank's saved results."""
     with tempfile.TemporaryDirectory(prefix="wacc-dist-") as tmp:
         work_dir = Path(tmp)
         inputs_file = work_dir / "inputs.pt"
-        torch.save(_build_inputs(), inputs_file)
+        torch.save(inputs, inputs_file)
         _run_job(
             _rank_main,
             (str(work_dir / "store"), str(inputs_file), str(work_dir)),
@@ -489,12 +506,6 @@ def rank_results() -> Iterator[list[dict[str, Any]]]:
         yield [
             torch.load(work_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
         ]
-
-
-@pytest.fixture(scope="module")
-def inputs() -> dict[str, Any]:
-    """The same inputs the ranks were given (deterministic: rebuilt from the fixed seed)."""
-    return _build_inputs()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -885,6 +896,7 @@ def test_rank_with_only_zero_weight_batches(
         ("shape_mismatch", "ParameterMismatchError", ("'weight'", "[3, 4]", "[3, 5]")),
         ("normalized_input", "WeightedAccumulationError", ("rank 0", "normalized=True")),
         ("wrong_type", "TypeError", ("rank 1", "dict")),
+        ("unbound_rank", "ParameterMismatchError", ("rank 1 tracks no parameter", "'weight'")),
         ("zero_global_weight/mean", "ZeroTotalWeightError", ("weight is 0",)),
     ],
 )

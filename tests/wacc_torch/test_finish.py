@@ -65,14 +65,16 @@ def test_float16_mean_with_overflowing_product_is_exact(device: str) -> None:
     module = _one_parameter(device, (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=scale)
     # S * [2**-12, -2**-13] = [8, -4]; times 4096: [32768, -16384], exact in fp16.
-    accumulator.accumulate_mean(module, 4096, grads={"weight": torch.tensor([8.0, -4.0], device=device)})
+    accumulator.accumulate_mean(
+        module, 4096, grads={"weight": torch.tensor([8.0, -4.0], device=device)}
+    )
     mean = accumulator.finish_mean().grads["weight"]
     assert mean is not None and mean.tolist() == [2.0**-12, -(2.0**-13)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_total_weight_beyond_float16_range_stays_finite(device: str) -> None:
-    """fp16 buffers with W = 70000 (not an fp16 value) divide in float32: finite, as the SPEC rounds."""
+    """fp16 buffers with W = 70000 (beyond fp16) divide in float32: finite, as the SPEC rounds."""
     module = _one_parameter(device, (3,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     gradient = torch.tensor([7.0, -35.0, 1.0], device=device)
@@ -89,7 +91,9 @@ def test_float16_total_weight_beyond_float16_range_stays_finite(device: str) -> 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_normalize_sums_matches_stepwise_rounding_reference(device: str, dtype: torch.dtype) -> None:
+def test_normalize_sums_matches_stepwise_rounding_reference(
+    device: str, dtype: torch.dtype
+) -> None:
     """Each element is round_D(round_op(round_D(g / S) / round_op(W))), bit for bit."""
     generator = torch.Generator().manual_seed(5)
     name = dtype_name(dtype)
@@ -102,7 +106,9 @@ def test_normalize_sums_matches_stepwise_rounding_reference(device: str, dtype: 
             values = sums.to(torch.float64).numpy()
             scaled = div_rounded(values, scale, name)
             expected = round_array(div_rounded(scaled, round_to(weight, op_name), op_name), name)
-            assert_matches_reference(result["g"], expected, f"{name} S={scale.hex()} W={weight.hex()}")
+            assert_matches_reference(
+                result["g"], expected, f"{name} S={scale.hex()} W={weight.hex()}"
+            )
 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
@@ -120,11 +126,11 @@ def test_normalize_sums_in_place_gives_the_same_bits(dtype: torch.dtype) -> None
 
 
 def test_normalize_sums_refuses_bad_arguments() -> None:
-    """Zero, negative or NaN W, a loss scale D cannot hold, and non-tensors raise specific errors."""
+    """Zero/negative/NaN W, a loss scale D cannot hold and non-tensors raise specific errors."""
     sums = {"g": torch.ones(2, dtype=torch.float16)}
     with pytest.raises(ZeroTotalWeightError, match="0.0"):
         normalize_sums(sums, loss_scale=1.0, total_weight=0.0)
-    for weight in (-1.0, float("nan"), float("inf")):
+    for weight in (-1.0, float("nan"), float("inf"), 10**400):
         with pytest.raises(InvalidWeightError, match=repr(weight)):
             normalize_sums(sums, loss_scale=1.0, total_weight=weight)
     with pytest.raises(InvalidLossScaleError, match="65536.0.*float16"):
@@ -133,6 +139,8 @@ def test_normalize_sums_refuses_bad_arguments() -> None:
         normalize_sums({"g": [1.0]}, loss_scale=1.0, total_weight=1.0)  # type: ignore[dict-item]
     with pytest.raises(ParameterMismatchError, match="int32"):
         normalize_sums({"g": torch.ones(2, dtype=torch.int32)}, loss_scale=1.0, total_weight=1.0)
+    with pytest.raises(TypeError, match="list"):
+        normalize_sums([torch.ones(2)], loss_scale=1.0, total_weight=1.0)  # type: ignore[arg-type]
     assert torch.equal(sums["g"], torch.ones(2, dtype=torch.float16))
 
 
@@ -152,7 +160,9 @@ def test_finish_mean_on_zero_total_weight_raises_and_clears_nothing(device: str)
         accumulator.finish_mean()
     assert_records_equal(accumulator.state_dict(), before)
     shapes = tracked_shapes(module)
-    accumulator.accumulate_sum(module, 2, grads={name: torch.full(s, 8.0, device=device) for name, s in shapes.items()})
+    accumulator.accumulate_sum(
+        module, 2, grads={name: torch.full(s, 8.0, device=device) for name, s in shapes.items()}
+    )
     mean = accumulator.finish_mean()
     assert (mean.issued, mean.zero_weight, mean.weight) == (3, 2, 2.0)
     assert all(g is not None and bool((g == 2.0).all()) for g in mean.grads.values())
@@ -160,8 +170,10 @@ def test_finish_mean_on_zero_total_weight_raises_and_clears_nothing(device: str)
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_two_rank_sums_divided_once_equal_the_mean_of_the_union(device: str, dtype: torch.dtype) -> None:
-    """finish_sums on two ranks, summed, divided once equals finish_mean over all batches, bitwise."""
+def test_two_rank_sums_divided_once_equal_the_mean_of_the_union(
+    device: str, dtype: torch.dtype
+) -> None:
+    """Two ranks' finish_sums, summed and divided once, equal finish_mean of the union, bitwise."""
     scale = 2.0**3
     # Small multiples of S*2**-4: every sum here is exact in every work dtype, so the
     # association order of the batches does not matter and the comparison can be bitwise.
@@ -218,7 +230,7 @@ def test_finish_starts_a_new_window_and_keeps_the_binding(device: str) -> None:
 
 
 def test_finish_sums_of_an_empty_window_is_allowed() -> None:
-    """finish_sums with nothing accumulated returns no gradients and weight 0 (a rank with no data)."""
+    """finish_sums with nothing accumulated returns no gradients and weight 0 (a rank w/o data)."""
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     sums = accumulator.finish_sums()
     assert sums == AccumulatedGradients(
@@ -232,7 +244,15 @@ def test_apply_to_writes_grads_in_the_parameter_dtype(device: str) -> None:
     module = TwoLayer(device).to(torch.float64)
     shapes = tracked_shapes(module)
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
-    accumulator.accumulate_sum(module, 4, grads={"first.weight": torch.full(shapes["first.weight"], 2.0, device=device, dtype=torch.float64)})
+    accumulator.accumulate_sum(
+        module,
+        4,
+        grads={
+            "first.weight": torch.full(
+                shapes["first.weight"], 2.0, device=device, dtype=torch.float64
+            )
+        },
+    )
     for parameter in module.parameters():
         parameter.grad = torch.ones_like(parameter)
     frozen_grad = module.frozen.grad
@@ -240,7 +260,11 @@ def test_apply_to_writes_grads_in_the_parameter_dtype(device: str) -> None:
     grads = dict((name, p.grad) for name, p in module.named_parameters())
     assert grads["first.weight"] is not None and grads["first.weight"].dtype == torch.float64
     assert bool((grads["first.weight"] == 0.5).all())
-    assert grads["first.bias"] is None and grads["second.weight"] is None and grads["second.bias"] is None
+    assert (
+        grads["first.bias"] is None
+        and grads["second.weight"] is None
+        and grads["second.bias"] is None
+    )
     assert grads["frozen"] is frozen_grad  # not tracked: left alone
 
 
@@ -250,12 +274,16 @@ def test_apply_to_checks_every_name_before_writing() -> None:
     for parameter in module.parameters():
         parameter.grad = torch.full_like(parameter, 3.0)
     before = grads_snapshot(module)
-    base = {name: torch.zeros(shape) for name, shape in tracked_shapes(module).items()}
+    base: dict[str, torch.Tensor | None] = {
+        name: torch.zeros(shape) for name, shape in tracked_shapes(module).items()
+    }
     for bad, message in (
         (dict(base, extra=torch.zeros(1)), "'extra'"),
         (dict(base, **{"second.bias": torch.zeros(3)}), r"'second.bias'.*\[3\].*\[2\]"),
     ):
-        gradients = AccumulatedGradients(grads=bad, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True)  # type: ignore[arg-type]
+        gradients = AccumulatedGradients(
+            grads=bad, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True
+        )
         with pytest.raises(ParameterMismatchError, match=message):
             gradients.apply_to(module)
         after = grads_snapshot(module)
@@ -264,7 +292,7 @@ def test_apply_to_checks_every_name_before_writing() -> None:
 
 
 def test_finish_mean_results_equal_normalize_sums_of_finish_sums() -> None:
-    """finish_mean gives the same bits as normalize_sums applied to finish_sums of the same window."""
+    """finish_mean gives the same bits as normalize_sums of finish_sums of the same window."""
     generator = torch.Generator().manual_seed(11)
     results = []
     for finish in ("mean", "sums"):
@@ -272,11 +300,17 @@ def test_finish_mean_results_equal_normalize_sums_of_finish_sums() -> None:
         accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=2.0**7)
         generator.manual_seed(11)
         for weight in (1, 7, 200, 3):
-            gradient = awkward_values((200,), dtype=torch.float32, around=torch.bfloat16, generator=generator)
+            gradient = awkward_values(
+                (200,), dtype=torch.float32, around=torch.bfloat16, generator=generator
+            )
             accumulator.accumulate_mean(module, weight, grads={"weight": gradient})
         if finish == "mean":
             results.append(accumulator.finish_mean().grads["weight"])
         else:
             sums = accumulator.finish_sums()
-            results.append(normalize_sums(sums.grads, loss_scale=sums.loss_scale, total_weight=sums.weight)["weight"])
+            results.append(
+                normalize_sums(sums.grads, loss_scale=sums.loss_scale, total_weight=sums.weight)[
+                    "weight"
+                ]
+            )
     assert_bitwise_equal(results[0], results[1], "finish_mean vs normalize_sums(finish_sums)")

@@ -1,0 +1,158 @@
+"""SPEC §12 oracles 1 and 3: ``wacc_torch`` against the reference, step by step, bit for bit.
+
+Every generated scenario (unequal microbatches, zero weights, overflow-prone scales, checkpoint
+interruptions, corrupted records) runs on the reference in ``emulated`` mode and on ``wacc_torch``;
+the two traces must be identical — counters, errors, every pending buffer after every step and
+every finished gradient, as bit patterns (±0 distinguished, NaN positions compared). A failure
+prints the scenario as JSON: ``wacc_ref.scenario.from_json`` replays it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import wacc_torch
+from tests.judge.stepwise import stepwise_differences
+from tests.judge.torch_runner import fused_variant_on, in_module_order, run_torch
+from wacc_ref import formats
+from wacc_ref.scenario import (
+    Accumulate,
+    Finish,
+    Scenario,
+    run_reference,
+    to_json,
+    trace_differences,
+    trace_violations,
+)
+from wacc_ref.strategies import scenarios
+
+# Examples per work dtype and mode; each runs the scenario twice (reference and torch).
+EXAMPLES_PER_DTYPE = 150
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _assert_same_trace(scenario: Scenario, device: torch.device) -> None:
+    scenario = in_module_order(scenario)
+    variant = fused_variant_on(device, scenario.work_dtype)
+    expected = run_reference(scenario, mode="emulated", fused_variant=variant)  # type: ignore[arg-type]
+    actual = run_torch(scenario, device=device)
+    differences = trace_differences(expected, actual)
+    violations = trace_violations(actual)
+    assert not differences and not violations, (
+        "wacc_torch diverges from the reference; replay with "
+        "wacc_ref.scenario.from_json(<json below>)\n"
+        + "\n".join(differences + violations)
+        + "\n"
+        + to_json(scenario)
+    )
+
+
+@pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
+def test_default_order_matches_reference_bit_for_bit(work_dtype: str) -> None:
+    """In the reproducible (default) mode every step of every scenario equals the emulation."""
+
+    @settings(max_examples=EXAMPLES_PER_DTYPE)
+    @given(scenarios(work_dtypes=(work_dtype,), fused=False))
+    def check(scenario: Scenario) -> None:
+        _assert_same_trace(scenario, torch.device("cpu"))
+
+    check()
+
+
+@pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
+def test_fused_mode_stays_in_the_accepted_set(work_dtype: str) -> None:
+    """With ``fused=True`` every element of every mean step is one of the three SPEC §6 results."""
+
+    @settings(max_examples=EXAMPLES_PER_DTYPE // 2)
+    @given(scenarios(work_dtypes=(work_dtype,), fused=True, max_interruptions=0))
+    def check(scenario: Scenario) -> None:
+        scenario = in_module_order(scenario)
+        trace = run_torch(scenario, device="cpu")
+        differences = stepwise_differences(scenario, trace)
+        assert not differences, (
+            "fused wacc_torch left the SPEC §6 set; replay with wacc_ref.scenario.from_json\n"
+            + "\n".join(differences)
+            + "\n"
+            + to_json(scenario)
+        )
+
+    check()
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
+def test_default_order_matches_reference_on_cuda(work_dtype: str) -> None:
+    """On CUDA the default mode is bit-exact with the emulation too (0-d divisors on the device)."""
+
+    @settings(max_examples=EXAMPLES_PER_DTYPE)
+    @given(scenarios(work_dtypes=(work_dtype,), fused=False))
+    def check(scenario: Scenario) -> None:
+        _assert_same_trace(scenario, torch.device("cuda"))
+
+    check()
+
+
+def _convert_then_add_scenario() -> Scenario:
+    # 1 + round_bf16(2**-8 + 2**-20) = 1 + 2**-8 is a bf16 tie and goes to even (1.0); a single
+    # rounding of the exact 1 + 2**-8 + 2**-20 lies above the tie and gives 1 + 2**-7.
+    return Scenario(
+        work_dtype="bfloat16",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (1,)),),
+        steps=(
+            Accumulate.of("sum", 1.0, {"weight": (1.0,)}),
+            Accumulate.of("sum", 1.0, {"weight": (2.0**-8 + 2.0**-20,)}),
+            Finish("sums"),
+        ),
+    )
+
+
+def test_runner_detects_a_single_rounding_add(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oracle can fail: adding the float32 gradient straight into the bf16 buffer is caught."""
+    scenario = _convert_then_add_scenario()
+    _assert_same_trace(scenario, torch.device("cpu"))
+
+    def single_rounding_add(
+        self: object, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool
+    ) -> None:
+        del self, weight, mean
+        buffer.add_(grad)  # the bug the SPEC warns about: one rounding in the promoted type
+
+    monkeypatch.setattr(wacc_torch.WeightedGradientsAccumulator, "_add", single_rounding_add)
+    actual = run_torch(scenario, device="cpu")
+    expected = run_reference(scenario, mode="emulated")
+    differences = trace_differences(expected, actual)
+    assert differences, "a single-rounding add went unnoticed"
+    assert any("0x1.02" in line for line in differences), differences
+
+
+def test_stepwise_oracle_detects_a_wrong_fused_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused oracle can fail: a mean step that applies the weight twice is outside the set."""
+    scenario = Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=True,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("mean", 3.0, {"weight": (1.0, -0.5)}),
+            Finish("mean"),
+        ),
+    )
+    assert not stepwise_differences(scenario, run_torch(scenario, device="cpu"))
+
+    def weight_applied_twice(
+        self: object, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool
+    ) -> None:
+        del self, mean
+        buffer.add_(grad.to(buffer.dtype), alpha=weight * weight)
+
+    monkeypatch.setattr(wacc_torch.WeightedGradientsAccumulator, "_add", weight_applied_twice)
+    differences = stepwise_differences(scenario, run_torch(scenario, device="cpu"))
+    assert any("weight[flat 0]" in line for line in differences), differences

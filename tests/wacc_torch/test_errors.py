@@ -1,0 +1,258 @@
+"""SPEC §11: every bad input raises its specific error, names the culprit, and changes nothing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import wacc_torch
+from tests.wacc_torch.support import (
+    TwoLayer,
+    assert_unchanged,
+    grads_snapshot,
+    tracked_shapes,
+)
+from wacc_torch import (
+    InvalidLossScaleError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    RecordError,
+    WeightedAccumulationError,
+    WeightedGradientsAccumulator,
+    ZeroTotalWeightError,
+)
+
+
+def test_error_hierarchy() -> None:
+    """Every SPEC error is exported and derives from WeightedAccumulationError(ValueError)."""
+    assert issubclass(WeightedAccumulationError, ValueError)
+    for error in (
+        InvalidLossScaleError,
+        InvalidWeightError,
+        ParameterMismatchError,
+        ZeroTotalWeightError,
+        RecordError,
+    ):
+        assert issubclass(error, WeightedAccumulationError)
+        assert getattr(wacc_torch, error.__name__) is error
+
+
+def test_wacc_torch_does_not_import_the_reference() -> None:
+    """Importing wacc_torch alone pulls in no wacc_ref module (production never needs the judge)."""
+    code = "import sys, wacc_torch; sys.exit(any(m.startswith('wacc_ref') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _busy_accumulator(module: nn.Module) -> WeightedGradientsAccumulator:
+    """An accumulator mid-window with one buffer and the module's .grad set to marker values."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=4.0)
+    accumulator.accumulate_sum(module, 3, grads={"first.weight": torch.full((3, 4), 1.5)})
+    accumulator.accumulate_mean(module, 0)
+    for parameter in module.parameters():
+        parameter.grad = torch.full_like(parameter, 2.5)
+    return accumulator
+
+
+BAD_WEIGHTS = [
+    True,
+    False,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    -1,
+    -(2.0**-1074),
+    10**400,
+    1 + 0j,
+    "3",
+    None,
+    torch.tensor([1.0]),
+    torch.ones(2, 2),
+    torch.tensor(float("nan")),
+    torch.tensor(-2.0),
+    torch.tensor(True),
+    torch.tensor(1 + 0j),
+]
+
+
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=lambda w: repr(w).replace(" ", ""))
+def test_bad_weight_raises_invalid_weight_and_changes_nothing(method: str, weight: object) -> None:
+    """bool, NaN, inf, negative, huge, complex, non-real, non-0-d weights: InvalidWeightError."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    with pytest.raises(InvalidWeightError) as caught:
+        getattr(accumulator, method)(module, weight)
+    assert repr(weight) in str(caught.value), str(caught.value)
+    assert_unchanged(accumulator, record, module, grads)
+
+
+def test_total_weight_overflow_is_refused() -> None:
+    """A weight that would make W infinite raises InvalidWeightError and changes nothing."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    big = sys.float_info.max
+    accumulator.accumulate_sum(module, big, grads={})
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    with pytest.raises(InvalidWeightError, match=re.escape(repr(big))):
+        accumulator.accumulate_sum(module, big, grads={})
+    assert_unchanged(accumulator, record, module, grads)
+
+
+def _with_grads(**changes: Any) -> Callable[[nn.Module], dict[str, Any]]:
+    def build(module: nn.Module) -> dict[str, Any]:
+        grads: dict[str, Any] = {
+            name: torch.ones(shape) for name, shape in tracked_shapes(module).items()
+        }
+        grads.update(changes)
+        return grads
+
+    return build
+
+
+BAD_GRADS = [
+    pytest.param(_with_grads(other=torch.ones(1)), "'other'", id="unknown-name"),
+    pytest.param(_with_grads(frozen=torch.ones(5)), "'frozen'", id="untracked-name"),
+    pytest.param(
+        _with_grads(**{"second.bias": torch.ones(3)}), r"'second.bias'.*\[3\]", id="shape"
+    ),
+    pytest.param(
+        _with_grads(**{"second.bias": torch.ones(2, dtype=torch.int64)}),
+        "int64",
+        id="integer-dtype",
+    ),
+    pytest.param(
+        _with_grads(**{"second.bias": torch.ones(2, dtype=torch.complex64)}),
+        "complex64",
+        id="complex-dtype",
+    ),
+    pytest.param(_with_grads(**{"second.bias": torch.ones(2, device="meta")}), "meta", id="device"),
+    pytest.param(_with_grads(**{"second.bias": torch.ones(2).to_sparse()}), "sparse", id="sparse"),
+    pytest.param(
+        _with_grads(**{"second.bias": [1.0, 1.0]}), "'second.bias'.*list", id="not-a-tensor"
+    ),
+]
+
+
+@pytest.mark.parametrize("weight", [2, 0], ids=["positive", "zero"])
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+@pytest.mark.parametrize(("build", "message"), BAD_GRADS)
+def test_bad_gradient_raises_parameter_mismatch_and_changes_nothing(
+    build: Callable[[nn.Module], dict[str, Any]], message: str, method: str, weight: int
+) -> None:
+    """A bad name, shape, dtype kind, device or type in grads raises ParameterMismatchError."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    with pytest.raises(ParameterMismatchError, match=message):
+        getattr(accumulator, method)(module, weight, grads=build(module))
+    assert_unchanged(accumulator, record, module, grads)
+
+
+def _drop_layer(module: TwoLayer) -> nn.Module:
+    del module.second
+    return module
+
+
+def _add_layer(module: TwoLayer) -> nn.Module:
+    module.third = nn.Linear(2, 2)
+    return module
+
+
+def _reshape_layer(module: TwoLayer) -> nn.Module:
+    module.second = nn.Linear(3, 4)
+    return module
+
+
+def _move_to_meta(module: TwoLayer) -> nn.Module:
+    module.second.bias = nn.Parameter(torch.ones(2, device="meta"))
+    return module
+
+
+def _freeze_layer(module: TwoLayer) -> nn.Module:
+    module.second.bias.requires_grad_(False)
+    return module
+
+
+BAD_MODULES = [
+    pytest.param(
+        _drop_layer, r"missing \['second.weight', 'second.bias'\]", id="missing-parameter"
+    ),
+    pytest.param(_add_layer, r"not tracked \['third.weight', 'third.bias'\]", id="extra-parameter"),
+    pytest.param(_reshape_layer, r"'second.weight'.*\[4, 3\].*\[2, 3\]", id="shape"),
+    pytest.param(_move_to_meta, "'second.bias' is on meta", id="device"),
+    pytest.param(_freeze_layer, r"missing \['second.bias'\]", id="no-longer-requires-grad"),
+]
+
+
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+@pytest.mark.parametrize(("change", "message"), BAD_MODULES)
+def test_module_that_left_the_tracked_set_raises_and_changes_nothing(
+    change: Callable[[TwoLayer], nn.Module], message: str, method: str
+) -> None:
+    """After binding, a module with missing/extra parameters, other shapes or devices is refused."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    changed = change(module)
+    for parameter in changed.parameters():
+        if parameter.device.type != "meta":
+            parameter.grad = torch.full_like(parameter, 2.5)
+    record, grads = accumulator.state_dict(), grads_snapshot(changed)
+    with pytest.raises(ParameterMismatchError, match=message):
+        getattr(accumulator, method)(changed, 1)
+    assert_unchanged(accumulator, record, changed, grads)
+
+
+def test_complex_parameter_cannot_be_bound() -> None:
+    """A requires_grad parameter of complex dtype raises ParameterMismatchError at binding."""
+    module = TwoLayer()
+    module.phase = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    record = accumulator.state_dict()
+    with pytest.raises(ParameterMismatchError, match="'phase'.*complex64"):
+        accumulator.accumulate_sum(module, 1, grads={})
+    assert_unchanged(accumulator, record)
+
+
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+def test_module_without_trainable_parameters_is_refused(method: str) -> None:
+    """A module with no requires_grad parameter raises ParameterMismatchError and binds nothing."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    record = accumulator.state_dict()
+    for module in (nn.Module(), nn.Linear(2, 2).requires_grad_(False)):
+        with pytest.raises(ParameterMismatchError, match="no requires_grad parameter"):
+            getattr(accumulator, method)(module, 1)
+    assert_unchanged(accumulator, record)
+
+
+def test_weight_error_comes_before_parameter_error_before_mean_weight_error() -> None:
+    """Validation order: the weight itself, then the module and gradients, then w_D in D."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
+    accumulator.accumulate_sum(TwoLayer(), 0)
+    other = nn.Linear(1, 1)
+    with pytest.raises(InvalidWeightError):
+        accumulator.accumulate_mean(other, -1.0)
+    # 70000 is a valid weight that fp16 cannot hold: the module mismatch is reported first.
+    with pytest.raises(ParameterMismatchError):
+        accumulator.accumulate_mean(other, 70000)
+    with pytest.raises(InvalidWeightError, match="70000"):
+        accumulator.accumulate_mean(TwoLayer(), 70000)
+
+
+def test_non_module_and_non_mapping_arguments_raise_type_error() -> None:
+    """A module that is not an nn.Module, or grads that are not a mapping, raise TypeError."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    with pytest.raises(TypeError, match="dict"):
+        accumulator.accumulate_sum({"weight": torch.ones(1)}, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="list"):
+        accumulator.accumulate_sum(module, 1, grads=[torch.ones(1)])  # type: ignore[arg-type]
+    assert_unchanged(accumulator, record, module, grads)

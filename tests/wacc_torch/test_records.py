@@ -1,0 +1,430 @@
+"""SPEC §9: records — content, copies, file round trips, validation of every field, from_pending."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.wacc_torch.support import (
+    DEVICES,
+    WORK_DTYPE_PARAMS,
+    TwoLayer,
+    assert_bitwise_equal,
+    assert_records_equal,
+    assert_unchanged,
+    tracked_shapes,
+)
+from wacc_torch import (
+    FORMAT_VERSION,
+    AccumulatorState,
+    ParameterMismatchError,
+    RecordError,
+    WeightedGradientsAccumulator,
+    load_record,
+    save_record,
+)
+from wacc_torch.records import RECORD_KEYS
+
+SCALE = 2.0**4
+
+
+def _filled(
+    module: nn.Module, *, dtype: torch.dtype = torch.float32, fused: bool = False
+) -> WeightedGradientsAccumulator:
+    """An accumulator mid-window: 3 issued, 1 zero-weight, buffers for two of four parameters."""
+    shapes = tracked_shapes(module)
+    device = next(module.parameters()).device
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=SCALE, fused=fused)
+    accumulator.accumulate_mean(
+        module, 3, grads={"first.weight": torch.full(shapes["first.weight"], 0.75, device=device)}
+    )
+    accumulator.accumulate_sum(module, 0, grads={})
+    accumulator.accumulate_sum(
+        module, 5, grads={"second.bias": torch.tensor([1.5, -2.0], device=device)}
+    )
+    return accumulator
+
+
+def test_record_has_exactly_the_documented_keys_and_plain_types() -> None:
+    """state_dict holds the schema's keys, plain Python values and CPU tensors of dtype D."""
+    module = TwoLayer()
+    record = _filled(module, dtype=torch.bfloat16).state_dict()
+    assert tuple(record) == RECORD_KEYS
+    assert record["format_version"] == FORMAT_VERSION == 1
+    assert record["dtype"] == "bfloat16" and record["loss_scale"] == SCALE
+    assert record["fused"] is False
+    assert (record["issued"], record["zero_weight"], record["total_weight"]) == (3, 1, 8.0)
+    assert all(type(record[key]) is int for key in ("format_version", "issued", "zero_weight"))
+    assert type(record["total_weight"]) is float and type(record["loss_scale"]) is float
+    assert record["param_names"] == list(tracked_shapes(module))
+    assert record["param_shapes"] == [list(shape) for shape in tracked_shapes(module).values()]
+    assert set(record["pending"]) == {"first.weight", "second.bias"}
+    for buffer in record["pending"].values():
+        assert buffer.device.type == "cpu" and buffer.dtype == torch.bfloat16
+    documented = WeightedGradientsAccumulator.state_dict.__doc__ or ""
+    assert all(f"``{key}``" in documented for key in RECORD_KEYS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_record_is_a_copy(device: str) -> None:
+    """Accumulating after state_dict (or state_dict_async) does not change the record taken."""
+    module = TwoLayer(device)
+    accumulator = _filled(module)
+    record = accumulator.state_dict()
+    handle = accumulator.state_dict_async()
+    frozen = copy.deepcopy(record)
+    shapes = tracked_shapes(module)
+    accumulator.accumulate_sum(
+        module, 1, grads={name: torch.ones(s, device=device) for name, s in shapes.items()}
+    )
+    accumulator.finish_mean()
+    assert_records_equal(record, frozen)
+    assert_records_equal(handle.result(), frozen)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_record_file_round_trip_is_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    """save_record then load_record (weights_only torch.load) gives the same record, bitwise."""
+    module = TwoLayer()
+    record = _filled(module, dtype=dtype).state_dict()
+    record["pending"]["second.bias"][0] = float("inf")  # overflowed values survive too
+    save_record(record, tmp_path / "record.pt")
+    assert_records_equal(load_record(tmp_path / "record.pt"), record)
+    raw = torch.load(tmp_path / "record.pt", map_location="cpu", weights_only=True)
+    assert_records_equal(raw, record)
+
+
+def test_record_before_any_accumulate_loads_into_any_module() -> None:
+    """A record taken before anything was accumulated binds nothing and loads into any module."""
+    empty = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE).state_dict()
+    assert empty["param_names"] == [] and empty["pending"] == {}
+    for module in (TwoLayer(), nn.Linear(2, 9), nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 3))):
+        target = _filled(TwoLayer())
+        target.load_state_dict(empty, module)
+        assert_records_equal(target.state_dict(), empty)
+        # The next accumulate binds the module it is given.
+        target.accumulate_sum(module, 0)
+        assert target.state_dict()["param_names"] == list(tracked_shapes(module))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_restores_buffers_on_the_module_device_without_aliasing(device: str) -> None:
+    """Loaded buffers live on the module's device and are copies of the record's tensors."""
+    record = _filled(TwoLayer()).state_dict()
+    module = TwoLayer(device)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    accumulator.load_state_dict(record, module)
+    expected = copy.deepcopy(record)
+    for buffer in record["pending"].values():
+        buffer.fill_(123.0)
+    assert_records_equal(accumulator.state_dict(), expected)
+    sums = accumulator.finish_sums()
+    for name, buffer in sums.grads.items():
+        if buffer is not None:
+            assert buffer.device.type == torch.device(device).type, name
+
+
+def test_pending_buffers_with_inf_and_nan_are_accepted() -> None:
+    """A pending buffer may hold inf or NaN (overflow, NaN gradients): the record loads as is."""
+    module = TwoLayer()
+    record = _filled(module, dtype=torch.float16).state_dict()
+    record["pending"]["second.bias"] = torch.tensor(
+        [float("inf"), float("nan")], dtype=torch.float16
+    )
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=SCALE)
+    accumulator.load_state_dict(record, TwoLayer())
+    assert_records_equal(accumulator.state_dict(), record)
+
+
+def _drop(key: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(record: dict[str, Any]) -> None:
+        del record[key]
+
+    return mutate
+
+
+def _set(key: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def mutate(record: dict[str, Any]) -> None:
+        record[key] = value
+
+    return mutate
+
+
+def _set_pending(name: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def mutate(record: dict[str, Any]) -> None:
+        record["pending"][name] = value
+
+    return mutate
+
+
+def _set_counters(
+    issued: object, zero_weight: object, total_weight: object
+) -> Callable[[dict[str, Any]], None]:
+    def mutate(record: dict[str, Any]) -> None:
+        record.update(issued=issued, zero_weight=zero_weight, total_weight=total_weight)
+
+    return mutate
+
+
+def _no_positive_batches_but_pending(record: dict[str, Any]) -> None:
+    record.update(issued=2, zero_weight=2, total_weight=0.0)
+
+
+_NAMES = ["first.weight", "first.bias", "second.weight", "second.bias"]
+_SHAPES = [[3, 4], [3], [2, 3], [2]]
+
+BAD_RECORDS: list[Any] = [
+    pytest.param(_set("extra", 1), "extra", id="unknown-key"),
+    *(pytest.param(_drop(key), key, id=f"missing-{key}") for key in RECORD_KEYS),
+    pytest.param(_set("format_version", 2), "format_version", id="version-2"),
+    pytest.param(_set("format_version", True), "format_version", id="version-bool"),
+    pytest.param(_set("format_version", "1"), "format_version", id="version-str"),
+    pytest.param(_set("dtype", "float16"), "dtype", id="dtype-other"),
+    pytest.param(_set("dtype", "torch.float32"), "dtype", id="dtype-prefixed"),
+    pytest.param(_set("dtype", "int8"), "dtype", id="dtype-int8"),
+    pytest.param(_set("dtype", torch.float32), "dtype", id="dtype-not-str"),
+    pytest.param(_set("loss_scale", SCALE * 2), "loss_scale", id="scale-other"),
+    pytest.param(_set("loss_scale", float("nan")), "loss_scale", id="scale-nan"),
+    pytest.param(_set("loss_scale", "16.0"), "loss_scale", id="scale-str"),
+    pytest.param(_set("fused", True), "fused", id="fused-other"),
+    pytest.param(_set("fused", 0), "fused", id="fused-int"),
+    pytest.param(_set("issued", -1), "issued", id="issued-negative"),
+    pytest.param(_set("issued", True), "issued", id="issued-bool"),
+    pytest.param(_set("issued", 3.0), "issued", id="issued-float"),
+    pytest.param(_set("zero_weight", -1), "zero_weight", id="zero-weight-negative"),
+    pytest.param(_set("zero_weight", 4), "zero_weight", id="zero-weight-above-issued"),
+    pytest.param(_set("zero_weight", False), "zero_weight", id="zero-weight-bool"),
+    pytest.param(_set("total_weight", -8.0), "total_weight", id="weight-negative"),
+    pytest.param(_set("total_weight", float("nan")), "total_weight", id="weight-nan"),
+    pytest.param(_set("total_weight", float("inf")), "total_weight", id="weight-inf"),
+    pytest.param(_set("total_weight", True), "total_weight", id="weight-bool"),
+    pytest.param(_set("total_weight", "8.0"), "total_weight", id="weight-str"),
+    pytest.param(_set("total_weight", 2**53 + 1), "total_weight", id="weight-int-not-float64"),
+    pytest.param(_set("total_weight", 10**400), "total_weight", id="weight-int-overflow"),
+    pytest.param(_set("total_weight", 0.0), "total_weight", id="weight-zero-after-positive"),
+    pytest.param(_set_counters(2, 2, 8.0), "total_weight", id="weight-without-positive-batch"),
+    pytest.param(_no_positive_batches_but_pending, "pending", id="pending-without-positive-batch"),
+    pytest.param(
+        _set("param_names", ["first.weight", "first.bias", "second.weight"]),
+        "param_names",
+        id="names-missing-one",
+    ),
+    pytest.param(_set("param_names", [*_NAMES[:3], "other"]), "param_names", id="names-unknown"),
+    pytest.param(
+        _set("param_names", [*_NAMES[:3], "first.weight"]), "param_names", id="names-duplicate"
+    ),
+    pytest.param(_set("param_names", [1, 2, 3, 4]), "param_names", id="names-not-str"),
+    pytest.param(_set("param_names", "first.weight"), "param_names", id="names-a-str"),
+    pytest.param(
+        _set("param_shapes", [[3, 4], [3], [2, 3], [3]]), "param_shapes", id="shape-differs"
+    ),
+    pytest.param(_set("param_shapes", _SHAPES[:3]), "param_shapes", id="shapes-too-few"),
+    pytest.param(
+        _set("param_shapes", [[3, 4], [3], [2, 3], [-2]]), "param_shapes", id="shape-negative"
+    ),
+    pytest.param(
+        _set("param_shapes", [[3, 4], [3], [2, 3], [True, True]]), "param_shapes", id="shape-bool"
+    ),
+    pytest.param(_set("param_shapes", [[3, 4], [3], [2, 3], "2"]), "param_shapes", id="shape-str"),
+    pytest.param(_set("pending", [1]), "pending", id="pending-not-dict"),
+    pytest.param(_set_pending("other", torch.zeros(2)), "pending", id="pending-unknown-name"),
+    pytest.param(_set_pending("second.bias", [1.5, -2.0]), "pending", id="pending-not-tensor"),
+    pytest.param(
+        _set_pending("second.bias", torch.zeros(2, dtype=torch.float64)),
+        "pending",
+        id="pending-dtype",
+    ),
+    pytest.param(_set_pending("second.bias", torch.zeros(3)), "pending", id="pending-shape"),
+    pytest.param(
+        _set_pending("second.bias", torch.zeros(2).to_sparse()), "pending", id="pending-sparse"
+    ),
+    pytest.param(
+        _set_pending("first.bias", torch.zeros(3, dtype=torch.int64)), "pending", id="pending-int"
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field"), BAD_RECORDS)
+def test_bad_record_field_raises_record_error_and_changes_nothing(
+    mutate: Callable[[dict[str, Any]], None], field: str
+) -> None:
+    """Each malformed or mismatching field raises RecordError naming it and changes nothing."""
+    module = TwoLayer()
+    record = _filled(module).state_dict()
+    mutate(record)
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    shapes = tracked_shapes(module)
+    target.accumulate_sum(module, 2, grads={name: torch.full(s, 0.5) for name, s in shapes.items()})
+    for parameter in module.parameters():
+        parameter.grad = torch.full_like(parameter, 9.0)
+    before = target.state_dict()
+    with pytest.raises(RecordError, match=field):
+        target.load_state_dict(record, module)
+    assert_unchanged(target, before)
+    assert all(bool((p.grad == 9.0).all()) for p in module.parameters() if p.grad is not None)
+
+
+def test_record_for_another_module_is_refused() -> None:
+    """A record bound to other parameter names or shapes raises RecordError naming the field."""
+    record = _filled(TwoLayer()).state_dict()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    before = accumulator.state_dict()
+    with pytest.raises(RecordError, match="param_names"):
+        accumulator.load_state_dict(record, nn.Linear(4, 3))
+    wider = TwoLayer()
+    wider.second = nn.Linear(3, 5)
+    with pytest.raises(RecordError, match=r"param_shapes.*second.weight"):
+        accumulator.load_state_dict(record, wider)
+    assert_unchanged(accumulator, before)
+
+
+def test_module_without_trainable_parameters_is_refused_before_the_record() -> None:
+    """Loading into a module with no requires_grad parameter raises ParameterMismatchError."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    empty = accumulator.state_dict()
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    for module in (nn.Module(), frozen):
+        with pytest.raises(ParameterMismatchError, match="no requires_grad parameter"):
+            accumulator.load_state_dict(empty, module)
+    assert_unchanged(accumulator, empty)
+
+
+def test_unbound_record_with_issued_batches_is_refused() -> None:
+    """A record that binds no parameters but counts issued batches raises RecordError('issued')."""
+    record = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE).state_dict()
+    record.update(issued=1, zero_weight=1)
+    accumulator = _filled(TwoLayer())
+    before = accumulator.state_dict()
+    with pytest.raises(RecordError, match="issued"):
+        accumulator.load_state_dict(record, TwoLayer())
+    assert_unchanged(accumulator, before)
+
+
+def test_non_mapping_record_is_refused() -> None:
+    """A record that is not a dict raises RecordError."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    with pytest.raises(RecordError, match="list"):
+        accumulator.load_state_dict([1, 2], TwoLayer())  # type: ignore[arg-type]
+
+
+class _CodeRunningPayload:
+    """Unpickling this calls ``open(marker, "w")``: it would create the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_record_file_with_code_running_pickle_is_refused(tmp_path: Path) -> None:
+    """load_record refuses a pickle payload that would run code (RecordError) and runs nothing."""
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, "pending": _CodeRunningPayload(marker)}, path)
+    with pytest.raises(RecordError, match="evil.pt"):
+        load_record(path)
+    assert not marker.exists()
+    # Control: the payload is live, an unrestricted load would have created the marker.
+    control = tmp_path / "control"
+    torch.save(_CodeRunningPayload(control), tmp_path / "control.pt")
+    handle = torch.load(tmp_path / "control.pt", weights_only=False)
+    handle.close()
+    assert control.exists()
+
+
+def test_record_file_that_is_not_a_record_is_refused(tmp_path: Path) -> None:
+    """A file holding a list, or bytes that are no torch archive, raises RecordError."""
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(RecordError, match="list"):
+        load_record(tmp_path / "list.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RecordError, match="junk.pt"):
+        load_record(tmp_path / "junk.pt")
+    with pytest.raises(FileNotFoundError):
+        load_record(tmp_path / "absent.pt")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_async_equals_state_dict(device: str) -> None:
+    """state_dict_async().result() holds the same record as state_dict() at the call."""
+    module = TwoLayer(device)
+    accumulator = _filled(module, dtype=torch.float16)
+    expected = accumulator.state_dict()
+    handle = accumulator.state_dict_async()
+    shapes = tracked_shapes(module)
+    accumulator.accumulate_sum(
+        module, 1, grads={name: torch.ones(s, device=device) for name, s in shapes.items()}
+    )
+    assert_records_equal(handle.result(), expected)
+    assert handle.done()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_pending_continues_like_the_original(device: str) -> None:
+    """from_pending with the original's counters and buffers continues to the same result."""
+    module = TwoLayer(device)
+    original = _filled(module, dtype=torch.bfloat16)
+    record = original.state_dict()
+    pending = {name: buffer.to(device) for name, buffer in record["pending"].items()}
+    restored = WeightedGradientsAccumulator.from_pending(TwoLayer(device), pending, original.state)
+    assert_records_equal(restored.state_dict(), record)
+    shapes = tracked_shapes(module)
+    for accumulator in (original, restored):
+        accumulator.accumulate_mean(
+            module,
+            1001,
+            grads={name: torch.full(s, 0.375, device=device) for name, s in shapes.items()},
+        )
+    expected, actual = original.finish_mean(), restored.finish_mean()
+    for name in shapes:
+        assert_bitwise_equal(actual.grads[name], expected.grads[name], name)
+
+
+def test_from_pending_checks_buffers_and_counters() -> None:
+    """from_pending refuses unknown names, wrong dtype/shape/device and inconsistent counters."""
+    module = TwoLayer()
+    state = AccumulatorState(
+        dtype=torch.float32,
+        loss_scale=SCALE,
+        issued=2,
+        zero_weight=1,
+        total_weight=3.0,
+        fused=False,
+    )
+    good = torch.zeros(2)
+    cases: list[tuple[dict[str, Any], AccumulatorState, type[Exception], str]] = [
+        ({"other": good}, state, ParameterMismatchError, "'other'"),
+        ({"second.bias": good.double()}, state, ParameterMismatchError, "float64"),
+        ({"second.bias": torch.zeros(3)}, state, ParameterMismatchError, r"\[3\]"),
+        ({"second.bias": torch.zeros(2, device="meta")}, state, ParameterMismatchError, "meta"),
+        (
+            {"second.bias": good},
+            AccumulatorState(torch.float32, SCALE, 2, 3, 3.0, False),
+            RecordError,
+            "zero_weight",
+        ),
+        (
+            {"second.bias": good},
+            AccumulatorState(torch.float32, SCALE, 2, 2, 0.0, False),
+            RecordError,
+            "pending",
+        ),
+        (
+            {},
+            AccumulatorState(torch.float32, SCALE, 1, 0, -1.0, False),
+            RecordError,
+            "total_weight",
+        ),
+    ]
+    for pending, bad_state, error, message in cases:
+        with pytest.raises(error, match=message):
+            WeightedGradientsAccumulator.from_pending(module, pending, bad_state)
+    with pytest.raises(TypeError, match="AccumulatorState"):
+        WeightedGradientsAccumulator.from_pending(module, {}, {"issued": 0})  # type: ignore[arg-type]
