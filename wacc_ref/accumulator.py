@@ -291,6 +291,18 @@ class ReferenceAccumulator:
                     f"{self._dtype.name}: it does not survive the work dtype"
                 )
             w_counted = w_d
+        if self._exact:
+            new_total: float | Fraction = cast(Fraction, self._total_weight) + Fraction(w_counted)
+        else:
+            new_total = cast(float, self._total_weight) + w_counted  # round_64(W + w)
+        # A total weight that overflows float64 could never be recorded (§9 needs a finite W):
+        # refuse the weight that causes it, as wacc_torch does.
+        if not math.isfinite(round_to(new_total, FLOAT64)):
+            before = format_value(round_to(self._total_weight, FLOAT64))
+            raise InvalidWeightError(
+                f"weight {format_value(w)} makes the total weight overflow float64 "
+                f"({before} + {format_value(w_counted)})"
+            )
         arith.check_gradual_underflow()
         new_pending = dict(self._pending)
         for name, gradient in checked.items():
@@ -298,10 +310,6 @@ class ReferenceAccumulator:
                 new_pending[name] = self._exact_step(name, gradient, w_counted if mean else None)
             else:
                 new_pending[name] = self._emulated_step(name, gradient, w_counted if mean else None)
-        if self._exact:
-            new_total: float | Fraction = cast(Fraction, self._total_weight) + Fraction(w_counted)
-        else:
-            new_total = cast(float, self._total_weight) + w_counted  # round_64(W + w)
         self._binding = binding
         self._pending = new_pending
         self._total_weight = new_total

@@ -23,7 +23,10 @@ and these exactness facts (each one a property of binary floating point, used to
 * (E2) the sum of two values of ``F`` has ``ε = 0``: in the subnormal range it is exact;
 * (E3) multiplying a value of ``F`` by ``2**k``, ``k >= 0``, is exact (overflow excluded below);
   by ``2**k``, ``k < 0``, it has ``δ = 0`` (only underflow, ``|ε| <= η_F``);
-* (E4) ``buf`` starts at ``+0``: the two-step order's first addition ``+0 + t`` is exact.
+* (E4) ``buf`` starts at ``+0``: the two-step order's first addition ``+0 + t`` is exact;
+* (E5) a zero contribution (``g == 0`` exactly, or a ``None`` gradient) leaves ``buf`` unchanged
+  in every variant (``round(buf + 0) = buf``).  So, per element, only the nonzero contributions
+  are steps: ``K`` below counts them, ``j`` numbers them, and the first one meets ``buf == 0``.
 
 A product ``Π(1 + δ_i)`` with ``|δ_i| <= u_i`` lies in ``[Π(1 - u_i), Π(1 + u_i)]``; for ``n``
 factors of one format ``Π(1 + u) - 1 <= γ_n = n u / (1 - n u)`` (Higham's Lemma 3.1).  The bound
@@ -95,8 +98,9 @@ Step 3 — the weight sum and the two divisions (``normalized=True``)
 
 ``U_Δ = Π(1 + u_i)``, ``L_Δ = Π(1 - u_i)``.  Exactness refinements (E1, E3): ``S`` a power of two
 gives ``u_1 = 0`` (and ``η_1 = 0`` if ``S <= 1``); ``W_op`` a power of two gives ``u_2 = 0`` (and
-``η_2 = 0`` if ``W_op <= 1``); both powers of two give ``u_3 = 0`` (``q = y 2**-k`` has at most
-``p`` significant bits, so ``round_D`` can only underflow).
+``η_2 = 0`` if ``W_op <= 1``, and then ``q = y 2**k`` is in ``D``: ``u_3 = η_3 = 0``); a
+``W_op = 2**k > 1`` gives ``u_3 = 0`` (``q = y 2**-k`` has at most ``p`` significant bits, so
+``round_D`` can only underflow).
 
 Overflow: the bound is not applicable where it may happen
 ---------------------------------------------------------
@@ -549,9 +553,9 @@ def _normalized_scalars(
     first = _scaling_rounding(scale_pow2, scale <= 1, c.u, c.eta)
     # q = round_op(y / W_op), y in D, hence in op(D).
     second = _scaling_rounding(weight_pow2, weight_op <= 1, u_op, eta_op)
-    if tol.op_dtype == tol.dtype:
-        third = _EXACT  # round_D of an op(D) value is the identity
-    elif scale_pow2 and weight_pow2:
+    if tol.op_dtype == tol.dtype or second == _EXACT:
+        third = _EXACT  # round_D of an op(D) value is the identity; or q = y * 2**k is in D
+    elif weight_pow2:
         third = _Rounding(_ZERO, c.eta)  # q = y * 2**-k: at most p bits, only underflow (E3)
     else:
         third = _Rounding(c.u, c.eta)
@@ -575,6 +579,31 @@ def _normalized_scalars(
         constant=constant,
         threshold=min(max_finite, max_finite * scale_exact, quotient_limit),
     )
+
+
+def _term_entries(
+    tol: DtypeTolerance,
+    kind: str,
+    multiplier: float,
+    steps_after: int,
+    first: bool,
+    case: int,
+    scalars: _NormalizedScalars | None,
+) -> tuple[float, float, float, float]:
+    """Per-element coefficients of one term, rounded up: error rate (times |g|), absolute error,
+    magnitude rate (times |g|), absolute magnitude (Steps 2-3 of the module docstring)."""
+    m_exact = _q(multiplier)
+    cls = 0 if kind == "sum" else _multiplier_class(multiplier)
+    f = _term_factors(tol.dtype, kind, steps_after, first, case, cls)
+    abs_error = f.abs_per_multiplier * m_exact + f.abs_constant  # A_j
+    if scalars is not None:
+        kappa = max(f.upper * scalars.psi_upper - 1, 1 - f.lower * scalars.psi_lower)
+        rate = _round_up(kappa * m_exact * scalars.inverse_scaled_weight)
+        absolute = _round_up(abs_error * scalars.psi_upper * scalars.inverse_scaled_weight)
+    else:
+        rate = _round_up(max(f.upper - 1, 1 - f.lower) * m_exact)
+        absolute = _round_up(abs_error)
+    return rate, absolute, _round_up(f.upper * m_exact), _round_up(abs_error)
 
 
 def _multiplier_class(multiplier: float) -> int:
@@ -661,40 +690,49 @@ def window_error_bound(
         constant = _ZERO
         threshold = _q(tol.max_finite)
 
+    # Per element, a zero contribution (g == 0 or a None gradient) is no step at all (E5): only
+    # the nonzero ones count, and the first nonzero one meets buf == 0 (E4).
+    nonzero = [
+        np.zeros(shape, dtype=bool) if array is None else array != 0.0  # NaN counts as nonzero
+        for array in arrays
+    ]
+    later_counts = [np.zeros(shape, dtype=np.intp) for _ in arrays]
+    for j in range(count - 2, -1, -1):
+        later_counts[j] = later_counts[j + 1] + nonzero[j + 1]
+    seen_before = np.zeros(shape, dtype=bool)
+
     bound_sum = np.zeros(shape)
     magnitude_sum = np.zeros(shape)
     not_applicable = np.zeros(shape, dtype=bool)
     for j, maybe_array in enumerate(arrays):
+        first = ~seen_before
+        seen_before = seen_before | nonzero[j]
         if maybe_array is None:
-            continue  # a zero contribution: its later steps round only the other terms
+            continue
         array = maybe_array
-        multiplier = multipliers[j]
-        m_exact = _q(multiplier)
-        cls = 0 if kind == "sum" else _multiplier_class(multiplier)
-        rates, absolutes, sizes, size_absolutes = [], [], [], []
-        for case in range(n_cases):
-            f = _term_factors(tol.dtype, kind, count - 1 - j, j == 0, case, cls)
-            abs_error = f.abs_per_multiplier * m_exact + f.abs_constant  # A_j
-            if scalars is not None:
-                kappa = max(f.upper * scalars.psi_upper - 1, 1 - f.lower * scalars.psi_lower)
-                rates.append(_round_up(kappa * m_exact * scalars.inverse_scaled_weight))
-                absolutes.append(
-                    _round_up(abs_error * scalars.psi_upper * scalars.inverse_scaled_weight)
-                )
-            else:
-                rates.append(_round_up(max(f.upper - 1, 1 - f.lower) * m_exact))
-                absolutes.append(_round_up(abs_error))
-            sizes.append(_round_up(f.upper * m_exact))
-            size_absolutes.append(_round_up(abs_error))
-        magnitude = np.abs(array)
         finite = np.isfinite(array)
+        magnitude = np.where(finite, np.abs(array), 0.0)
         not_applicable |= ~finite | (magnitude > tol.max_finite)
-        clean = np.where(finite, magnitude, 0.0)
-        case_index = _conversion_case(np.where(finite, array, 0.0), tol)
-        bound_sum += clean * np.array(rates)[case_index]
-        bound_sum += np.array(absolutes)[case_index]
-        magnitude_sum += clean * np.array(sizes)[case_index]
-        magnitude_sum += np.array(size_absolutes)[case_index]
+        case = _conversion_case(np.where(finite, array, 0.0), tol)
+        # One code per (first, later steps, conversion case): the factor tables are per code.
+        code = (first * count + later_counts[j]) * n_cases + case
+        codes = np.unique(code[nonzero[j]])
+        if codes.size == 0:
+            continue  # every element of this gradient is zero: no step anywhere
+        table = np.zeros((4, codes.size))
+        for column, value in enumerate(codes.tolist()):
+            first_code, case_code = divmod(value, n_cases)
+            is_first, steps_after = divmod(first_code, count)
+            table[:, column] = _term_entries(
+                tol, kind, multipliers[j], steps_after, bool(is_first), case_code, scalars
+            )
+        where = np.searchsorted(codes, code)
+        entries = np.where(nonzero[j], table[:, np.minimum(where, codes.size - 1)], 0.0)
+        rate, absolute, size, size_absolute = entries
+        bound_sum += magnitude * rate
+        bound_sum += absolute
+        magnitude_sum += magnitude * size
+        magnitude_sum += size_absolute
     bound_sum += _round_up(constant)
     operations = 3 * count + 1
     bound = _inflate(bound_sum, operations)

@@ -10,6 +10,11 @@ from wacc_torch.accumulator import (
     WeightedGradientsAccumulator,
     normalize_sums,
 )
+from wacc_torch.distributed import (
+    ProcessGroupUnavailableError,
+    all_reduce_mean,
+    all_reduce_sums,
+)
 from wacc_torch.errors import (
     InvalidLossScaleError,
     InvalidWeightError,
@@ -27,11 +32,14 @@ __all__ = [
     "InvalidLossScaleError",
     "InvalidWeightError",
     "ParameterMismatchError",
+    "ProcessGroupUnavailableError",
     "RecordError",
     "StateDictHandle",
     "WeightedAccumulationError",
     "WeightedGradientsAccumulator",
     "ZeroTotalWeightError",
+    "all_reduce_mean",
+    "all_reduce_sums",
     "load_record",
     "normalize_sums",
     "save_record",

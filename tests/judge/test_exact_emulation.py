@@ -113,6 +113,55 @@ def _convert_then_add_scenario() -> Scenario:
     )
 
 
+LARGEST_FLOAT64 = float.fromhex("0x1.fffffffffffffp+1023")
+
+# Named scenarios that random generation reaches rarely or never; each runs on both sides.
+CORPUS: dict[str, Scenario] = {
+    "convert then add (bf16 tie)": _convert_then_add_scenario(),
+    "total weight overflows float64": Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", LARGEST_FLOAT64, {"weight": (1.0, 2.0)}),
+            Accumulate.of("sum", LARGEST_FLOAT64, {"weight": (1.0, 2.0)}),
+            Finish("sums"),
+        ),
+    ),
+    "fp16 S=2**15, W=4096: S*W overflows, sequential division does not": Scenario(
+        work_dtype="float16",
+        grad_dtype="float32",
+        loss_scale=2.0**15,
+        fused=False,
+        parameters=(("weight", (3,)),),
+        steps=(
+            Accumulate.of("sum", 4000.0, {"weight": (2.0**15, -(2.0**14), 3.0)}),
+            Accumulate.of("sum", 96.0, {"weight": (2.0**14, 2.0**-9, 2.0**-24)}),
+            Finish("mean"),
+        ),
+    ),
+    "fp16 W=70000 (W itself overflows fp16)": Scenario(
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", 70000.0, {"weight": (7.0, -1.0)}),
+            Finish("mean"),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_scenario_matches_reference(name: str) -> None:
+    """Each named corner-case scenario gives the identical trace on both sides."""
+    _assert_same_trace(CORPUS[name], torch.device("cpu"))
+
+
 def test_runner_detects_a_single_rounding_add(monkeypatch: pytest.MonkeyPatch) -> None:
     """The oracle can fail: adding the float32 gradient straight into the bf16 buffer is caught."""
     scenario = _convert_then_add_scenario()

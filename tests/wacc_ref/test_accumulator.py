@@ -469,6 +469,18 @@ def test_every_error_leaves_the_state_unchanged(case: str, mode: str) -> None:
     assert acc.state.issued == 4
 
 
+@pytest.mark.parametrize("mode", ["emulated", "exact"])
+def test_weight_that_overflows_the_total_is_refused(mode: str) -> None:
+    """A weight whose float64 total W would be inf raises InvalidWeightError and changes nothing."""
+    largest = float.fromhex("0x1.fffffffffffffp+1023")
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0, mode=mode)
+    acc.accumulate_sum(P, largest, grads={"w": [1.0, 1.0]})
+    before = snapshot(acc)
+    with pytest.raises(InvalidWeightError, match="overflow"):
+        acc.accumulate_sum(P, largest, grads={"w": [1.0, 1.0]})
+    assert snapshot(acc) == before
+
+
 def test_error_classes_form_the_spec_hierarchy() -> None:
     """Every error derives from WeightedAccumulationError, itself a ValueError."""
     for cls in (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -39,9 +40,11 @@ from wacc_ref.scenario import (
     corrupt_record,
     corruption_field,
     from_json,
+    record_from_snapshot,
     run_reference,
     scenarios_identical,
     snapshot_record,
+    stepwise_differences,
     to_json,
     trace_differences,
     trace_violations,
@@ -668,3 +671,103 @@ def test_scenario_and_strategies_never_import_torch() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
     )
     assert completed.returncode == 0, completed.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The step-local oracle
+# --------------------------------------------------------------------------------------------
+
+
+def _fp16_fused_scenario() -> Scenario:
+    """fp16 fused mean: buf = 62, then c = -62 with w_D = 1057.  Exactly, buf + c*w_D = 62 - 65534
+    = -65472 = -2046 * 32, a float16 value; but round_16(c*w_D) = round_16(-65534) overflows
+    (|x| >= 65520), so the two-step result is -inf while FMA and op-rounded give -65472."""
+    return _scenario(
+        (
+            Accumulate.of("mean", 1.0, {"w": [62.0, 1.0]}),
+            Accumulate.of("mean", 1057.0, {"w": [-62.0, 0.0]}),
+            Finish("sums"),
+        ),
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+        fused=True,
+    )
+
+
+def test_stepwise_oracle_accepts_each_allowed_fused_result() -> None:
+    """Traces following the op-rounded and the two-step fused results differ from each other,
+    but each passes the stepwise oracle (SPEC §6 allows both)."""
+    scenario = _fp16_fused_scenario()
+    op_rounded = run_reference(scenario, fused_variant="op_rounded")
+    two_step = run_reference(scenario, fused_variant="two_step")
+    _assert_array_bits(dict(op_rounded.outcomes[1].state.pending)["w"], [-65472.0, 1.0], "op")
+    _assert_array_bits(dict(two_step.outcomes[1].state.pending)["w"], [-math.inf, 1.0], "two")
+    assert trace_differences(op_rounded, two_step) != []
+    for trace in (op_rounded, two_step, run_reference(scenario, fused_variant="fma")):
+        assert stepwise_differences(scenario, trace) == [], trace.implementation
+
+
+def _replace_state_pending(
+    trace: ScenarioTrace, index: int, name: str, values: list[float]
+) -> ScenarioTrace:
+    outcomes = list(trace.outcomes)
+    old = outcomes[index]
+    pending = tuple(
+        (n, np.array(values).reshape(a.shape) if n == name else a) for n, a in old.state.pending
+    )
+    state = dataclasses.replace(old.state, pending=pending)
+    outcomes[index] = dataclasses.replace(old, state=state)
+    return ScenarioTrace(outcomes=tuple(outcomes))
+
+
+def test_stepwise_oracle_refuses_a_fused_result_outside_the_allowed_set() -> None:
+    """A fused mean element that is none of the three SPEC §6 results is reported with the
+    allowed values; the next step is judged from the actual (tampered) state."""
+    scenario = _fp16_fused_scenario()
+    tampered = _replace_state_pending(run_reference(scenario), 1, "w", [-65440.0, 1.0])
+    lines = stepwise_differences(scenario, tampered)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 1 (accumulate_mean) state.pending['w'][flat 0]: got ")
+    assert "-0x1.ff80000000000p+15" in lines[0] and "'-inf'" in lines[0], lines[0]
+    # finish_sums is judged from the tampered buffer, which the actual trace did not hand over.
+    assert lines[1].startswith("step 2 (finish_sums) result.grads['w'][flat 0]: expected -0x1.ff4")
+
+
+def test_stepwise_oracle_is_exact_and_local_outside_fused_steps() -> None:
+    """In a non-fused scenario a -0.0 where the reference has +0.0 is reported at that step, and
+    the next step is judged from the actual state (not from the reference's own run)."""
+    scenario = _hand_scenario()
+    trace = run_reference(scenario)
+    assert stepwise_differences(scenario, trace) == []
+    tampered = _replace_state_pending(trace, 0, "w", [1.0, -0.0])
+    lines = stepwise_differences(scenario, tampered)
+    assert lines == [
+        "step 0 (accumulate_sum) state.pending['w'][flat 1]: expected 0x0.0p+0, got -0x0.0p+0",
+        # judged from the actual -0.0: -0.0 + -0.0 is -0.0, but the trace says +0.0
+        "step 1 (accumulate_sum) state.pending['w'][flat 1]: expected -0x0.0p+0, got 0x0.0p+0",
+    ]
+
+
+def test_stepwise_oracle_checks_async_checkpoint_records() -> None:
+    """A checkpoint whose record (resolved later) differs from the state at the call is reported."""
+    scenario = _hand_scenario()
+    trace = run_reference(scenario)
+    outcomes = list(trace.outcomes)
+    checkpoint = outcomes[2]
+    assert checkpoint.record is not None
+    drifted = dataclasses.replace(checkpoint.record, issued=3)
+    outcomes[2] = dataclasses.replace(checkpoint, record=drifted)
+    lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
+    assert lines[0] == "step 2 (checkpoint) record.issued: expected 2, got 3"
+
+
+def test_record_from_snapshot_round_trips() -> None:
+    """A snapshot turned back into a record loads and snapshots to the same bits."""
+    record = _record_with_pending()
+    snapshot = snapshot_record(record)
+    rebuilt = record_from_snapshot(snapshot)
+    assert tuple(rebuilt) == RECORD_KEYS
+    target = ReferenceAccumulator(dtype="bfloat16", loss_scale=4.0)
+    target.load_state_dict(rebuilt, _params())
+    assert snapshot_record(target.state_dict()).key() == snapshot.key()

@@ -23,6 +23,7 @@ from wacc_ref.scenario import (
     from_json,
     run_reference,
     scenarios_identical,
+    stepwise_differences,
     to_json,
     trace_differences,
     trace_violations,
@@ -384,6 +385,20 @@ def test_run_reference_raises_only_spec_errors_and_is_deterministic(
     for outcome in trace:
         assert outcome.error is None or outcome.error in SPEC_ERROR_NAMES, to_json(scenario)
     assert trace_violations(trace) == [], to_json(scenario)
+
+
+@PROPERTY_SETTINGS
+@given(
+    scenarios(fused=True, allow_nan=True, allow_infinity=True),
+    st.sampled_from(["fma", "op_rounded", "two_step"]),
+)
+def test_stepwise_oracle_accepts_the_reference_in_every_variant(
+    scenario: Scenario, fused_variant: str
+) -> None:
+    """The reference following any one fused variant passes the stepwise oracle of its own
+    scenario (the oracle accepts the SPEC §6 set, and is exact everywhere else)."""
+    trace = run_reference(scenario, fused_variant=fused_variant)
+    assert stepwise_differences(scenario, trace) == [], to_json(scenario)
 
 
 @settings(max_examples=25, deadline=None, database=None)
