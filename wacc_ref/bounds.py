@@ -786,7 +786,7 @@ def _as_float64(array: NDArray[Any]) -> NDArray[np.float64] | None:
     return converted
 
 
-def error_ratio(observed: ArrayLike, exact: ArrayLike, bound: ArrayLike) -> float:
+def error_ratio(observed: ArrayLike, exact: ArrayLike | Sequence[Any], bound: ArrayLike) -> float:
     """``max |observed - exact| / bound`` over the elements, computed exactly, as a float.
 
     ``observed`` is a result (any float dtype), ``exact`` the real-number reference (floats, or

@@ -690,8 +690,8 @@ class WeightedGradientsAccumulator:
         """Re-attach saved counters ``state`` to pending buffers the caller already restored.
 
         ``pending`` maps tracked parameter names to buffers of dtype ``state.dtype`` with the
-        parameters' shapes, on the parameters' devices; they are adopted (detached), not copied. The new
-        accumulator is bound to the module's ``requires_grad`` parameters. Raises
+        parameters' shapes, on the parameters' devices; they are adopted (detached), not copied.
+        The new accumulator is bound to the module's ``requires_grad`` parameters. Raises
         :class:`ParameterMismatchError` for a bad buffer (name, shape, dtype, device) and
         :class:`RecordError` for inconsistent counters.
         """

@@ -49,16 +49,6 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 }
 
 
-def fused_variant_on(device: torch.device, work_dtype: str) -> str:
-    """The SPEC §6 fused result that ``buf.add_(c, alpha=w)`` gives for ``work_dtype`` (CPU).
-
-    CPU kernels compute float32/float64 as one FMA and float16/bfloat16 in float32, then round.
-    """
-    if work_dtype in ("float16", "bfloat16"):
-        return "op_rounded"
-    return "fma"
-
-
 def build_module(parameters: Mapping[str, tuple[int, ...]], *, device: torch.device) -> nn.Module:
     """A module whose ``named_parameters()`` are exactly ``parameters`` (dotted names nest)."""
     root = nn.Module()
