@@ -1,1 +1,59 @@
-"""wacc_ref: the exact reference model of the wacc accumulation semantics (no torch)."""
+"""wacc_ref: the exact reference model of the wacc accumulation semantics (never imports torch).
+
+The thin public API; the layers underneath are pure functions with explicit precision:
+
+* :mod:`wacc_ref.formats` — IEEE formats as data (``FORMATS``), ``round_to`` (exact
+  round-to-nearest-even with subnormals and overflow) and ``conv_to`` (PyTorch's conversion).
+* :mod:`wacc_ref.arith` — correctly rounded elementwise operations and the SPEC §6 fused set.
+* :mod:`wacc_ref.accumulator` — ``ReferenceAccumulator``, SPEC §3–§9 step by step, in
+  ``emulated`` or ``exact`` mode; :mod:`wacc_ref.records` validates records.
+* :mod:`wacc_ref.bounds` — the tolerance table keyed by dtype and the SPEC §12.2 error bound.
+* :mod:`wacc_ref.fastpath` — a float64 numpy path with its own proved bound, for large tensors.
+* :mod:`wacc_ref.scenario` and :mod:`wacc_ref.strategies` — replayable scenarios, traces and
+  Hypothesis strategies (imported on demand: they pull in Hypothesis).
+"""
+
+from wacc_ref.accumulator import ReferenceAccumulator, ReferenceResult, ReferenceState
+from wacc_ref.bounds import TOLERANCES, DtypeTolerance, gamma, window_error_bound
+from wacc_ref.errors import (
+    ExactModeError,
+    InvalidLossScaleError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    RecordError,
+    WeightedAccumulationError,
+    ZeroTotalWeightError,
+)
+from wacc_ref.formats import (
+    FORMATS,
+    WORK_DTYPES,
+    Format,
+    conv_to,
+    get_format,
+    op_format,
+    round_to,
+)
+
+__all__ = [
+    "FORMATS",
+    "TOLERANCES",
+    "WORK_DTYPES",
+    "DtypeTolerance",
+    "ExactModeError",
+    "Format",
+    "InvalidLossScaleError",
+    "InvalidWeightError",
+    "ParameterMismatchError",
+    "RecordError",
+    "ReferenceAccumulator",
+    "ReferenceResult",
+    "ReferenceState",
+    "WeightedAccumulationError",
+    "ZeroTotalWeightError",
+    "conv_to",
+    "gamma",
+    "get_format",
+    "op_format",
+    "round_to",
+    "window_error_bound",
+]

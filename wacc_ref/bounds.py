@@ -6,8 +6,8 @@ exact, on the gradients *as handed in* (before any conversion): ``c_k = g_k`` fo
 exact sum of the weights that §5/§6 count (``w`` for sums, ``w_D`` for means; zero weights count
 nothing and their gradients are never read).  :func:`window_error_bound` returns, per element, a
 bound ``B`` with ``|result - exact| <= B`` for *every* implementation in the SPEC's accepted set:
-the reproducible two-step order (§5, §6, §8) and the fused variants of §6, where each step may be
-any of them independently.
+the reproducible two-step order (§5, §6, §8) and the fused variants of §6, where each step of each
+element may be any of them independently (the derivation takes, per step, the worst of them).
 
 Notation
 --------
@@ -30,7 +30,8 @@ and these exactness facts (each one a property of binary floating point, used to
 
 A product ``Π(1 + δ_i)`` with ``|δ_i| <= u_i`` lies in ``[Π(1 - u_i), Π(1 + u_i)]``; for ``n``
 factors of one format ``Π(1 + u) - 1 <= γ_n = n u / (1 - n u)`` (Higham's Lemma 3.1).  The bound
-below keeps the exact products (never larger than the γ form, and exact for mixed formats).
+below keeps the exact products (never larger than the γ form, and exact for mixed formats), so
+where this text writes ``(1 + u)**n - 1`` Higham's analysis has ``γ_n``.
 
 Step 1 — conversion ``conv_D(g)`` (per element)
 -----------------------------------------------
@@ -42,8 +43,10 @@ Step 1 — conversion ``conv_D(g)`` (per element)
 * ``D`` ∈ {float16, bfloat16} and ``g`` not in float32:   ``round_D(round_32(g))``, two roundings:
   ``U_c = (1 + u_32)(1 + u)``, ``L_c = (1 - u_32)(1 - u)``, ``B_c = η_32 (1 + u) + η``.
 
-Step 2 — the step that adds batch ``j`` (of ``K`` positive-weight batches) into ``buf``
+Step 2 — the step that adds contribution ``j`` (of the element's ``K``) into ``buf``
 -----------------------------------------------------------------------------------
+Zero-weight batches are skipped (SPEC §5), zero contributions are no steps (E5): ``j = 1..K``
+numbers an element's nonzero contributions of positive-weight batches, in issue order.
 ``m_j = w_D,j`` for means and ``1`` for sums (no product), so ``c_j = g_j m_j`` and
 ``conv·m = c_j φ_c + ε_c m_j``.  The product ``conv·m`` of the two-step order is rounded with
 ``(u_p, η_p) = (0, 0)`` if ``m`` is a power of two ``>= 1``, ``(0, η)`` if it is a power of two
@@ -116,15 +119,17 @@ test is conservative (``M`` is an upper bound): ``+inf`` may also appear where n
 Evaluating the bound without making it too small
 ------------------------------------------------
 Every per-window scalar (``κ_j m_j / (S W)``, ``A_j ψ U_Δ / (S W)``, ``U_j m_j``, the constant
-terms, the thresholds) is computed exactly with rationals (``gmpy2.mpq``, exact like
-:class:`fractions.Fraction` and much faster) and rounded *up* to a float64 (thresholds *down*):
-the rounded float is compared exactly with the rational and moved one step when it is on the
-wrong side.  The per-element sum ``Σ_j (|g_j| r_j + h_j) + H`` takes
-``n = 3K + 1`` float64 operations on non-negative numbers, each with ``δ >= -2**-53`` and an
-absolute underflow loss below ``2**-1075`` that no later operation amplifies (only additions follow
-a product), so the exact value is at most ``(computed + n 2**-1075) / (1 - 2**-53)**n``.  The
-result is ``computed * (1 + (n + 2) 2**-52) + (n + 1) 2**-1074`` (two more float64 operations,
-counted): ``1 + (n + 2) 2**-52 >= (1 - 2**-53)**-(n + 2)`` and ``(n + 1) 2**-1074`` covers the
+terms, the thresholds; one set per conversion case, first-step flag and count of later steps)
+is computed exactly with rationals (``gmpy2.mpq``, exact like :class:`fractions.Fraction` and
+much faster) and rounded *up* to a float64 (thresholds *down*): the rounded float is compared
+exactly with the rational and moved one step when it is on the wrong side.  The per-element sum
+``Σ_j (|g_j| r_j + h_j) + H`` takes ``n = 3K' + 1`` float64 operations (``K'``: the window's
+positive-weight batches, at least every element's ``K``) on non-negative numbers,
+each with ``δ >= -2**-53`` and an absolute underflow loss below ``2**-1075`` that no later
+operation amplifies (only additions follow a product), so the exact value is at most
+``(computed + n 2**-1075) / (1 - 2**-53)**n``.  The result is
+``computed * (1 + (n + 2) 2**-52) + (n + 1) 2**-1074`` (two more float64 operations, counted):
+``1 + (n + 2) 2**-52 >= (1 - 2**-53)**-(n + 2)`` and ``(n + 1) 2**-1074`` covers the
 underflow losses.  The magnitude ``M`` is evaluated the same way.
 """
 
@@ -167,6 +172,7 @@ KINDS: tuple[str, ...] = ("sum", "mean")
 _FLOAT64_MAX = float.fromhex("0x1.fffffffffffffp+1023")
 _FLOAT64_MIN_SUBNORMAL = float.fromhex("0x1p-1074")
 _FLOAT64_EPSILON = float.fromhex("0x1p-52")  # 2 u for float64
+_PRESELECTION_FLOOR = float.fromhex("0x1p-900")  # float ratios above it carry <= 2 ulps of error
 
 # Exact rationals for the per-window scalars (mypy sees Any: gmpy2 ships no stubs).
 _Q = gmpy2.mpq
@@ -727,16 +733,20 @@ def window_error_bound(
                 tol, kind, multipliers[j], steps_after, bool(is_first), case_code, scalars
             )
         where = np.searchsorted(codes, code)
-        entries = np.where(nonzero[j], table[:, np.minimum(where, codes.size - 1)], 0.0)
+        # Non-finite elements are already refused; keeping them out avoids 0 * inf.
+        counted = nonzero[j] & finite
+        entries = np.where(counted, table[:, np.minimum(where, codes.size - 1)], 0.0)
         rate, absolute, size, size_absolute = entries
-        bound_sum += magnitude * rate
-        bound_sum += absolute
-        magnitude_sum += magnitude * size
-        magnitude_sum += size_absolute
-    bound_sum += _round_up(constant)
+        with np.errstate(over="ignore"):  # an overflow gives +inf: still an upper bound
+            bound_sum += magnitude * rate
+            bound_sum += absolute
+            magnitude_sum += magnitude * size
+            magnitude_sum += size_absolute
     operations = 3 * count + 1
-    bound = _inflate(bound_sum, operations)
-    magnitude_bound = _inflate(magnitude_sum, operations)
+    with np.errstate(over="ignore"):
+        bound_sum += _round_up(constant)
+        bound = _inflate(bound_sum, operations)
+        magnitude_bound = _inflate(magnitude_sum, operations)
     not_applicable |= magnitude_bound > _round_down(threshold)
     not_applicable |= np.isnan(bound)  # 0 * inf from an infinite rate: no finite bound known
     result: NDArray[np.float64] = np.where(not_applicable, math.inf, bound)
@@ -819,7 +829,10 @@ def error_ratio(observed: ArrayLike, exact: ArrayLike | Sequence[Any], bound: Ar
         suspicious = ~np.isfinite(approx)
         if not suspicious.any():
             top = approx.max()
-            suspicious = approx >= top * (1 - float.fromhex("0x1p-40"))
+            if top >= _PRESELECTION_FLOOR:  # below it, quotients may be subnormal: check all
+                suspicious = approx >= top * (1 - float.fromhex("0x1p-40"))
+            else:
+                suspicious = np.ones(approx.shape, dtype=bool)
         candidates = candidates[suspicious]
     worst = Fraction(0)
     for index in candidates:

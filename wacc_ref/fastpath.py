@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from wacc_ref.bounds import TOLERANCES, gamma
 from wacc_ref.errors import (
     ExactModeError,
     InvalidWeightError,
@@ -68,23 +69,18 @@ from wacc_ref.records import (
     validate_weight,
 )
 
-__all__ = ["FLOAT64_UNIT_ROUNDOFF", "Float64Accumulator", "Float64Result", "gamma"]
+__all__ = ["FLOAT64_UNIT_ROUNDOFF", "Float64Accumulator", "Float64Result"]
 
-FLOAT64_UNIT_ROUNDOFF = float.fromhex("0x1p-53")
+FLOAT64_UNIT_ROUNDOFF = TOLERANCES["float64"].unit_roundoff  # 2**-53
 # η0 = 2**-1075 is below the smallest float64; the bound's absolute term uses 8 η0 = 2**-1072.
 _UNDERFLOW_ABSOLUTE = float.fromhex("0x1p-1072")
 # Covers the float64 evaluation of the (non-negative) bound expression: γ_20 < 2**-48.
 _EVALUATION_SLACK = 1.0 + float.fromhex("0x1p-45")
 
 
-def gamma(count: int) -> float:
-    """Higham's ``γ_count = count*u / (1 - count*u)`` for float64 (``u = 2**-53``)."""
-    if count < 0:
-        raise ValueError(f"gamma needs a count >= 0, got {count}")
-    product = count * FLOAT64_UNIT_ROUNDOFF
-    if product >= 1.0:
-        raise ValueError(f"gamma({count}) is undefined: count * u >= 1")
-    return product / (1.0 - product)
+def _gamma(count: int) -> float:
+    """``γ_count`` for float64, from the suite's one tolerance table (:mod:`wacc_ref.bounds`)."""
+    return gamma(count, "float64")
 
 
 @dataclass(frozen=True)
@@ -209,7 +205,7 @@ class Float64Accumulator:
         n = self._contributions[name]
         u = FLOAT64_UNIT_ROUNDOFF
         bound: np.ndarray = (
-            self._abs_sums[name] / (1.0 - gamma(max(n - 1, 0))) + n * _UNDERFLOW_ABSOLUTE
+            self._abs_sums[name] / (1.0 - _gamma(max(n - 1, 0))) + n * _UNDERFLOW_ABSOLUTE
         ) / (1.0 - u)
         return bound
 
@@ -224,8 +220,8 @@ class Float64Accumulator:
                     continue
                 n = self._contributions[name]
                 total = self._sums[name].copy()
-                bound = gamma(n) * self._abs_sum_bound(name) + n * _UNDERFLOW_ABSOLUTE * (
-                    1.0 + gamma(n)
+                bound = _gamma(n) * self._abs_sum_bound(name) + n * _UNDERFLOW_ABSOLUTE * (
+                    1.0 + _gamma(n)
                 )
                 bound = bound * _EVALUATION_SLACK
                 grads[name] = total
@@ -253,13 +249,13 @@ class Float64Accumulator:
         grads: dict[str, np.ndarray | None] = {}
         bounds: dict[str, np.ndarray | None] = {}
         with np.errstate(all="ignore"):
-            inverse_w = (1.0 + gamma(m - 1)) / w_hat  # >= 1 / W
+            inverse_w = (1.0 + _gamma(m - 1)) / w_hat  # >= 1 / W
             for name, _ in self._binding or ():
                 if name not in self._sums:
                     grads[name] = bounds[name] = None
                     continue
                 n = self._contributions[name]
-                g = gamma(n + m + 1)
+                g = _gamma(n + m + 1)
                 out = (self._sums[name] / s) / w_hat
                 bound = g * self._abs_sum_bound(name) / s * inverse_w + _UNDERFLOW_ABSOLUTE * (
                     1.0 + g
