@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import gmpy2
+import mpmath
+import pytest
 from hypothesis import HealthCheck, settings
 
 # "ci" is derandomized so that a red CI run reproduces exactly on a developer's machine;
@@ -17,3 +21,29 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def _global_precision() -> tuple[object, ...]:
+    # The settings only: gmpy2's sticky flags (inexact, ...) legitimately change.
+    context = gmpy2.get_context()
+    return (
+        mpmath.mp.prec,
+        context.precision,
+        context.emin,
+        context.emax,
+        context.subnormalize,
+        context.round,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_global_precision_leaks() -> Iterator[None]:
+    """Every test leaves mpmath's and gmpy2's global contexts exactly as it found them.
+
+    Precision is always explicit in this project (a ``prec`` argument, a local gmpy2 context);
+    a test or a library call that changes the global one would silently change its neighbours.
+    """
+    before = _global_precision()
+    yield
+    after = _global_precision()
+    assert after == before, f"global precision changed: {before} -> {after}"
