@@ -36,7 +36,6 @@ batch with weight > 0, so a first contribution of -0.0 gives ``round(+0 + -0) = 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -54,24 +53,26 @@ from wacc_ref.arith import (
     fused_mean_step_candidates,
 )
 from wacc_ref.errors import (
-    ExactModeError,
-    InvalidWeightError,
     ParameterMismatchError,
     RecordError,
     ZeroTotalWeightError,
 )
-from wacc_ref.formats import FLOAT64, WORK_DTYPES, Format, conv_to, get_format, op_format, round_to
+from wacc_ref.formats import FLOAT64, Format, op_format, round_to
 from wacc_ref.records import (
     FORMAT_VERSION,
     Binding,
-    format_value,
-    gradient_array,
+    check_finite_gradient,
+    converted_mean_weight,
+    total_after,
+    validate_binding,
     validate_counters,
+    validate_gradients,
     validate_loss_scale,
     validate_params,
     validate_pending,
     validate_record,
     validate_weight,
+    validate_work_dtype,
 )
 
 __all__ = [
@@ -136,14 +137,8 @@ def _object_array(values: list[Fraction], shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _exact_gradient(name: str, gradient: npt.NDArray[np.float64]) -> np.ndarray:
-    flat = gradient.reshape(-1)
-    if not np.isfinite(flat).all():
-        index = int(np.flatnonzero(~np.isfinite(flat))[0])
-        raise ExactModeError(
-            f"gradient of {name!r} holds {float(flat[index])!r} at flat index {index}; the exact "
-            f"mode models real numbers only"
-        )
-    return _object_array([Fraction(v) for v in flat.tolist()], gradient.shape)
+    check_finite_gradient(name, gradient)
+    return _object_array([Fraction(v) for v in gradient.reshape(-1).tolist()], gradient.shape)
 
 
 def _mpf(value: Fraction, precision: int) -> mpmath.mpf:
@@ -171,8 +166,7 @@ class ReferenceAccumulator:
         mode: str = "emulated",
         precision: int = 256,
     ) -> None:
-        if not isinstance(dtype, str) or dtype not in WORK_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not a work dtype; work dtypes: {WORK_DTYPES}")
+        work_dtype = validate_work_dtype(dtype)
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {fused!r}")
         if fused_variant not in FUSED_VARIANTS:
@@ -183,7 +177,7 @@ class ReferenceAccumulator:
             raise TypeError(f"precision must be an int (bits), got {precision!r}")
         if precision < _MIN_PRECISION:
             raise ValueError(f"precision must be >= {_MIN_PRECISION} bits, got {precision}")
-        self._dtype: Format = get_format(dtype)
+        self._dtype: Format = work_dtype
         self._loss_scale = validate_loss_scale(loss_scale, self._dtype)
         self._fused = fused
         self._fused_variant = cast(FusedVariant, fused_variant)
@@ -235,34 +229,6 @@ class ReferenceAccumulator:
 
     # -- accumulation --------------------------------------------------------------------------
 
-    def _checked_binding(self, params: Mapping[str, tuple[int, ...]]) -> Binding:
-        binding = validate_params(params)
-        if self._binding is not None and binding != self._binding:
-            raise ParameterMismatchError(
-                f"params {[(n, list(s)) for n, s in binding]!r} differ from the tracked set "
-                f"{[(n, list(s)) for n, s in self._binding]!r}"
-            )
-        return binding
-
-    def _checked_grads(self, grads: object, binding: Binding) -> dict[str, npt.NDArray[np.float64]]:
-        if not isinstance(grads, Mapping):
-            raise TypeError(
-                f"grads must be a mapping name -> gradient or None, got {type(grads).__name__}"
-            )
-        shapes = dict(binding)
-        for name in grads:
-            if name not in shapes:
-                raise ParameterMismatchError(
-                    f"grads has a gradient for {name!r}, which is not a tracked parameter "
-                    f"(tracked: {list(shapes)})"
-                )
-        checked = {}
-        for name, shape in binding:
-            value = grads.get(name)
-            if value is not None:
-                checked[name] = gradient_array(name, value, shape)
-        return checked
-
     def _accumulate(
         self,
         params: Mapping[str, tuple[int, ...]],
@@ -273,36 +239,18 @@ class ReferenceAccumulator:
     ) -> None:
         # Validate everything and compute the new window into locals; commit at the end only.
         w = validate_weight(weight)
-        binding = self._checked_binding(params)
+        binding = validate_binding(params, self._binding)
         # Structure (names, dtype kinds, shapes) is checked for every call; values are read only
         # for a weight > 0 (SPEC §5: a zero-weight batch reads no gradient).
-        checked = self._checked_grads(grads, binding)
+        checked = validate_gradients(grads, binding)
         if w == 0:
             self._binding = binding
             self._issued += 1
             self._zero_weight += 1
             return
-        w_counted = w
-        if mean:
-            w_d = conv_to(w, self._dtype)
-            if w_d == 0 or not math.isfinite(w_d):
-                raise InvalidWeightError(
-                    f"weight {format_value(w)} becomes {format_value(w_d)} in "
-                    f"{self._dtype.name}: it does not survive the work dtype"
-                )
-            w_counted = w_d
-        if self._exact:
-            new_total: float | Fraction = cast(Fraction, self._total_weight) + Fraction(w_counted)
-        else:
-            new_total = cast(float, self._total_weight) + w_counted  # round_64(W + w)
-        # A total weight that overflows float64 could never be recorded (§9 needs a finite W):
-        # refuse the weight that causes it, as wacc_torch does.
-        if not math.isfinite(round_to(new_total, FLOAT64)):
-            before = format_value(round_to(self._total_weight, FLOAT64))
-            raise InvalidWeightError(
-                f"weight {format_value(w)} makes the total weight overflow float64 "
-                f"({before} + {format_value(w_counted)})"
-            )
+        w_counted = converted_mean_weight(w, self._dtype) if mean else w
+        # round_64(W + w), or exact; a W that overflows float64 is refused, as wacc_torch does.
+        new_total = total_after(self._total_weight, w, w_counted)
         arith.check_gradual_underflow()
         new_pending = dict(self._pending)
         for name, gradient in checked.items():

@@ -32,9 +32,11 @@ Three engines compute the same thing; the tests check that they agree bit for bi
     only trusted with gradual underflow, which :func:`check_gradual_underflow` verifies (a process
     that called ``torch.set_flush_denormal(True)`` would otherwise give wrong reference values).
 
-Error-free transformations are valid here because no intermediate overflows or underflows:
-operands are values of a format with at most 24 significand bits and exponents in [-149, 128]
-whenever the float64 route is taken (checked by an assert on the format).
+Error-free transformations are only trusted where they are exact: TwoSum always (an overflow
+gives NaN, which proves nothing), TwoProduct only for products of magnitude at least ``2**-968``
+(below that its error terms may underflow; such elements go to gmpy2).  The float64 route is
+taken for targets with at most 24 significand bits within float32's exponent range (checked by
+an assert on the format); the operands may be any float64 values.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ FloatArray = npt.NDArray[np.float64]
 _SPLIT_FACTOR = float.fromhex("0x1.0000002p+27")
 _FLOAT64_MIN_NORMAL = float.fromhex("0x1p-1022")
 _FLOAT32_MIN_NORMAL = float.fromhex("0x1p-126")
+# Smallest product magnitude for which Dekker's TwoProduct is exact (see _product_is_exact).
+_TWO_PRODUCT_MIN = float.fromhex("0x1p-968")
 # Bit pattern that stands for "any NaN" in BitwiseFloat's hash (NaN payloads are not modelled).
 _NAN_HASH = hash(("wacc_ref.arith", "NaN"))
 
@@ -262,8 +266,8 @@ class Gmpy2Engine:
     """Correctly rounded scalar ``+ * / fma`` into one format, computed by MPFR in C.
 
     Holds its own gmpy2 context (precision ``p``, exponent range of the format, subnormals,
-    round to nearest); the global gmpy2 context is never used.  Python floats are converted to
-    MPFR exactly (53 bits).  Results are Python floats holding the format value exactly.
+    round to nearest); the global gmpy2 context is never used.  Operands may be any Python
+    floats and are read exactly.  Results are Python floats holding the format value exactly.
     """
 
     def __init__(self, fmt: str | Format) -> None:
@@ -276,28 +280,69 @@ class Gmpy2Engine:
             subnormalize=True,
             round=gmpy2.RoundToNearest,
         )
+        # A Python float operand is converted into the context itself, and subnormalized there
+        # relative to 53 bits: it is rounded to a multiple of min_subnormal, which leaves every
+        # value of the format (and every such multiple) exact, but not other floats.  Those go in
+        # as exact 53-bit MPFR numbers, made in a context with MPFR's widest exponent range.  MPFR
+        # takes operands inside the context's range [min_subnormal, 2**(emax+1)) only, so an
+        # operation with a finite nonzero operand outside it takes the exact Fraction route.
+        # Every float is a multiple of float64's min_subnormal: there, floats always go in as is.
+        self._reads_every_float = _is_float64(self.format)
+        self._exact_float64 = gmpy2.context(
+            precision=53, emin=gmpy2.get_emin_min(), emax=gmpy2.get_emax_max()
+        )
+        self._operand_low = self.format.min_subnormal
+        self._operand_high = math.ldexp(1.0, self.format.emax) * 2.0
+        self._per_min_subnormal = 1.0 / self.format.min_subnormal  # a power of two: exact scaling
+        # MPFR's range admits the whole top binade; float8_e4m3fn's is short (S.1111.111 is
+        # NaN), so a result above its max_finite is that format's overflow, NaN.
+        self._short_top_binade = not self.format.has_inf
+
+    def _operands(self, *values: float) -> tuple[object, ...] | None:
+        """The operands, read exactly, for the context; None if MPFR cannot take one of them."""
+        if self._reads_every_float:
+            return values
+        low, high = self._operand_low, self._operand_high
+        if not all(low <= abs(x) < high or x == 0.0 or not math.isfinite(x) for x in values):
+            return None
+        scale = self._per_min_subnormal
+        if all((x * scale).is_integer() or not math.isfinite(x) for x in values):
+            return values
+        return tuple(gmpy2.mpfr(x, 53, context=self._exact_float64) for x in values)
 
     def _finish(self, value: object) -> float:
         result = float(value)  # type: ignore[arg-type]
-        if not self.format.has_inf and math.isinf(result):
+        if self._short_top_binade and not abs(result) <= self.format.max_finite:
             return math.nan
         return result
 
     def add(self, a: float, b: float) -> float:
         """``round_F(a + b)``."""
-        return self._finish(self._context.add(a, b))
+        operands = self._operands(a, b)
+        if operands is None:
+            return exact_add(a, b, self.format)
+        return self._finish(self._context.add(*operands))
 
     def mul(self, a: float, b: float) -> float:
         """``round_F(a * b)``."""
-        return self._finish(self._context.mul(a, b))
+        operands = self._operands(a, b)
+        if operands is None:
+            return exact_mul(a, b, self.format)
+        return self._finish(self._context.mul(*operands))
 
     def div(self, a: float, b: float) -> float:
         """``round_F(a / b)``."""
-        return self._finish(self._context.div(a, b))
+        operands = self._operands(a, b)
+        if operands is None:
+            return exact_div(a, b, self.format)
+        return self._finish(self._context.div(*operands))
 
     def fma(self, a: float, b: float, c: float) -> float:
         """``round_F(a + b * c)`` with one rounding."""
-        return self._finish(self._context.fma(b, c, a))
+        operands = self._operands(b, c, a)
+        if operands is None:
+            return exact_fma(a, b, c, self.format)
+        return self._finish(self._context.fma(*operands))
 
 
 @cache
@@ -334,6 +379,19 @@ def _two_product_error(a: FloatArray, b: FloatArray, p: FloatArray) -> FloatArra
     a_hi, a_lo = _split(a)
     b_hi, b_lo = _split(b)
     return ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def _product_is_exact(a: FloatArray, b: FloatArray, p: FloatArray) -> npt.NDArray[np.bool_]:
+    """Whether ``p = fl64(a * b)`` is proved to be the exact product (finite ``a``, ``b``).
+
+    A zero operand makes ``p`` an exact signed zero.  Otherwise TwoProduct decides, but only where
+    it is itself exact: its error terms are multiples of ``2**(e_a + e_b - 104)``, representable
+    when ``e_a + e_b >= -970``, which ``|p| >= 2**-968`` guarantees.  Smaller products are left
+    unproved (the gmpy2 engine takes them); operands of a format with at most 24 bits and
+    float32's exponent range never get there.
+    """
+    zero_operand = (a == 0.0) | (b == 0.0)
+    return zero_operand | ((np.abs(p) >= _TWO_PRODUCT_MIN) & (_two_product_error(a, b, p) == 0.0))
 
 
 def _as_flat_float64(*operands: npt.ArrayLike) -> tuple[tuple[int, ...], list[FloatArray]]:
@@ -383,7 +441,7 @@ def mul_rounded(a: npt.ArrayLike, b: npt.ArrayLike, fmt: str | Format) -> FloatA
             return p.reshape(shape)
         _assert_narrow(target)
         finite = np.isfinite(x) & np.isfinite(y)
-        proved = ~finite | (_two_product_error(x, y, p) == 0.0)
+        proved = ~finite | _product_is_exact(x, y, p)
     return _finish_vector(shape, p, proved, [x, y], target, gmpy2_engine(target).mul)
 
 
@@ -413,9 +471,7 @@ def div_rounded(a: npt.ArrayLike, b: npt.ArrayLike, fmt: str | Format) -> FloatA
         finite = np.isfinite(x) & np.isfinite(y)
         # q is exact iff q * b == a exactly: fl64(q * b) == a and no TwoProduct error.  Division
         # by zero gives a non-finite q with finite operands: not proved, gmpy2 decides its sign.
-        proved = ~finite | (
-            np.isfinite(q) & (q * y == x) & (_two_product_error(q, y, q * y) == 0.0)
-        )
+        proved = ~finite | (np.isfinite(q) & (q * y == x) & _product_is_exact(q, y, q * y))
     return _finish_vector(shape, q, proved, [x, y], target, gmpy2_engine(target).div)
 
 
@@ -438,7 +494,7 @@ def fma_rounded(
         p = y * z
         s = x + p
         finite = np.isfinite(x) & np.isfinite(y) & np.isfinite(z)
-        product_exact = _two_product_error(y, z, p) == 0.0
+        product_exact = _product_is_exact(y, z, p)
         sum_exact = _two_sum_error(x, p, s) == 0.0
         # With finite operands and an exact product, a + b*c is exactly s.  Special operands:
         # the float64 a + (b*c) follows the IEEE FMA rules (0*inf NaN, inf - inf NaN).

@@ -498,7 +498,9 @@ def _effective_weight(weight: object, index: int, kind: str, tol: DtypeTolerance
     if exact == 0:
         return 0.0
     if kind == "sum":
-        if isinstance(exact, int) and int(float(exact)) == exact:
+        # round_to, not float(): an int beyond float64's range is a valid (finite) weight, and
+        # float() would raise OverflowError for it.  Ŵ then overflows: no bound (see below).
+        if isinstance(exact, int) and round_to(exact, "float64") == exact:
             return float(exact)
         return exact
     converted = conv_to(exact, tol.dtype)
@@ -804,8 +806,9 @@ def error_ratio(observed: ArrayLike, exact: ArrayLike | Sequence[Any], bound: Ar
     Per element: ``bound == +inf`` (no bound applies) counts 0; ``0/0`` counts 0; a positive error
     over a zero bound, or a NaN/±inf ``observed`` where the bound is finite, counts ``+inf``.
     ``ValueError`` for a NaN or negative bound, a non-finite ``exact`` where the bound is finite,
-    or shapes that differ.  The result is the correctly rounded float of the exact maximum ratio,
-    so ``error_ratio(...) <= 1`` exactly when every error is within its bound.  0.0 when empty.
+    or shapes that differ.  The result is the exact maximum ratio rounded *up* to a float (to
+    nearest, a ratio of 1 + 2**-60 would read 1.0), so ``error_ratio(...) <= 1`` exactly when
+    every error is within its bound.  0.0 when empty.
     """
     obs = np.asarray(observed)
     ref = np.asarray(exact)
@@ -852,7 +855,4 @@ def error_ratio(observed: ArrayLike, exact: ArrayLike | Sequence[Any], bound: Ar
         if limit == 0:
             return math.inf
         worst = max(worst, error / limit)
-    try:
-        return float(worst)
-    except OverflowError:
-        return math.inf
+    return _round_up(worst)  # +inf beyond the float64 range

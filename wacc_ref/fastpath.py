@@ -53,29 +53,27 @@ import numpy as np
 import numpy.typing as npt
 
 from wacc_ref.bounds import TOLERANCES, gamma
-from wacc_ref.errors import (
-    ExactModeError,
-    InvalidWeightError,
-    ParameterMismatchError,
-    ZeroTotalWeightError,
-)
-from wacc_ref.formats import WORK_DTYPES, Format, conv_to, get_format
+from wacc_ref.errors import ZeroTotalWeightError
+from wacc_ref.formats import Format
 from wacc_ref.records import (
     Binding,
-    format_value,
-    gradient_array,
+    check_finite_gradient,
+    converted_mean_weight,
+    total_after,
+    validate_binding,
+    validate_gradients,
     validate_loss_scale,
-    validate_params,
     validate_weight,
+    validate_work_dtype,
 )
 
-__all__ = ["FLOAT64_UNIT_ROUNDOFF", "Float64Accumulator", "Float64Result"]
+__all__ = ["EVALUATION_SLACK", "FLOAT64_UNIT_ROUNDOFF", "Float64Accumulator", "Float64Result"]
 
 FLOAT64_UNIT_ROUNDOFF = TOLERANCES["float64"].unit_roundoff  # 2**-53
 # η0 = 2**-1075 is below the smallest float64; the bound's absolute term uses 8 η0 = 2**-1072.
 _UNDERFLOW_ABSOLUTE = float.fromhex("0x1p-1072")
 # Covers the float64 evaluation of the (non-negative) bound expression: γ_20 < 2**-48.
-_EVALUATION_SLACK = 1.0 + float.fromhex("0x1p-45")
+EVALUATION_SLACK = 1.0 + float.fromhex("0x1p-45")
 
 
 def _gamma(count: int) -> float:
@@ -108,9 +106,7 @@ class Float64Accumulator:
     """
 
     def __init__(self, *, dtype: str, loss_scale: float) -> None:
-        if not isinstance(dtype, str) or dtype not in WORK_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not a work dtype; work dtypes: {WORK_DTYPES}")
-        self._dtype: Format = get_format(dtype)
+        self._dtype: Format = validate_work_dtype(dtype)
         self._loss_scale = validate_loss_scale(loss_scale, self._dtype)
         self._binding: Binding | None = None
         self._sums: dict[str, np.ndarray] = {}
@@ -128,41 +124,19 @@ class Float64Accumulator:
         mean: bool,
     ) -> None:
         w = validate_weight(weight)
-        binding = validate_params(params)
-        if self._binding is not None and binding != self._binding:
-            raise ParameterMismatchError(
-                f"params {[(n, list(s)) for n, s in binding]!r} differ from the tracked set "
-                f"{[(n, list(s)) for n, s in self._binding]!r}"
-            )
-        if not isinstance(grads, Mapping):
-            raise TypeError(f"grads must be a mapping, got {type(grads).__name__}")
-        shapes = dict(binding)
-        for name in grads:
-            if name not in shapes:
-                raise ParameterMismatchError(f"grads has {name!r}, not a tracked parameter")
-        checked = {
-            name: gradient_array(name, grads[name], shape)
-            for name, shape in binding
-            if grads.get(name) is not None
-        }
+        binding = validate_binding(params, self._binding)
+        checked = validate_gradients(grads, binding)
         if w == 0:
             self._binding = binding
             return
-        if mean:
-            w = conv_to(w, self._dtype)
-            if w == 0 or not math.isfinite(w):
-                raise InvalidWeightError(
-                    f"weight {format_value(weight)} becomes {format_value(w)} in "
-                    f"{self._dtype.name}: it does not survive the work dtype"
-                )
+        counted = converted_mean_weight(w, self._dtype) if mean else w
+        new_total = total_after(self._total_weight, w, counted)
         for name, gradient in checked.items():
-            if not np.isfinite(gradient).all():
-                bad = float(gradient[~np.isfinite(gradient)][0])
-                raise ExactModeError(f"gradient of {name!r} holds {bad!r}; it must be finite")
+            check_finite_gradient(name, gradient)
         new_sums, new_abs = dict(self._sums), dict(self._abs_sums)
         with np.errstate(all="ignore"):
             for name, gradient in checked.items():
-                product = gradient * w if mean else gradient
+                product = gradient * counted if mean else gradient
                 if name in new_sums:
                     new_sums[name] = new_sums[name] + product
                     new_abs[name] = new_abs[name] + np.abs(product)
@@ -174,7 +148,7 @@ class Float64Accumulator:
         for name in checked:
             self._contributions[name] = self._contributions.get(name, 0) + 1
         self._counted += 1
-        self._total_weight += w
+        self._total_weight = float(new_total)
 
     def accumulate_sum(
         self,
@@ -223,7 +197,7 @@ class Float64Accumulator:
                 bound = _gamma(n) * self._abs_sum_bound(name) + n * _UNDERFLOW_ABSOLUTE * (
                     1.0 + _gamma(n)
                 )
-                bound = bound * _EVALUATION_SLACK
+                bound = bound * EVALUATION_SLACK
                 grads[name] = total
                 bounds[name] = np.where(np.isfinite(total), bound, np.inf)
         result = Float64Result(
@@ -260,7 +234,7 @@ class Float64Accumulator:
                 bound = g * self._abs_sum_bound(name) / s * inverse_w + _UNDERFLOW_ABSOLUTE * (
                     1.0 + g
                 ) * (n / s * inverse_w + inverse_w + 1.0)
-                bound = bound * _EVALUATION_SLACK
+                bound = bound * EVALUATION_SLACK
                 grads[name] = out
                 finite = np.isfinite(out) & math.isfinite(w_hat)
                 bounds[name] = np.where(finite, bound, np.inf)

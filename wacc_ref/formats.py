@@ -348,7 +348,10 @@ def get_format(fmt: str | Format) -> Format:
 def _params(fmt: str | Format) -> _RoundingParams:
     format_ = get_format(fmt)
     params = _PARAMS.get(format_.name)
-    if params is None or FORMATS[format_.name] != format_:
+    # Identity first: the comparison of whole dataclasses is a third of a round_to call.
+    if params is None or (
+        FORMATS[format_.name] is not format_ and FORMATS[format_.name] != format_
+    ):
         # A Format built by the caller: compute its constants (slow path, not cached).
         return _rounding_params(format_)
     return params
@@ -504,15 +507,15 @@ def conv_to(x: ExactReal, fmt: str | Format) -> float:
     float64 and float32 targets: ``round_to(x, fmt)``.  float16 and bfloat16: PyTorch rounds a
     float64 through float32 first, so ``round_to(round_to(x, "float32"), fmt)``.  A non-float input
     is first rounded to float64 (this models ``torch.tensor(float(x), dtype=D)``).  float8 targets
-    raise :class:`UnsupportedConversionError`: PyTorch saturates there while SPEC's ``round_F``
-    overflows to NaN/inf, and float8 is never a work dtype.
+    raise :class:`UnsupportedConversionError`: float8 is never a work dtype, and PyTorch's
+    float8_e4m3fn conversion saturates (500 -> 448) where SPEC's ``round_F`` gives NaN.
     """
     target = get_format(fmt)
     if target.name not in WORK_DTYPES:
         raise UnsupportedConversionError(
             f"conv_to into {target.name!r} is not modelled: float8 is only a gradient dtype, never "
-            f"a work dtype, and PyTorch's float8 conversion saturates where round_to overflows; "
-            f"work dtypes are {', '.join(WORK_DTYPES)}"
+            f"a work dtype (and PyTorch's float8_e4m3fn conversion saturates where round_to gives "
+            f"NaN); work dtypes are {', '.join(WORK_DTYPES)}"
         )
     x64 = round_to(x, FLOAT64)
     if target.name in ("float16", "bfloat16"):

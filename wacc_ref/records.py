@@ -44,27 +44,34 @@ import numpy.typing as npt
 
 from wacc_ref.arith import round_array
 from wacc_ref.errors import (
+    ExactModeError,
     InvalidLossScaleError,
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
     WeightedAccumulationError,
 )
-from wacc_ref.formats import Format, round_to
+from wacc_ref.formats import FLOAT64, WORK_DTYPES, Format, conv_to, get_format, round_to
 
 __all__ = [
     "FORMAT_VERSION",
     "RECORD_KEYS",
     "Binding",
     "ValidatedRecord",
-    "gradient_array",
+    "check_finite_gradient",
+    "converted_mean_weight",
     "format_value",
+    "gradient_array",
+    "total_after",
+    "validate_binding",
     "validate_counters",
+    "validate_gradients",
     "validate_loss_scale",
     "validate_params",
     "validate_pending",
     "validate_record",
     "validate_weight",
+    "validate_work_dtype",
 ]
 
 FORMAT_VERSION = 1
@@ -114,6 +121,13 @@ def format_value(value: object) -> str:
     return f"{value!r} ({value.hex()})" if isinstance(value, float) else repr(value)
 
 
+def validate_work_dtype(dtype: object) -> Format:
+    """The work dtype ``D`` named ``dtype`` (SPEC §2); ``ValueError`` naming anything else."""
+    if not isinstance(dtype, str) or dtype not in WORK_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not a work dtype; work dtypes: {WORK_DTYPES}")
+    return get_format(dtype)
+
+
 def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
     """SPEC §4: a finite float > 0, exactly representable in D."""
     problem = None
@@ -157,6 +171,37 @@ def validate_weight(weight: object) -> float:
     if math.isnan(value) or math.isinf(value) or value < 0:
         raise InvalidWeightError(f"weight must be a finite number >= 0, got {format_value(value)}")
     return value
+
+
+def converted_mean_weight(weight: float, dtype: Format) -> float:
+    """SPEC §6 ``w_D = conv_D(w)`` of a weight ``w > 0``.
+
+    Raises :class:`InvalidWeightError` naming ``w`` and ``w_D`` when ``w_D`` is 0 or not finite
+    (the weight does not survive the work dtype).
+    """
+    converted = conv_to(weight, dtype)
+    if converted == 0 or not math.isfinite(converted):
+        raise InvalidWeightError(
+            f"weight {format_value(weight)} becomes {format_value(converted)} in "
+            f"{dtype.name}: it does not survive the work dtype"
+        )
+    return converted
+
+
+def total_after(total: float | Fraction, weight: float, counted: float) -> float | Fraction:
+    """The total weight after counting ``counted`` for ``weight``: ``round_64(W + counted)``.
+
+    Exact for a Fraction ``W`` (exact mode).  Raises :class:`InvalidWeightError` naming the weight
+    if the total overflows float64: such a ``W`` could never be recorded (SPEC §9 needs a finite
+    one).
+    """
+    new_total = total + Fraction(counted) if isinstance(total, Fraction) else total + counted
+    if not math.isfinite(round_to(new_total, FLOAT64)):
+        raise InvalidWeightError(
+            f"weight {format_value(weight)} makes the total weight overflow float64 "
+            f"({format_value(round_to(total, FLOAT64))} + {format_value(counted)})"
+        )
+    return new_total
 
 
 def _is_int(value: object) -> bool:
@@ -210,6 +255,57 @@ def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDAr
             f"gradient of {name!r} has shape {list(array.shape)}, the parameter has {list(shape)}"
         )
     return np.array(array, dtype=np.float64)
+
+
+def validate_binding(params: object, tracked: Binding | None) -> Binding:
+    """:func:`validate_params`, then check the binding against the ``tracked`` set.
+
+    :class:`ParameterMismatchError` naming both sets when a set is tracked (not ``None``) and
+    ``params`` differs from it in names, order or shapes.
+    """
+    binding = validate_params(params)
+    if tracked is not None and binding != tracked:
+        raise ParameterMismatchError(
+            f"params {[(n, list(s)) for n, s in binding]!r} differ from the tracked set "
+            f"{[(n, list(s)) for n, s in tracked]!r}"
+        )
+    return binding
+
+
+def validate_gradients(grads: object, binding: Binding) -> dict[str, npt.NDArray[np.float64]]:
+    """The non-None gradients of ``grads`` as exact float64 arrays, in ``binding`` order.
+
+    ``TypeError`` for a non-mapping; :class:`ParameterMismatchError` for a name that is not
+    tracked, or a gradient that :func:`gradient_array` refuses.  Absent names count as None.
+    """
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            f"grads must be a mapping name -> gradient or None, got {type(grads).__name__}"
+        )
+    shapes = dict(binding)
+    for name in grads:
+        if name not in shapes:
+            raise ParameterMismatchError(
+                f"grads has a gradient for {name!r}, which is not a tracked parameter "
+                f"(tracked: {list(shapes)})"
+            )
+    return {
+        name: gradient_array(name, grads[name], shape)
+        for name, shape in binding
+        if grads.get(name) is not None
+    }
+
+
+def check_finite_gradient(name: str, gradient: npt.NDArray[np.float64]) -> None:
+    """:class:`ExactModeError` naming the first NaN or ±inf of ``gradient`` and its flat index."""
+    flat = gradient.reshape(-1)
+    not_finite = np.flatnonzero(~np.isfinite(flat))
+    if not_finite.size:
+        index = int(not_finite[0])
+        raise ExactModeError(
+            f"gradient of {name!r} holds {float(flat[index])!r} at flat index {index}; the exact "
+            f"mode models real numbers only"
+        )
 
 
 def _exact_element(value: object, *, what: str, error: type[WeightedAccumulationError]) -> Fraction:
@@ -308,13 +404,14 @@ def validate_counters(
         weight = total_weight
     elif exact and _is_int(total_weight):
         weight = Fraction(int(total_weight))  # type: ignore[call-overload]
-    elif isinstance(total_weight, float | np.floating) and not isinstance(total_weight, bool):
+    elif isinstance(total_weight, float | np.floating):
         if np.dtype(type(total_weight)).itemsize > 8 or not math.isfinite(total_weight):
             raise error(f"total_weight must be a finite float >= 0, got {total_weight!r}")
         weight = Fraction(float(total_weight)) if exact else float(total_weight)
     elif _is_int(total_weight):
-        weight = float(int(total_weight))  # type: ignore[call-overload]
-        if weight != int(total_weight):  # type: ignore[call-overload]
+        as_int = int(total_weight)  # type: ignore[call-overload]
+        weight = round_to(as_int, FLOAT64)  # never raises, unlike float(int) beyond 2**1024
+        if weight != as_int:
             raise error(f"total_weight {total_weight!r} is not exactly a float64")
     else:
         raise error(
@@ -323,6 +420,9 @@ def validate_counters(
         )
     if weight < 0:
         raise error(f"total_weight must be >= 0, got {total_weight!r}")
+    if not math.isfinite(round_to(weight, FLOAT64)):
+        # The accumulator refuses a weight that makes W overflow float64 (exact mode included).
+        raise error(f"total_weight {total_weight!r} is beyond float64's range")
     if not bound and issued_ != 0:
         raise error(f"issued is {issued_} but no parameter is bound (param_names is empty)")
     if issued_ == zero_weight_:
@@ -395,7 +495,7 @@ def validate_record(
     version = record["format_version"]
     if not _is_int(version) or version != FORMAT_VERSION:
         raise RecordError(f"format_version is {version!r}; this reader knows {FORMAT_VERSION}")
-    if record["dtype"] != dtype.name:
+    if not isinstance(record["dtype"], str) or record["dtype"] != dtype.name:
         raise RecordError(f"dtype is {record['dtype']!r}; this accumulator works in {dtype.name!r}")
     scale = record["loss_scale"]
     if (

@@ -898,19 +898,7 @@ def trace_differences(
         if exp.op != act.op or exp.index != act.index:
             lines.append(f"{what}: got step {act.index} ({act.op})")
             break
-        if exp.error != act.error:
-            lines.append(f"{what}: error expected {exp.error}, got {act.error}")
-        if exp.skipped != act.skipped:
-            lines.append(f"{what}: skipped expected {exp.skipped}, got {act.skipped}")
-        lines += exp.state.differences(act.state, what=f"{what} state")
-        if (exp.result is None) != (act.result is None):
-            lines.append(f"{what}: result expected {exp.result is not None}, got {act.result}")
-        elif exp.result is not None and act.result is not None:
-            lines += exp.result.differences(act.result, what=f"{what} result")
-        if (exp.record is None) != (act.record is None):
-            lines.append(f"{what}: record present expected {exp.record is not None}")
-        elif exp.record is not None and act.record is not None:
-            lines += exp.record.differences(act.record, what=f"{what} record")
+        lines += _outcome_differences(exp, act, what=what)
         if len(lines) >= limit:
             break
     return lines[:limit]
@@ -923,8 +911,8 @@ def trace_violations(trace: ScenarioTrace) -> list[str]:
     * a checkpoint does not change the state, and its record equals the state (SPEC §9);
     * a restore that did not raise gives exactly the state of the checkpoint it loaded;
     * a corrupted restore that was not skipped raised ``RecordError`` (SPEC §9).
-    The state before the first step is not in the trace, so step 0 is only checked for the last
-    two rules.
+    The state before the first step is not in the trace, so step 0 is never compared with a
+    previous state (a checkpoint's record is still compared with its state).
     """
     lines: list[str] = []
     previous: RecordSnapshot | None = None
@@ -1293,19 +1281,27 @@ def _fused_mean_differences(
     w_d = formats.conv_to(step.weight, work)
     touched = {name: values for name, values in step.grads if values is not None}
     actual_pending = dict(actual.state.pending)
+
+    def judged_here(name: str, array: np.ndarray) -> bool:
+        # A buffer of another shape is left to the exact comparison, which reports it.
+        return (
+            name in touched and name in actual_pending and actual_pending[name].shape == array.shape
+        )
+
     # Exact comparison of everything else: substitute the actual values of touched buffers.
     masked = dataclasses.replace(
         expected.state,
         pending=tuple(
-            (name, actual_pending.get(name, array) if name in touched else array)
+            (name, actual_pending[name] if judged_here(name, array) else array)
             for name, array in expected.state.pending
         ),
     )
+    expected_pending = dict(expected.state.pending)
     lines = _outcome_differences(dataclasses.replace(expected, state=masked), actual, what=what)
     before_pending = dict(before.pending) if before is not None else {}
     for name, values in touched.items():
-        if name not in actual_pending:
-            continue  # already reported as a pending-name difference
+        if name not in expected_pending or not judged_here(name, expected_pending[name]):
+            continue  # a missing buffer or a wrong shape: already reported above
         old = before_pending.get(name)
         observed = actual_pending[name].reshape(-1)
         for position, gradient in enumerate(values):

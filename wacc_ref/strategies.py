@@ -253,8 +253,8 @@ def scaled_gradient_values(
         return math.copysign(grad.max_finite, value)
 
     moderate = _normal_values(formats.get_format("float64"), -MODERATE_EXPONENT, MODERATE_EXPONENT)
-    # S * x is exact in float64 unless it leaves float64's range, where ldexp saturates to inf
-    # and into_grad then clamps: any value of the grad dtype is acceptable here.
+    # S * x is a float64 product (exact for a power-of-two S inside float64's range; inf beyond
+    # it, which into_grad clamps): only its rounding into the grad dtype matters here.
     scaled = moderate.map(lambda x: into_grad(x * loss_scale))
     near_work_max = _normal_values(work, work.emax - 1, work.emax).map(into_grad)
     return st.one_of(scaled, near_work_max)

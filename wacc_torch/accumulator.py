@@ -173,8 +173,8 @@ def normalize_sums(
 
     Raises :class:`ZeroTotalWeightError` when ``total_weight == 0``, :class:`InvalidWeightError`
     for a negative or non-finite one, :class:`InvalidLossScaleError` for a loss scale that is not
-    finite, > 0 and exactly representable in every gradient's dtype, and
-    :class:`ParameterMismatchError` for a value that is not a tensor of a work dtype.
+    finite, > 0 and exactly representable in every gradient's dtype (float64 when every entry is
+    None), and :class:`ParameterMismatchError` for a value that is not a tensor of a work dtype.
     """
     if not isinstance(grads, Mapping):
         raise TypeError(
@@ -209,6 +209,10 @@ def normalize_sums(
         if grad.dtype not in checked_dtypes:
             check_loss_scale(loss_scale, grad.dtype)
             checked_dtypes.add(grad.dtype)
+    if not checked_dtypes:
+        # No tensor, so no work dtype to check S against; S itself must still be valid (finite,
+        # > 0, a float64), which the check in float64 covers.
+        check_loss_scale(loss_scale, torch.float64)
     scale = float(loss_scale)
 
     divisors: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -374,7 +378,17 @@ class WeightedGradientsAccumulator:
                 f"({self._total_weight!r} + {counted_weight!r})"
             )
 
-        # Everything is validated: from here on only mutation.
+        # Everything is validated. Allocate before mutating anything, so that running out of
+        # memory leaves the counters, the buffers and the module's .grad as they were.
+        new_buffers = (
+            {}
+            if weight_value == 0.0
+            else {
+                name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
+                for (name, parameter), grad in zip(parameters, gradients, strict=True)
+                if grad is not None and name not in self._pending
+            }
+        )
         self._await_snapshots()
         self._binding = binding
         if grads is None:
@@ -384,12 +398,6 @@ class WeightedGradientsAccumulator:
             self._issued += 1
             self._zero_weight += 1
             return
-        # Allocate first, so that a failed allocation leaves the buffers untouched.
-        new_buffers = {
-            name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
-            for (name, parameter), grad in zip(parameters, gradients, strict=True)
-            if grad is not None and name not in self._pending
-        }
         self._pending.update(new_buffers)
         for (name, _), grad in zip(parameters, gradients, strict=True):
             if grad is not None:

@@ -212,21 +212,19 @@ def _local_report(sums: object, *, caller: str) -> _RankReport:
             "out twice",
         )
     weight, issued, zero_weight = sums.weight, sums.issued, sums.zero_weight
-    if not (isinstance(weight, float | int) and math.isfinite(weight) and weight >= 0):
+    if not (_is_real(weight) and math.isfinite(weight) and weight >= 0):
         return _problem_report(
             InvalidWeightError,
             f"{caller}: the weight must be a finite float >= 0, got {weight!r}",
         )
-    if not (
-        isinstance(issued, int) and isinstance(zero_weight, int) and 0 <= zero_weight <= issued
-    ):
+    if not (_is_count(issued) and _is_count(zero_weight) and 0 <= zero_weight <= issued):
         return _problem_report(
             WeightedAccumulationError,
             f"{caller}: the counters need 0 <= zero_weight <= issued, got "
             f"zero_weight={zero_weight!r}, issued={issued!r}",
         )
     loss_scale = sums.loss_scale
-    if not (isinstance(loss_scale, float | int) and math.isfinite(loss_scale) and loss_scale > 0):
+    if not (_is_real(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0):
         return _problem_report(
             InvalidLossScaleError,
             f"{caller}: the loss scale must be a finite float > 0, got {loss_scale!r}",
@@ -279,6 +277,15 @@ def _local_report(sums: object, *, caller: str) -> _RankReport:
         issued=issued,
         zero_weight=zero_weight,
     )
+
+
+def _is_real(value: object) -> bool:
+    # bool is an int subclass, but True is no weight or scale
+    return isinstance(value, float | int) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _problem_report(error: type[Exception], message: str) -> _RankReport:

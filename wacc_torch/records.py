@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -215,6 +213,8 @@ def validate_record(
             raise RecordError(
                 f"field 'pending'[{name!r}] must be a dense tensor, got layout {buffer.layout}"
             )
+        if buffer.is_meta:
+            raise RecordError(f"field 'pending'[{name!r}] is a meta tensor: it holds no values")
         if buffer.dtype != dtype:
             raise RecordError(
                 f"field 'pending'[{name!r}] has dtype {buffer.dtype}, expected {dtype}"
@@ -251,15 +251,19 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     The file is read with ``torch.load(..., weights_only=True)``: a pickle payload that would
     import or call anything beyond plain containers and tensors is refused with
-    :class:`RecordError` (as is a file that is not a torch archive). The returned dict is not
-    validated yet; ``load_state_dict`` does that. ``OSError`` (missing file, ...) propagates.
+    :class:`RecordError`, as is a file that is not a torch archive or a damaged one. The
+    returned dict is not validated yet; ``load_state_dict`` does that. ``OSError`` (missing
+    file, ...) propagates.
     """
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except OSError:
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as error:
-        raise RecordError(f"record file {os.fspath(path)!r} was refused: {error}") from error
+    except Exception as error:
+        # A damaged archive fails anywhere in torch.load's zip reader and unpickler, with many
+        # types (UnpicklingError, RuntimeError, UnicodeDecodeError, KeyError, IndexError,
+        # struct.error, ...): each means the file holds no readable record.
+        raise RecordError(f"record file {os.fspath(path)!r} was refused: {error!r}") from error
     if not isinstance(record, dict) or not all(isinstance(key, str) for key in record):
         raise RecordError(
             f"record file {os.fspath(path)!r} does not hold a dict with str keys "

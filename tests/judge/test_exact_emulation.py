@@ -49,6 +49,7 @@ def _assert_same_trace(scenario: Scenario, device: torch.device) -> None:
     )
 
 
+@pytest.mark.slow  # 8-16 s per dtype on one CPU core
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
 def test_default_order_matches_reference_bit_for_bit(work_dtype: str) -> None:
     """In the reproducible (default) mode every step of every scenario equals the emulation."""
@@ -61,6 +62,7 @@ def test_default_order_matches_reference_bit_for_bit(work_dtype: str) -> None:
     check()
 
 
+@pytest.mark.slow  # 8-16 s per dtype on one CPU core
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
 def test_fused_mode_stays_in_the_accepted_set(work_dtype: str) -> None:
     """With ``fused=True`` every element of every mean step is one of the three SPEC §6 results."""
@@ -81,6 +83,7 @@ def test_fused_mode_stays_in_the_accepted_set(work_dtype: str) -> None:
     check()
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)

@@ -84,7 +84,9 @@ def _gradient_tensor(values: np.ndarray, grad_dtype: str, device: torch.device) 
     # are representable in G, so this conversion is exact whatever PyTorch's rounding path.
     exact = torch.tensor(values, dtype=torch.float64)
     converted = exact.to(TORCH_DTYPES[grad_dtype])
-    assert torch.equal(converted.double(), exact) or bool(torch.isnan(exact).any())
+    nan = exact.isnan()  # NaN != NaN: compare NaN positions, and the values elsewhere
+    back = converted.double()
+    assert torch.equal(back.isnan(), nan) and torch.equal(back[~nan], exact[~nan])
     return converted.to(device)
 
 

@@ -369,13 +369,15 @@ def test_finish_sums_of_an_unbound_accumulator_is_empty() -> None:
     assert result.grads == {} and result.weight == 0.0 and result.issued == 0
 
 
-def test_finished_gradients_are_copies() -> None:
-    """Mutating a finished gradient does not touch the next window's state."""
+def test_mutating_a_record_does_not_touch_the_accumulator() -> None:
+    """Writing into a state_dict() buffer leaves the pending buffer it was copied from alone."""
     acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0)
     acc.accumulate_sum(P, 1, grads={"w": [1.0, 1.0]})
     record = acc.state_dict()
     record["pending"]["w"][0] = 99.0  # type: ignore[index]
     assert acc.state_dict()["pending"]["w"].tolist() == [1.0, 1.0]  # type: ignore[index]
+    acc.accumulate_sum(P, 1, grads={"w": [1.0, 1.0]})
+    assert acc.finish_sums().grads["w"].tolist() == [2.0, 2.0]  # type: ignore[union-attr]
 
 
 # --- gradient dtypes --------------------------------------------------------------------------

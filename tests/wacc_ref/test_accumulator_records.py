@@ -197,6 +197,8 @@ BAD_RECORDS: dict[str, tuple[str, Callable[[dict[str, object]], object]]] = {
     "nan weight": ("total_weight", _with(total_weight=math.nan)),
     "inf weight": ("total_weight", _with(total_weight=math.inf)),
     "str weight": ("total_weight", _with(total_weight="3")),
+    "int weight beyond float64": ("total_weight", _with(total_weight=10**400)),
+    "int weight not a float64": ("total_weight", _with(total_weight=2**53 + 1)),
     "fraction weight in emulated mode": ("total_weight", _with(total_weight=Fraction(3))),
     "weight without counted batch": ("total_weight", _with(zero_weight=2)),
     "zero weight with counted batch": ("total_weight", _with(total_weight=0.0)),
@@ -256,6 +258,10 @@ def test_exact_mode_records_round_trip_with_fractions() -> None:
         emulated.load_state_dict(record, PARAMS)
     with pytest.raises(RecordError, match="total_weight"):
         emulated.load_state_dict({**record, "pending": {}, "zero_weight": 0}, PARAMS)
+    before = snapshot(other)
+    with pytest.raises(RecordError, match=r"total_weight .*beyond float64"):
+        other.load_state_dict({**record, "total_weight": Fraction(2**1024)}, PARAMS)
+    assert snapshot(other) == before
 
 
 def test_from_pending_checks_names_shapes_and_values() -> None:

@@ -290,6 +290,77 @@ def test_bfloat16_wide_gap_sum_uses_the_fallback_correctly() -> None:
     assert got.tolist() == [2.0**100, 1.0], [v.hex() for v in got.tolist()]
 
 
+def float64_operands(rng: np.random.Generator, fmt: Format, count: int) -> list[float]:
+    """Arbitrary float64 values (53-bit significands), mostly within 80 binades of ``fmt``'s range.
+
+    Not values of ``fmt``: operands that the format's own range would flush, overflow or
+    subnormalize, and products below float64's TwoProduct range.  ±0, ±inf, NaN and the
+    format's edge values are appended.
+    """
+    near = rng.integers(fmt.emin - 80, min(fmt.emax + 20, 1023), count)
+    anywhere = rng.integers(-1074, 1024, count)
+    exponents = np.where(rng.random(count) < 0.8, near, anywhere)
+    values = np.ldexp(rng.uniform(1.0, 2.0, count), exponents) * rng.choice([-1.0, 1.0], count)
+    return [float(v) for v in values] + specials(fmt)
+
+
+def nudged_midpoint_triples(
+    rng: np.random.Generator, fmt: Format, count: int
+) -> list[tuple[float, float, float]]:
+    """``(m, t, t)`` with ``m`` a midpoint of ``fmt`` and ``t`` so tiny that only ``m + t`` or
+    ``m + t*t`` decides the rounding (``t*t`` underflows in float64)."""
+    triples = []
+    for v in random_values(rng, fmt, count):
+        if math.isfinite(v) and v != 0.0 and abs(v) < fmt.max_finite:
+            step = math.ldexp(1.0, max(math.frexp(v)[1] - 1, fmt.emin) - fmt.precision + 1)
+            midpoint = v + math.copysign(step / 2, v)
+            tiny = math.copysign(2.0**-550, v) if rng.random() < 0.5 else -(2.0**-550)
+            triples.append((midpoint, tiny, tiny))
+    return triples
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_engines_read_any_float64_operand_exactly(name: str) -> None:
+    """gmpy2 and vector engines equal round_to(exact op) for operands that are not values of F."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng([SEED, fmt.precision, fmt.emax, 19])
+    a, b, c = (float64_operands(rng, fmt, 600) for _ in range(3))
+    designed = nudged_midpoint_triples(rng, fmt, 100)
+    assert designed, name
+    a += [x for x, _, _ in designed]
+    b += [y for _, y, _ in designed]
+    c += [z for _, _, z in designed]
+    engine = arith.gmpy2_engine(fmt)
+    vector = {
+        "add": arith.add_rounded(np.array(a), np.array(b), fmt).tolist(),
+        "mul": arith.mul_rounded(np.array(a), np.array(b), fmt).tolist(),
+        "div": arith.div_rounded(np.array(a), np.array(b), fmt).tolist(),
+        "fma": arith.fma_rounded(np.array(a), np.array(b), np.array(c), fmt).tolist(),
+    }
+    for i, (x, y, z) in enumerate(zip(a, b, c, strict=True)):
+        for op, want in (
+            ("add", arith.exact_add(x, y, fmt)),
+            ("mul", arith.exact_mul(x, y, fmt)),
+            ("div", arith.exact_div(x, y, fmt)),
+        ):
+            check_equal(getattr(engine, op)(x, y), want, f"gmpy2 {op}({hexes(x, y)}) in {name}")
+            check_equal(vector[op][i], want, f"vector {op}({hexes(x, y)}) in {name}")
+        want = arith.exact_fma(x, y, z, fmt)
+        check_equal(engine.fma(x, y, z), want, f"gmpy2 fma({hexes(x, y, z)}) in {name}")
+        check_equal(vector["fma"][i], want, f"vector fma({hexes(x, y, z)}) in {name}")
+
+
+def test_float8_e4m3fn_overflow_is_nan_in_every_engine() -> None:
+    """e4m3fn has no inf: 448/0.9375 (477.8, above the 464 midpoint) is NaN, not 480, everywhere."""
+    a, b = 448.0, float.fromhex("0x1.ep-1")
+    engine = arith.gmpy2_engine("float8_e4m3fn")
+    for sign in (1.0, -1.0):
+        check_equal(arith.exact_div(sign * a, b, "float8_e4m3fn"), math.nan, "exact div")
+        check_equal(engine.div(sign * a, b), math.nan, f"gmpy2 div({hexes(sign * a, b)})")
+        got = float(arith.div_rounded(np.array([sign * a]), b, "float8_e4m3fn")[0])
+        check_equal(got, math.nan, f"vector div({hexes(sign * a, b)})")
+
+
 def test_gradual_underflow_check_passes_here() -> None:
     """With the default FPU mode the subnormal check is silent."""
     arith.check_gradual_underflow()

@@ -734,6 +734,21 @@ def test_stepwise_oracle_refuses_a_fused_result_outside_the_allowed_set() -> Non
     assert lines[1].startswith("step 2 (finish_sums) result.grads['w'][flat 0]: expected -0x1.ff4")
 
 
+def test_stepwise_oracle_reports_a_fused_buffer_of_the_wrong_shape_at_its_step() -> None:
+    """A fused mean step whose buffer holds allowed values in another shape (same element count)
+    is reported at that step, as a shape difference."""
+    scenario = _fp16_fused_scenario()
+    trace = run_reference(scenario)
+    outcomes = list(trace.outcomes)
+    state = outcomes[1].state
+    reshaped = tuple((name, array.reshape(1, -1)) for name, array in state.pending)
+    outcomes[1] = dataclasses.replace(
+        outcomes[1], state=dataclasses.replace(state, pending=reshaped)
+    )
+    lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
+    assert lines and lines[0] == "step 1 (accumulate_mean) state.pending['w']: shape (2,) != (1, 2)"
+
+
 def test_stepwise_oracle_is_exact_and_local_outside_fused_steps() -> None:
     """In a non-fused scenario a -0.0 where the reference has +0.0 is reported at that step, and
     the next step is judged from the actual state (not from the reference's own run)."""

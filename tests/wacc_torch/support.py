@@ -116,6 +116,19 @@ def assert_unchanged(
             assert_bitwise_equal(after[name], grad, f"{name}.grad")
 
 
+def one_parameter(device: str, shape: tuple[int, ...] = (1,)) -> nn.Module:
+    """A module whose only parameter, ``weight``, is a zero tensor of ``shape`` on ``device``."""
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.zeros(shape, device=device))
+    return module
+
+
+def pending_buffer(accumulator: WeightedGradientsAccumulator, name: str = "weight") -> torch.Tensor:
+    """A CPU copy of the accumulator's pending buffer ``name`` (from its record)."""
+    buffer: torch.Tensor = accumulator.state_dict()["pending"][name]
+    return buffer
+
+
 class TwoLayer(nn.Module):
     """A small module with two tracked layers and one frozen parameter (not tracked)."""
 
@@ -162,7 +175,8 @@ def awkward_values(
     """Values of ``dtype`` that stress rounding in the work dtype ``around``.
 
     Mostly moderate magnitudes (where sums round), a quarter spread over ``around``'s whole range
-    and a little beyond it (subnormals, overflow), plus signed zeros.
+    and a little beyond it (subnormals, overflow) as far as ``dtype``'s own range reaches (no
+    overflow when ``dtype`` is no wider than ``around``), plus signed zeros.
     """
     count = int(np.prod(shape)) if shape else 1
     source, target = format_of(dtype), format_of(around)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.wacc_torch.support import (
     DEVICES,
@@ -16,6 +15,8 @@ from tests.wacc_torch.support import (
     bits,
     dtype_name,
     grads_snapshot,
+    one_parameter,
+    pending_buffer,
 )
 from wacc_ref.arith import (
     add_rounded,
@@ -28,26 +29,16 @@ from wacc_ref.formats import conv_to
 from wacc_torch import InvalidWeightError, WeightedGradientsAccumulator
 
 
-def _one_parameter(device: str, shape: tuple[int, ...] = (1,)) -> nn.Module:
-    module = nn.Module()
-    module.weight = nn.Parameter(torch.zeros(shape, device=device))
-    return module
-
-
-def _pending(accumulator: WeightedGradientsAccumulator) -> torch.Tensor:
-    return accumulator.state_dict()["pending"]["weight"]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_bfloat16_weight_1001_counts_as_1000(device: str) -> None:
     """In bf16 the weight 1001 becomes 1000 (spacing 4 in [512, 1024)), in W and in the product."""
-    module = _one_parameter(device, (2,))
+    module = one_parameter(device, (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
     accumulator.accumulate_mean(
         module, 1001, grads={"weight": torch.tensor([1.0, 0.5], device=device)}
     )
     assert accumulator.state.total_weight == 1000.0
-    assert _pending(accumulator).tolist() == [1000.0, 500.0]
+    assert pending_buffer(accumulator).tolist() == [1000.0, 500.0]
     # The mean of one batch is then exactly its gradient: W and the product agree.
     mean = accumulator.finish_mean().grads["weight"]
     assert mean is not None and mean.tolist() == [1.0, 0.5]
@@ -56,7 +47,7 @@ def test_bfloat16_weight_1001_counts_as_1000(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_weight_4097_counts_as_4096(device: str) -> None:
     """In fp16 the weight 4097 becomes 4096 (spacing 4 in [4096, 8192)), also as a 0-d tensor."""
-    module = _one_parameter(device)
+    module = one_parameter(device)
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     accumulator.accumulate_mean(
         module,
@@ -64,12 +55,12 @@ def test_float16_weight_4097_counts_as_4096(device: str) -> None:
         grads={"weight": torch.tensor([2.0**-10], device=device)},
     )
     assert accumulator.state.total_weight == 4096.0
-    assert _pending(accumulator).tolist() == [4.0]
+    assert pending_buffer(accumulator).tolist() == [4.0]
 
 
 def test_total_weight_accumulates_converted_weights() -> None:
     """W is the float64 sum of conv_D(w) over the positive-weight batches, in issue order."""
-    module = _one_parameter("cpu")
+    module = one_parameter("cpu")
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
     weights = [1001, 0.1, 0, 3.0]
     for weight in weights:
@@ -82,7 +73,7 @@ def test_total_weight_accumulates_converted_weights() -> None:
 
 
 def _float32_mean_step(*, fused: bool) -> float:
-    module = _one_parameter("cpu", (64,))
+    module = one_parameter("cpu", (64,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=fused)
     accumulator.accumulate_mean(module, 1, grads={"weight": torch.full((64,), -1.0)})
     # c = w = 1 + 2**-12: c*w = 1 + 2**-11 + 2**-24 exactly. Two steps: round_32(c*w) is a tie
@@ -91,7 +82,7 @@ def _float32_mean_step(*, fused: bool) -> float:
     accumulator.accumulate_mean(
         module, 1.0 + 2.0**-12, grads={"weight": torch.full((64,), 1.0 + 2.0**-12)}
     )
-    values = set(_pending(accumulator).tolist())
+    values = set(pending_buffer(accumulator).tolist())
     assert len(values) == 1, values
     return values.pop()
 
@@ -112,13 +103,13 @@ def test_mean_negative_zero_first_contribution_gives_positive_zero(
     device: str, dtype: torch.dtype
 ) -> None:
     """A first mean contribution of -0.0 (or a product that is -0.0) leaves the buffer at +0.0."""
-    module = _one_parameter(device, (2,))
+    module = one_parameter(device, (2,))
     for fused in (False, True):
         accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0, fused=fused)
         accumulator.accumulate_mean(
             module, 3, grads={"weight": torch.tensor([-0.0, -0.0], device=device)}
         )
-        assert bits(_pending(accumulator)).tolist() == [0, 0], f"fused={fused}"
+        assert bits(pending_buffer(accumulator)).tolist() == [0, 0], f"fused={fused}"
 
 
 _MEAN_WEIGHTS = (1.0, 7.0, 1001.0, 0.1, 3.0, 2.0**-3 * 5)
@@ -134,7 +125,7 @@ def test_mean_matches_stepwise_rounding_reference(
 ) -> None:
     """Every buffer element equals round_D(buf + round_D(conv_D(g) * w_D)), bit for bit."""
     generator = torch.Generator().manual_seed(99)
-    module = _one_parameter(device, (257,))
+    module = one_parameter(device, (257,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     name = dtype_name(dtype)
     expected = np.zeros(257)
@@ -146,7 +137,7 @@ def test_mean_matches_stepwise_rounding_reference(
         )
         expected = add_rounded(expected, product, name)
     assert_matches_reference(
-        _pending(accumulator), expected, f"mean {dtype_name(grad_dtype)}->{name}"
+        pending_buffer(accumulator), expected, f"mean {dtype_name(grad_dtype)}->{name}"
     )
 
 
@@ -155,18 +146,18 @@ def test_mean_matches_stepwise_rounding_reference(
 def test_fused_mean_stays_in_the_admissible_set(device: str, dtype: torch.dtype) -> None:
     """Each fused mean step gives one of SPEC §6's admissible per-element results."""
     generator = torch.Generator().manual_seed(7)
-    module = _one_parameter(device, (48,))
+    module = one_parameter(device, (48,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0, fused=True)
     name = dtype_name(dtype)
     for weight in _MEAN_WEIGHTS:
         before = (
-            _pending(accumulator).to(torch.float64).tolist()
+            pending_buffer(accumulator).to(torch.float64).tolist()
             if accumulator.state.issued
             else [0.0] * 48
         )
         gradient = awkward_values((48,), dtype=torch.float32, around=dtype, generator=generator)
         accumulator.accumulate_mean(module, weight, grads={"weight": gradient.to(device)})
-        after = _pending(accumulator).to(torch.float64).tolist()
+        after = pending_buffer(accumulator).to(torch.float64).tolist()
         converted = conv_array(gradient.to(torch.float64).numpy(), name).tolist()
         w_d = conv_to(weight, name)
         for index, (buf, c, value) in enumerate(zip(before, converted, after, strict=True)):
@@ -192,7 +183,7 @@ def test_weight_that_does_not_survive_the_work_dtype_is_refused(
     dtype: torch.dtype, weight: float
 ) -> None:
     """A weight > 0 whose conv_D is 0 or inf raises InvalidWeightError naming it."""
-    module = _one_parameter("cpu")
+    module = one_parameter("cpu")
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     accumulator.accumulate_mean(module, 1, grads={"weight": torch.ones(1)})
     module.weight.grad = torch.ones(1)
@@ -205,17 +196,17 @@ def test_weight_that_does_not_survive_the_work_dtype_is_refused(
 
 def test_smallest_surviving_weight_is_accepted() -> None:
     """The smallest subnormal of fp16 (2**-24) is a valid mean weight and counts exactly."""
-    module = _one_parameter("cpu")
+    module = one_parameter("cpu")
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     accumulator.accumulate_mean(module, 2.0**-24, grads={"weight": torch.tensor([2.0**10])})
     assert accumulator.state.total_weight == 2.0**-24
-    assert _pending(accumulator).item() == 2.0**-14
+    assert pending_buffer(accumulator).item() == 2.0**-14
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_weight_mean_reads_no_gradient(device: str) -> None:
     """A weight-0 mean batch ignores NaN gradients and takes .grad out of the module."""
-    module = _one_parameter(device, (3,))
+    module = one_parameter(device, (3,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=2.0**15)
     accumulator.accumulate_mean(module, 2, grads={"weight": torch.ones(3, device=device)})
     before = accumulator.state_dict()

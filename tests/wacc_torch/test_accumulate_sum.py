@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.wacc_torch.support import (
     DEVICES,
@@ -17,6 +16,8 @@ from tests.wacc_torch.support import (
     awkward_values,
     bits,
     dtype_name,
+    one_parameter,
+    pending_buffer,
     tracked_shapes,
 )
 from wacc_ref.arith import add_rounded, conv_array
@@ -32,20 +33,10 @@ GRAD_DTYPES = [
 ]
 
 
-def _one_parameter(device: str, shape: tuple[int, ...] = (1,)) -> nn.Module:
-    module = nn.Module()
-    module.weight = nn.Parameter(torch.zeros(shape, device=device))
-    return module
-
-
-def _pending(accumulator: WeightedGradientsAccumulator, name: str = "weight") -> torch.Tensor:
-    return accumulator.state_dict()["pending"][name]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_bfloat16_sum_converts_then_adds(device: str) -> None:
     """A bf16 buffer adds round_bf16(g), not the single rounding of buf + g in float32."""
-    module = _one_parameter(device)
+    module = one_parameter(device)
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
     one = torch.tensor([1.0], device=device)
     # g = 2**-8 + 2**-16 (a float32 value). Converted: the bf16 neighbours of g are 2**-8 and
@@ -55,7 +46,7 @@ def test_bfloat16_sum_converts_then_adds(device: str) -> None:
     gradient = torch.tensor([2.0**-8 + 2.0**-16], device=device)
     accumulator.accumulate_sum(module, 1, grads={"weight": one})
     accumulator.accumulate_sum(module, 1, grads={"weight": gradient})
-    assert _pending(accumulator).item() == 1.0, _pending(accumulator).item()
+    assert pending_buffer(accumulator).item() == 1.0, pending_buffer(accumulator).item()
 
     single_rounding = torch.tensor([1.0], dtype=torch.bfloat16, device=device).add_(gradient)
     assert single_rounding.item() == 1.0 + 2.0**-7, "the example must tell the two orders apart"
@@ -67,38 +58,38 @@ def test_negative_zero_first_contribution_gives_positive_zero(
     device: str, dtype: torch.dtype
 ) -> None:
     """A buffer starts at +0.0, so a first contribution of -0.0 leaves +0.0 (RNE: +0 + -0 = +0)."""
-    module = _one_parameter(device, (3,))
+    module = one_parameter(device, (3,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     accumulator.accumulate_sum(module, 2, grads={"weight": torch.full((3,), -0.0, device=device)})
-    assert bits(_pending(accumulator)).tolist() == [0, 0, 0]
+    assert bits(pending_buffer(accumulator)).tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_float64_gradient_converts_through_float32(device: str) -> None:
     """conv_D of a float64 gradient into bf16 is PyTorch's double rounding through float32."""
-    module = _one_parameter(device)
+    module = one_parameter(device)
     accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=1.0)
     # 1 + 2**-8 + 2**-30 -> float32: 2**-30 is below half the float32 quantum 2**-23 at 1, so
     # 1 + 2**-8; that is the bf16 midpoint of 1 and 1 + 2**-7: ties to even -> 1.0 (correct
     # rounding would give 1 + 2**-7).
     gradient = torch.tensor([1.0 + 2.0**-8 + 2.0**-30], dtype=torch.float64, device=device)
     accumulator.accumulate_sum(module, 1, grads={"weight": gradient})
-    assert _pending(accumulator).item() == 1.0
+    assert pending_buffer(accumulator).item() == 1.0
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 def test_float8_gradients_are_accepted(dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
     """float8 gradients are converted into every work dtype and summed exactly when exact."""
-    module = _one_parameter("cpu", (4,))
+    module = one_parameter("cpu", (4,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     # Values with at most 2 significand bits, in both float8 formats' range: sums are exact.
     first = torch.tensor([1.5, -2.0, 0.25, 0.0]).to(grad_dtype)
     second = torch.tensor([0.5, 3.0, -0.125, 6.0]).to(grad_dtype)
     accumulator.accumulate_sum(module, 1, grads={"weight": first})
     accumulator.accumulate_sum(module, 1, grads={"weight": second})
-    assert _pending(accumulator).tolist() == [2.0, 1.0, 0.125, 6.0]
-    assert _pending(accumulator).dtype == dtype
+    assert pending_buffer(accumulator).tolist() == [2.0, 1.0, 0.125, 6.0]
+    assert pending_buffer(accumulator).dtype == dtype
 
 
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=dtype_name)
@@ -109,7 +100,7 @@ def test_sum_matches_stepwise_rounding_reference(
 ) -> None:
     """Every buffer element equals round_D(buf + conv_D(g)) step by step, bit for bit."""
     generator = torch.Generator().manual_seed(1234)
-    module = _one_parameter(device, (257,))
+    module = one_parameter(device, (257,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
     expected = np.zeros(257)
     for _ in range(6):
@@ -118,7 +109,7 @@ def test_sum_matches_stepwise_rounding_reference(
         converted = conv_array(gradient.to(torch.float64).numpy(), dtype_name(dtype))
         expected = add_rounded(expected, converted, dtype_name(dtype))
     assert_matches_reference(
-        _pending(accumulator), expected, f"sum {dtype_name(grad_dtype)}->{dtype_name(dtype)}"
+        pending_buffer(accumulator), expected, f"sum {dtype_name(grad_dtype)}->{dtype_name(dtype)}"
     )
 
 
@@ -219,7 +210,7 @@ def test_zero_weight_batches_allocate_no_buffer() -> None:
 
 def test_total_weight_is_the_float64_sum_in_issue_order() -> None:
     """W is round_64(W + float(w)) in issue order, for floats, ints and 0-d tensors."""
-    module = _one_parameter("cpu")
+    module = one_parameter("cpu")
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     one = {"weight": torch.ones(1)}
     weight_tensor = torch.tensor(0.1, dtype=torch.float32)
@@ -265,7 +256,7 @@ def test_first_accumulate_binds_the_tracked_set_without_frozen_parameters() -> N
 
 def test_gradient_graph_is_not_kept() -> None:
     """A gradient that requires grad is accumulated detached (no autograd history)."""
-    module = _one_parameter("cpu", (2,))
+    module = one_parameter("cpu", (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     gradient = torch.ones(2, requires_grad=True) * 2
     accumulator.accumulate_sum(module, 1, grads={"weight": gradient})

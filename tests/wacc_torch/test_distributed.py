@@ -8,6 +8,7 @@ counts 1 and 7, rank 1 those with counts 200 and 3 (SPEC §1's example).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -267,6 +268,14 @@ def _scenario_errors(rank: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
             dtype=float32, loss_scale=EXACT_LOSS_SCALE
         ).finish_sums()
     out["unbound_rank"] = _captured(partial(all_reduce_mean, unbound))
+
+    # A hand-built input whose weight is no weight on one rank: True (a bool), or negative.
+    local = _accumulated(
+        _linear(), one_batch, dtype=float32, loss_scale=EXACT_LOSS_SCALE, mode="sum"
+    ).finish_sums()
+    for label, bad_weight in (("bool_weight", True), ("negative_weight", -1.0)):
+        doctored = dataclasses.replace(local, weight=bad_weight) if rank == 1 else local
+        out[label] = _captured(partial(all_reduce_mean, doctored))
 
     # Only zero-weight microbatches on both ranks: a mean is undefined, the sums are not.
     zero = _accumulated(
@@ -898,6 +907,8 @@ def test_rank_with_only_zero_weight_batches(
         ("wrong_type", "TypeError", ("rank 1", "dict")),
         ("unbound_rank", "ParameterMismatchError", ("rank 1 tracks no parameter", "'weight'")),
         ("zero_global_weight/mean", "ZeroTotalWeightError", ("weight is 0",)),
+        ("bool_weight", "InvalidWeightError", ("rank 1", "True")),
+        ("negative_weight", "InvalidWeightError", ("rank 1", "-1.0")),
     ],
 )
 def test_bad_input_raises_on_every_rank(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.wacc_torch.support import (
     DEVICES,
@@ -18,10 +18,11 @@ from tests.wacc_torch.support import (
     awkward_values,
     dtype_name,
     grads_snapshot,
+    one_parameter,
     tracked_shapes,
 )
-from wacc_ref.arith import div_rounded, round_array
-from wacc_ref.formats import op_format, round_to
+from wacc_ref.arith import add_rounded, conv_array, div_rounded, mul_rounded, round_array
+from wacc_ref.formats import conv_to, op_format, round_to
 from wacc_torch import (
     AccumulatedGradients,
     InvalidLossScaleError,
@@ -33,18 +34,12 @@ from wacc_torch import (
 )
 
 
-def _one_parameter(device: str, shape: tuple[int, ...]) -> nn.Module:
-    module = nn.Module()
-    module.weight = nn.Parameter(torch.zeros(shape, device=device))
-    return module
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_sequential_division_survives_an_overflowing_product(device: str) -> None:
     """fp16 with S = 2**15 and W = 4096 (S*W = 2**27 overflows fp16) finishes finite and exact."""
     scale = 2.0**15
     assert torch.tensor(scale, dtype=torch.float16) * 4096 == float("inf")
-    module = _one_parameter(device, (4,))
+    module = one_parameter(device, (4,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=scale)
     first = torch.tensor([0.5, -1.0, 0.25, 2.0**-4], device=device) * scale
     second = torch.tensor([1.0, 0.75, -0.25, 2.0**-4], device=device) * scale
@@ -62,7 +57,7 @@ def test_float16_sequential_division_survives_an_overflowing_product(device: str
 def test_float16_mean_with_overflowing_product_is_exact(device: str) -> None:
     """accumulate_mean in fp16 with S = 2**15 and one batch of weight 4096 returns its gradient."""
     scale = 2.0**15
-    module = _one_parameter(device, (2,))
+    module = one_parameter(device, (2,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=scale)
     # S * [2**-12, -2**-13] = [8, -4]; times 4096: [32768, -16384], exact in fp16.
     accumulator.accumulate_mean(
@@ -75,7 +70,7 @@ def test_float16_mean_with_overflowing_product_is_exact(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_total_weight_beyond_float16_range_stays_finite(device: str) -> None:
     """fp16 buffers with W = 70000 (beyond fp16) divide in float32: finite, as the SPEC rounds."""
-    module = _one_parameter(device, (3,))
+    module = one_parameter(device, (3,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     gradient = torch.tensor([7.0, -35.0, 1.0], device=device)
     accumulator.accumulate_sum(module, 30000, grads={"weight": gradient})
@@ -126,7 +121,7 @@ def test_normalize_sums_in_place_gives_the_same_bits(dtype: torch.dtype) -> None
 
 
 def test_normalize_sums_refuses_bad_arguments() -> None:
-    """Zero/negative/NaN W, a loss scale D cannot hold and non-tensors raise specific errors."""
+    """Zero/negative/NaN W, a bad loss scale (also with no tensor), non-tensors: specific errors."""
     sums = {"g": torch.ones(2, dtype=torch.float16)}
     with pytest.raises(ZeroTotalWeightError, match="0.0"):
         normalize_sums(sums, loss_scale=1.0, total_weight=0.0)
@@ -135,6 +130,10 @@ def test_normalize_sums_refuses_bad_arguments() -> None:
             normalize_sums(sums, loss_scale=1.0, total_weight=weight)
     with pytest.raises(InvalidLossScaleError, match="65536.0.*float16"):
         normalize_sums(sums, loss_scale=2.0**16, total_weight=1.0)
+    # Without any tensor there is no D to check against, but S itself must still be valid.
+    for scale in (-1.0, float("nan"), "1.0"):
+        with pytest.raises(InvalidLossScaleError, match=repr(scale)):
+            normalize_sums({"g": None}, loss_scale=scale, total_weight=1.0)  # type: ignore[arg-type]
     with pytest.raises(ParameterMismatchError, match="'g'.*list"):
         normalize_sums({"g": [1.0]}, loss_scale=1.0, total_weight=1.0)  # type: ignore[dict-item]
     with pytest.raises(ParameterMismatchError, match="int32"):
@@ -187,7 +186,7 @@ def test_two_rank_sums_divided_once_equal_the_mean_of_the_union(
     rank_of = [0, 1, 1, 0, 1]
     ranks = [WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale) for _ in range(2)]
     union = WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)
-    modules = [_one_parameter(device, (3,)) for _ in range(3)]
+    modules = [one_parameter(device, (3,)) for _ in range(3)]
     for (weight, values), rank in zip(batches, rank_of, strict=True):
         gradient = torch.tensor(values, device=device) * scale
         ranks[rank].accumulate_sum(modules[rank], weight, grads={"weight": gradient})
@@ -224,7 +223,7 @@ def test_finish_starts_a_new_window_and_keeps_the_binding(device: str) -> None:
     accumulator.accumulate_sum(module, 1, grads=ones)
     assert all(g is not None and bool((g == 1.0).all()) for g in sums.grads.values())
     with pytest.raises(ParameterMismatchError, match="missing"):
-        accumulator.accumulate_sum(_one_parameter(device, (2,)), 1)
+        accumulator.accumulate_sum(one_parameter(device, (2,)), 1)
     mean = accumulator.finish_mean()
     assert mean.normalized and accumulator.state.issued == 0
 
@@ -291,26 +290,39 @@ def test_apply_to_checks_every_name_before_writing() -> None:
             assert_bitwise_equal(after[name], grad, f"{name}.grad")
 
 
-def test_finish_mean_results_equal_normalize_sums_of_finish_sums() -> None:
-    """finish_mean gives the same bits as normalize_sums of finish_sums of the same window."""
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_finish_mean_and_normalized_finish_sums_match_the_reference(dtype: torch.dtype) -> None:
+    """finish_mean, and normalize_sums of finish_sums, equal the reference's stepwise mean."""
+    name = dtype_name(dtype)
+    op_name = op_format(name).name
+    scale = 2.0**7
+    weights = (1, 7, 200, 3)
     generator = torch.Generator().manual_seed(11)
-    results = []
+    gradients = [
+        awkward_values((200,), dtype=torch.float32, around=dtype, generator=generator)
+        for _ in weights
+    ]
+    pending, total_weight = np.zeros(200), 0.0
+    for weight, gradient in zip(weights, gradients, strict=True):
+        weight_d = conv_to(float(weight), name)
+        converted = conv_array(gradient.to(torch.float64).numpy(), name)
+        pending = add_rounded(pending, mul_rounded(converted, weight_d, name), name)
+        total_weight += weight_d  # round_64(W + w_D), in issue order
+    scaled = div_rounded(pending, scale, name)
+    expected = round_array(div_rounded(scaled, round_to(total_weight, op_name), op_name), name)
+
     for finish in ("mean", "sums"):
-        module = _one_parameter("cpu", (200,))
-        accumulator = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=2.0**7)
-        generator.manual_seed(11)
-        for weight in (1, 7, 200, 3):
-            gradient = awkward_values(
-                (200,), dtype=torch.float32, around=torch.bfloat16, generator=generator
-            )
+        module = one_parameter("cpu", (200,))
+        accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)
+        for weight, gradient in zip(weights, gradients, strict=True):
             accumulator.accumulate_mean(module, weight, grads={"weight": gradient})
         if finish == "mean":
-            results.append(accumulator.finish_mean().grads["weight"])
+            result = accumulator.finish_mean()
+            mean = result.grads["weight"]
         else:
-            sums = accumulator.finish_sums()
-            results.append(
-                normalize_sums(sums.grads, loss_scale=sums.loss_scale, total_weight=sums.weight)[
-                    "weight"
-                ]
-            )
-    assert_bitwise_equal(results[0], results[1], "finish_mean vs normalize_sums(finish_sums)")
+            result = accumulator.finish_sums()
+            mean = normalize_sums(
+                result.grads, loss_scale=result.loss_scale, total_weight=result.weight
+            )["weight"]
+        assert result.weight == total_weight, (finish, result.weight.hex(), total_weight.hex())
+        assert_matches_reference(mean, expected, f"{name} finish_{finish}")

@@ -247,6 +247,9 @@ BAD_RECORDS: list[Any] = [
     pytest.param(
         _set_pending("first.bias", torch.zeros(3, dtype=torch.int64)), "pending", id="pending-int"
     ),
+    pytest.param(
+        _set_pending("second.bias", torch.zeros(2, device="meta")), "pending", id="pending-meta"
+    ),
 ]
 
 
@@ -349,6 +352,24 @@ def test_record_file_that_is_not_a_record_is_refused(tmp_path: Path) -> None:
         load_record(tmp_path / "junk.pt")
     with pytest.raises(FileNotFoundError):
         load_record(tmp_path / "absent.pt")
+
+
+def test_damaged_record_file_is_refused(tmp_path: Path) -> None:
+    """A record file with a damaged pickle or a truncated archive raises RecordError naming it."""
+    path = tmp_path / "record.pt"
+    save_record(_filled(TwoLayer()).state_dict(), path)
+    intact = path.read_bytes()
+    # A key of the pickled dict made invalid UTF-8 (same length: the archive stays readable),
+    # and the archive cut in half.
+    assert intact.count(b"param_names") == 1
+    damaged = {
+        "bad-utf8.pt": intact.replace(b"param_names", b"param\xffnames"),
+        "truncated.pt": intact[: len(intact) // 2],
+    }
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(RecordError, match=name):
+            load_record(tmp_path / name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
