@@ -666,7 +666,13 @@ def window_error_bound(
         if grad is None:
             arrays.append(None)
             continue
-        array = np.asarray(grad).astype(np.float64)  # every float format is exact in float64
+        raw = np.asarray(grad)
+        # Floats up to 64 bits (ml_dtypes' bfloat16 / e4m3fn report kind "V") are read exactly.
+        if raw.dtype.kind not in "fV" or raw.dtype.itemsize > 8:
+            raise BoundArgumentError(
+                f"grads[{k}] has dtype {raw.dtype}; a float array of at most 64 bits is needed"
+            )
+        array = raw.astype(np.float64)
         if shape is None:
             shape = array.shape
         elif array.shape != shape:
@@ -773,6 +779,8 @@ def _exact_value(value: Any) -> Fraction | None:
         raise TypeError(f"expected a real number, got the bool {value!r}")
     if isinstance(value, int | np.integer):
         return Fraction(int(value))
+    if isinstance(value, np.floating) and value.dtype.itemsize > 8:
+        raise TypeError(f"{value!r} is a {value.dtype} wider than float64: not read exactly")
     if isinstance(value, float | np.floating) or (
         isinstance(value, np.generic) and value.dtype.kind == "V"
     ):

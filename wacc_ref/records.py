@@ -164,6 +164,10 @@ def validate_weight(weight: object) -> float:
         raise InvalidWeightError(
             f"weight must be a finite int or float >= 0, got {weight!r} ({type(weight).__name__})"
         )
+    if isinstance(weight, np.floating) and weight.dtype.itemsize > 8:
+        raise InvalidWeightError(
+            f"weight {weight!r} is a {weight.dtype} wider than float64: it cannot be read exactly"
+        )
     try:
         value = float(weight)
     except OverflowError:

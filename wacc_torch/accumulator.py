@@ -718,7 +718,8 @@ class WeightedGradientsAccumulator:
                 )
             if not isinstance(buffer, torch.Tensor) or buffer.layout != torch.strided:
                 raise ParameterMismatchError(
-                    f"pending buffer {name!r} must be a dense tensor, got {buffer!r}"
+                    f"pending buffer {name!r} must be a dense tensor, got "
+                    f"{type(buffer).__name__} (layout {getattr(buffer, 'layout', None)})"
                 )
             if buffer.dtype != state.dtype:
                 raise ParameterMismatchError(

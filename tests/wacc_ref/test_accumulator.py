@@ -418,6 +418,10 @@ BAD_CALLS: dict[str, tuple[type[Exception], Callable[[ReferenceAccumulator], obj
     "inf weight": (InvalidWeightError, lambda a: a.accumulate_mean(P, math.inf, grads={})),
     "bool weight": (InvalidWeightError, lambda a: a.accumulate_sum(P, True, grads={})),
     "str weight": (InvalidWeightError, lambda a: a.accumulate_sum(P, "3", grads={})),  # type: ignore[arg-type]
+    "longdouble weight": (
+        InvalidWeightError,
+        lambda a: a.accumulate_sum(P, np.longdouble(1) / 3, grads={}),
+    ),
     "huge int weight": (InvalidWeightError, lambda a: a.accumulate_sum(P, 10**400, grads={})),
     "mean weight underflows": (
         InvalidWeightError,

@@ -885,6 +885,12 @@ def test_weight_sum_out_of_range_gives_no_bound(dtype: str, weights: list[float]
         ({"weights": [0.0, 0.0]}, ZeroTotalWeightError, "no positive weight"),
         ({"weights": [0.0, 0.0], "normalized": False}, BoundArgumentError, "no gradient"),
         ({"grads": [None, None]}, BoundArgumentError, "no gradient"),
+        ({"grads": [np.array([3, 2**53 + 1]), None]}, BoundArgumentError, "dtype int64"),
+        (
+            {"grads": [np.zeros(2, dtype=np.longdouble), None]},
+            BoundArgumentError,
+            "dtype float128",
+        ),
     ],
 )
 def test_bad_arguments_raise_specific_errors(
