@@ -15,6 +15,7 @@ from hypothesis import given, settings
 
 import wacc_torch
 from tests.judge.torch_runner import in_module_order, run_torch
+from tests.wacc_torch.support import DEVICES
 from wacc_ref import formats
 from wacc_ref.scenario import (
     Accumulate,
@@ -30,8 +31,6 @@ from wacc_ref.strategies import scenarios
 
 # Examples per work dtype and mode; each runs the scenario twice (reference and torch).
 EXAMPLES_PER_DTYPE = 500
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _assert_same_trace(scenario: Scenario, device: torch.device) -> None:
@@ -50,28 +49,30 @@ def _assert_same_trace(scenario: Scenario, device: torch.device) -> None:
 
 
 @pytest.mark.slow  # 8-16 s per dtype on one CPU core
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
-def test_default_order_matches_reference_bit_for_bit(work_dtype: str) -> None:
+def test_default_order_matches_reference_bit_for_bit(work_dtype: str, device: str) -> None:
     """In the reproducible (default) mode every step of every scenario equals the emulation."""
 
     @settings(max_examples=EXAMPLES_PER_DTYPE)
     @given(scenarios(work_dtypes=(work_dtype,), fused=False))
     def check(scenario: Scenario) -> None:
-        _assert_same_trace(scenario, torch.device("cpu"))
+        _assert_same_trace(scenario, torch.device(device))
 
     check()
 
 
 @pytest.mark.slow  # 8-16 s per dtype on one CPU core
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
-def test_fused_mode_stays_in_the_accepted_set(work_dtype: str) -> None:
+def test_fused_mode_stays_in_the_accepted_set(work_dtype: str, device: str) -> None:
     """With ``fused=True`` every element of every mean step is one of the three SPEC §6 results."""
 
     @settings(max_examples=EXAMPLES_PER_DTYPE // 2)
     @given(scenarios(work_dtypes=(work_dtype,), fused=True))
     def check(scenario: Scenario) -> None:
         scenario = in_module_order(scenario)
-        trace = run_torch(scenario, device="cpu")
+        trace = run_torch(scenario, device=device)
         differences = stepwise_differences(scenario, trace)
         assert not differences, (
             "fused wacc_torch left the SPEC §6 set; replay with wacc_ref.scenario.from_json\n"
@@ -79,21 +80,6 @@ def test_fused_mode_stays_in_the_accepted_set(work_dtype: str) -> None:
             + "\n"
             + to_json(scenario)
         )
-
-    check()
-
-
-@pytest.mark.slow
-@pytest.mark.cuda
-@requires_cuda
-@pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
-def test_default_order_matches_reference_on_cuda(work_dtype: str) -> None:
-    """On CUDA the default mode is bit-exact with the emulation too (0-d divisors on the device)."""
-
-    @settings(max_examples=EXAMPLES_PER_DTYPE)
-    @given(scenarios(work_dtypes=(work_dtype,), fused=False))
-    def check(scenario: Scenario) -> None:
-        _assert_same_trace(scenario, torch.device("cuda"))
 
     check()
 
