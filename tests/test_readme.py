@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,11 +18,12 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
 
 
-def test_readme_has_the_two_usage_examples() -> None:
-    """The README shows a single-process loop and a data-parallel block."""
+def test_readme_has_the_three_usage_examples() -> None:
+    """The README shows a single-process loop, a data-parallel block and a reference block."""
     blocks = _python_blocks()
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     assert "no_sync" in blocks[1]
+    assert "ReferenceAccumulator" in blocks[2]
 
 
 def test_training_loop_example_runs_and_resumes_mid_window(
@@ -54,3 +56,12 @@ def test_data_parallel_example_runs_on_one_gloo_rank(
         assert all(torch.isfinite(g).all() for g in result.grads.values() if g is not None)
     finally:
         dist.destroy_process_group()
+
+
+def test_reference_example_prints_what_its_comments_say(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference block's printed values are the ones its comments derive by hand."""
+    namespace: dict[str, Any] = {}
+    exec(compile(_python_blocks()[2], str(README), "exec"), namespace)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["inf", "1.0"]
+    assert lines[2] == str(np.array([3 * 2.0**-13, 2.0**-13]))
