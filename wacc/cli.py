@@ -1,0 +1,69 @@
+"""The ``wacc`` command: one argparse subcommand per module of :mod:`wacc.commands`.
+
+Exit codes, the same for every subcommand: 0 = everything it checked holds; 1 = a divergence
+(or, for the gate, a regression) was found; 2 = usage or environment error, answered with one
+line on stderr and never a traceback. Each command module defines ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``; the modules are imported only when their
+subcommand runs, so ``wacc --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from wacc import __version__
+from wacc.errors import UsageError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# subcommand -> (module, one-line help). Order is the order ``wacc --help`` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse prints the whole usage block; one line is the contract (exit 2 all the same).
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, every subcommand's arguments included."""
+    parser = _Parser(
+        prog="wacc",
+        description="Judge gradient accumulators against the exact reference of wacc_ref.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 = all checks hold, 1 = divergence, 2 = usage or environment error",
+    )
+    parser.add_argument("--version", action="version", version=f"wacc {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``wacc`` with ``argv`` (default: ``sys.argv[1:]``) and return its exit code."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args._module.run(args))
+    except UsageError as exc:
+        print(f"wacc: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("wacc: interrupted", file=sys.stderr)
+        return 130

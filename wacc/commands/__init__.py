@@ -1,0 +1,1 @@
+"""One module per ``wacc`` subcommand (registered in :data:`wacc.cli.COMMANDS`)."""
