@@ -17,15 +17,17 @@ import wacc_torch
 from tests.judge.torch_runner import in_module_order, run_torch
 from tests.wacc_torch.support import DEVICES
 from wacc_ref import formats
+from wacc_ref.oracles import (
+    run_reference,
+    stepwise_differences,
+    trace_differences,
+    trace_violations,
+)
 from wacc_ref.scenario import (
     Accumulate,
     Finish,
     Scenario,
-    run_reference,
-    stepwise_differences,
     to_json,
-    trace_differences,
-    trace_violations,
 )
 from wacc_ref.strategies import scenarios
 

@@ -23,18 +23,22 @@ import torch
 from torch import nn
 
 import wacc_torch
+from wacc_ref.corruption import (
+    applicable_corruptions,
+    corrupt_record,
+)
 from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
     Finish,
-    FinishOutcome,
-    RecordSnapshot,
     Restore,
     Scenario,
+)
+from wacc_ref.traces import (
+    FinishOutcome,
+    RecordSnapshot,
     ScenarioTrace,
     StepOutcome,
-    applicable_corruptions,
-    corrupt_record,
     finish_outcome,
     snapshot_record,
 )

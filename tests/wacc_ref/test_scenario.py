@@ -16,36 +16,42 @@ import pytest
 
 from wacc_ref import formats
 from wacc_ref.accumulator import ReferenceAccumulator
-from wacc_ref.errors import RecordError
-from wacc_ref.scenario import (
+from wacc_ref.corruption import (
     CORRUPTION_FIELDS,
     CORRUPTION_KINDS,
-    RECORD_KEYS,
+    CorruptionNotApplicableError,
+    applicable_corruptions,
+    corrupt_record,
+    corruption_field,
+)
+from wacc_ref.errors import RecordError
+from wacc_ref.oracles import (
+    run_reference,
+    stepwise_differences,
+    trace_differences,
+    trace_violations,
+)
+from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
-    CorruptionNotApplicableError,
     Finish,
-    FinishOutcome,
     Restore,
     RestoreCorrupted,
     Scenario,
     ScenarioError,
+    from_json,
+    scenarios_identical,
+    to_json,
+    without_interruptions,
+)
+from wacc_ref.traces import (
+    RECORD_KEYS,
+    FinishOutcome,
     ScenarioTrace,
     StepOutcome,
-    applicable_corruptions,
     buffer_to_float64,
-    corrupt_record,
-    corruption_field,
-    from_json,
     record_from_snapshot,
-    run_reference,
-    scenarios_identical,
     snapshot_record,
-    stepwise_differences,
-    to_json,
-    trace_differences,
-    trace_violations,
-    without_interruptions,
 )
 
 TWO_PARAMS = (("weight", (2, 3)), ("bias", (3,)))
