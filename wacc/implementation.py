@@ -147,12 +147,16 @@ def _import_target(spec: str) -> Any:
             module_spec.loader.exec_module(module)
         except Exception as exc:  # the user's file: any failure is an environment error
             del sys.modules[name]
-            raise UsageError(f"importing {location!r} failed: {type(exc).__name__}: {exc}") from None
+            raise UsageError(
+                f"importing {location!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
     else:
         try:
             module = importlib.import_module(location)
         except Exception as exc:
-            raise UsageError(f"cannot import module {location!r}: {type(exc).__name__}: {exc}") from None
+            raise UsageError(
+                f"cannot import module {location!r}: {type(exc).__name__}: {exc}"
+            ) from None
     try:
         target = getattr(module, attr)
     except AttributeError:
@@ -181,7 +185,9 @@ def load_implementation(spec: str) -> Implementation:
     try:
         fused = probe.state.fused
     except Exception as exc:
-        raise UsageError(f"{spec!r}: reading state.fused failed: {type(exc).__name__}: {exc}") from None
+        raise UsageError(
+            f"{spec!r}: reading state.fused failed: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(fused, bool):
         raise UsageError(f"{spec!r}: state.fused must be a bool, got {fused!r}")
     missing = tuple(

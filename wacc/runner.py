@@ -143,8 +143,10 @@ def _same_record(first: object, second: object) -> bool:
         return (
             first.dtype == second.dtype
             and first.shape == second.shape
-            and torch.equal(first.cpu().reshape(-1).view(torch.uint8),
-                            second.cpu().reshape(-1).view(torch.uint8))
+            and torch.equal(
+                first.cpu().reshape(-1).view(torch.uint8),
+                second.cpu().reshape(-1).view(torch.uint8),
+            )
         )
     if isinstance(first, Mapping) and isinstance(second, Mapping):
         return first.keys() == second.keys() and all(

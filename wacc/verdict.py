@@ -231,11 +231,10 @@ def _counters_only(trace: ScenarioTrace) -> ScenarioTrace:
     """``trace`` with buffers, parameter lists and gradient values dropped (oracle 3's view)."""
 
     def bare(snapshot: RecordSnapshot | None) -> RecordSnapshot | None:
-        if snapshot is None:
-            return None
-        return replace(
-            snapshot, format_version=None, param_names=(), param_shapes=(), pending=()
-        )
+        return None if snapshot is None else _bare(snapshot)
+
+    def _bare(snapshot: RecordSnapshot) -> RecordSnapshot:
+        return replace(snapshot, format_version=None, param_names=(), param_shapes=(), pending=())
 
     def bare_result(result: FinishOutcome | None) -> FinishOutcome | None:
         return None if result is None else replace(result, grads=())
@@ -244,7 +243,7 @@ def _counters_only(trace: ScenarioTrace) -> ScenarioTrace:
         outcomes=tuple(
             replace(
                 outcome,
-                state=bare(outcome.state),
+                state=_bare(outcome.state),
                 record=bare(outcome.record),
                 result=bare_result(outcome.result),
             )
@@ -279,7 +278,9 @@ def _value_differences(
             if exp_grad is None and act_grad is not None:
                 zeros = np.zeros_like(act_grad)
                 if array_key(act_grad) == array_key(zeros):
-                    notes.append(f"{what}: grads[{name!r}] is all +0.0 where the reference has None")
+                    notes.append(
+                        f"{what}: grads[{name!r}] is all +0.0 where the reference has None"
+                    )
                 else:
                     lines.append(f"{what}: grads[{name!r}] expected None, got values")
                 continue
@@ -351,9 +352,11 @@ def judge(
         fused_lines = _by_step(stepwise_differences(scenario, actual, limit=10**6), count)
 
     scenario_lines: list[str] = []
-    if "semantics" in applied and any(
-        isinstance(step, Restore) for step in scenario.steps
-    ) and _restores_follow_checkpoints(scenario):
+    if (
+        "semantics" in applied
+        and any(isinstance(step, Restore) for step in scenario.steps)
+        and _restores_follow_checkpoints(scenario)
+    ):
         straight, _ = run_implementation(
             implementation, without_interruptions(scenario), device=device
         )
@@ -410,7 +413,9 @@ def judge(
             finite = np.isfinite(bound).reshape(-1)
             rel = max(
                 rel,
-                _rel_error(array.reshape(-1)[finite], [x for x, f in zip(exact, finite) if f]),
+                _rel_error(
+                    array.reshape(-1)[finite], [x for x, f in zip(exact, finite, strict=True) if f]
+                ),
             )
             step_ratio = error_ratio(
                 array, np.array(exact, dtype=object).reshape(array.shape), bound
