@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, seed, settings, target
+from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis.errors import HypothesisException
 
 from wacc.implementation import Implementation
 from wacc.profiles import profile_settings
+from wacc.shrink import shrink_scenario
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref import formats
 from wacc_ref.scenario import Scenario, to_json
@@ -37,6 +38,7 @@ __all__ = [
     "Finding",
     "observe_metrics",
     "run_check",
+    "write_finding",
     "run_family",
 ]
 
@@ -65,6 +67,7 @@ class CheckConfig:
     oracles: tuple[str, ...] = ORACLES
     families: tuple[str, ...] = (*FAMILIES, MACHINE)
     examples: int | None = None  # per dtype and family; None: the profile's max_examples
+    shrink_seconds: float = 30.0  # per failure: the time wacc.shrink may take
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ def _settings(config: CheckConfig, examples: int) -> settings:
         base,
         max_examples=examples,
         derandomize=derandomize,
+        # Hypothesis finds; wacc.shrink shrinks (a strategy draw per candidate is too slow).
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
         report_multiple_bugs=False,
         suppress_health_check=[*base.suppress_health_check, HealthCheck.filter_too_much],
     )
@@ -166,7 +171,7 @@ def run_family(
             seed=config.seed,
             on_verdict=lambda verdict: check_verdict(verdict, observe=False),
         )
-        return failures[-1] if failures else None
+        return _shrunk(implementation, failures, config, device)
 
     options = dict(FAMILIES[family])
     if not implementation.supports("records"):
@@ -184,11 +189,34 @@ def run_family(
     except (AssertionError, HypothesisException):
         if not failures:
             raise
-    return failures[-1] if failures else None
+    return _shrunk(implementation, failures, config, device)
 
 
-def _write(finding: Finding, out: Path, number: int) -> Path:
+def _shrunk(
+    implementation: Implementation,
+    failures: list[ScenarioVerdict],
+    config: CheckConfig,
+    device: torch.device,
+) -> ScenarioVerdict | None:
+    """The first failure, shrunk by :func:`wacc.shrink.shrink_scenario`, judged again."""
+    if not failures:
+        return None
+    first = failures[0]
+    oracles = set(first.failed_oracles)
+
+    def still_fails(candidate: Scenario) -> bool:
+        verdict = judge(implementation, candidate, device=device, oracles=config.oracles)
+        return bool(oracles & set(verdict.failed_oracles))
+
+    smallest = shrink_scenario(first.scenario, still_fails, seconds=config.shrink_seconds)
+    return judge(implementation, smallest, device=device, oracles=config.oracles)
+
+
+def write_finding(finding: Finding, out: Path, number: int | None = None) -> Path:
+    """Write the finding's scenario JSON under ``out`` (created) and return its path."""
     out.mkdir(parents=True, exist_ok=True)
+    if number is None:
+        number = len(list(out.glob("divergence-*.json"))) + 1
     path = out / f"divergence-{number:02d}-{finding.dtype}-{finding.family}.json"
     path.write_text(to_json(finding.verdict.scenario, indent=1) + "\n", encoding="utf-8")
     return path
@@ -222,7 +250,7 @@ def run_check(
                         dtype=dtype,
                         family=family,
                         verdict=shrunk,
-                        path=_write(finding, out, len(report.findings) + 1),
+                        path=write_finding(finding, out, len(report.findings) + 1),
                     )
                 report.findings.append(finding)
     report.seconds = time.perf_counter() - started

@@ -1,9 +1,9 @@
 """The implementation protocol: what the judge needs from an accumulator under test.
 
-An implementation is named by a factory spec, ``module:attr`` (an import path) or
-``path/to/file.py:attr``. The factory is called as ``make(dtype, loss_scale)`` with a
-``torch.dtype`` work dtype and a float loss scale and returns a fresh accumulator with
-``wacc_torch``'s public API (:class:`Accumulator`). ``state.fused`` declares the evaluation order
+An implementation is named by a factory spec, ``module:attr`` (an import path; the working
+directory is importable, as with ``python -m``) or ``path/to/file.py:attr``. The factory is
+called as ``make(dtype, loss_scale)`` with a ``torch.dtype`` work dtype and a float loss scale
+and returns a fresh accumulator with ``wacc_torch``'s public API (:class:`Accumulator`). ``state.fused`` declares the evaluation order
 the implementation claims: ``False`` is the reproducible order (judged bit for bit), ``True`` the
 opt-in one-pass mode of the semantics' §6 (judged per element against the accepted set).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -151,6 +152,9 @@ def _import_target(spec: str) -> Any:
                 f"importing {location!r} failed: {type(exc).__name__}: {exc}"
             ) from None
     else:
+        # Like ``python -m``: a module in the working directory is importable by name.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(location)
         except Exception as exc:

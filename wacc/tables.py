@@ -9,12 +9,14 @@ __all__ = ["format_metric", "render_table"]
 
 
 def format_metric(value: float) -> str:
-    """A metric for a table: ``0``, ``inf``, or 3 significant digits."""
+    """A metric for a table: ``0``, ``inf``, or 4 significant digits (never rounded up to 1)."""
     if value == 0:
         return "0"
     if math.isinf(value):
         return "inf"
-    return f"{value:.3g}"
+    text = f"{value:.4g}"
+    # An error/bound ratio just below 1 must not read as 1 (the bound held).
+    return "0.9999" if value < 1 and float(text) >= 1 else text
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
