@@ -3,9 +3,10 @@
 An implementation is named by a factory spec, ``module:attr`` (an import path; the working
 directory is importable, as with ``python -m``) or ``path/to/file.py:attr``. The factory is
 called as ``make(dtype, loss_scale)`` with a ``torch.dtype`` work dtype and a float loss scale
-and returns a fresh accumulator with ``wacc_torch``'s public API (:class:`Accumulator`). ``state.fused`` declares the evaluation order
-the implementation claims: ``False`` is the reproducible order (judged bit for bit), ``True`` the
-opt-in one-pass mode of the semantics' §6 (judged per element against the accepted set).
+and returns a fresh accumulator with ``wacc_torch``'s public API (:class:`Accumulator`).
+``state.fused`` declares the evaluation order the implementation claims: ``False`` is the
+reproducible order (judged bit for bit), ``True`` the opt-in one-pass mode of the semantics' §6
+(judged per element against the accepted set).
 
 Optional features, each reported as ``unsupported: <feature>`` when missing (a failure unless
 allowed with ``--allow-missing FEATURE``):

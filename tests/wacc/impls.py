@@ -1,4 +1,4 @@
-"""Implementations the judge's own tests point it at: wrappers of ``wacc_torch``, one deviation each.
+"""Implementations the judge's tests point it at: wrappers of ``wacc_torch``, one deviation each.
 
 Each is a factory ``make(dtype, loss_scale)`` (the protocol of :mod:`wacc.implementation`).
 """
