@@ -162,15 +162,19 @@ def run_family(
     if family == MACHINE:
         from wacc.machine import run_machine
 
-        run_machine(
-            implementation,
-            dtype,
-            device=device,
-            oracles=config.oracles,
-            settings=_settings(config, max(1, examples // 4)),
-            seed=config.seed,
-            on_verdict=lambda verdict: check_verdict(verdict, observe=False),
-        )
+        try:
+            run_machine(
+                implementation,
+                dtype,
+                device=device,
+                oracles=config.oracles,
+                settings=_settings(config, max(1, examples // 4)),
+                seed=config.seed,
+                on_verdict=lambda verdict: check_verdict(verdict, observe=False),
+            )
+        except (AssertionError, HypothesisException):
+            if not failures:
+                raise
         return _shrunk(implementation, failures, config, device)
 
     options = dict(FAMILIES[family])

@@ -56,9 +56,8 @@ _INVALID_WEIGHTS = (-1.0, math.nan, math.inf)
 
 def _weights() -> st.SearchStrategy[float]:
     counts = unequal_microbatches(min_size=1, max_size=1).map(lambda counts: float(counts[0]))
-    return st.one_of(
-        counts, counts, st.sampled_from((0.0, -0.0)), st.sampled_from(_INVALID_WEIGHTS)
-    )
+    rare = st.one_of(st.sampled_from((0.0, -0.0)), st.sampled_from(_INVALID_WEIGHTS))
+    return st.one_of(counts, counts, counts, rare)
 
 
 def run_machine(
@@ -114,16 +113,24 @@ def run_machine(
                 steps=tuple(self.steps),
             )
 
-        @rule(kind=st.sampled_from(("sum", "mean")), weight=_weights(), data=st.data())
-        def accumulate(self, kind: str, weight: float, data: st.DataObject) -> None:
+        def _accumulate(self, kind: str, weight: float, data: st.DataObject) -> None:
             values = gradient_values(self.grad_dtype, work_dtype=dtype)
             grads: list[tuple[str, GradValues]] = []
-            for name, (size,) in self.parameters:
-                if data.draw(st.booleans(), label=f"{name} present"):
-                    grads.append(
-                        (name, tuple(data.draw(st.lists(values, min_size=size, max_size=size))))
-                    )
+            for position, (name, (size,)) in enumerate(self.parameters):
+                # The first parameter always has values, so every accumulate carries data.
+                if position == 0 or data.draw(st.booleans(), label=f"{name} present"):
+                    drawn = data.draw(st.lists(values, min_size=size, max_size=size))
+                    grads.append((name, tuple(drawn)))
             self.steps.append(Accumulate(kind=kind, weight=weight, grads=tuple(grads)))  # type: ignore[arg-type]
+
+        # Two rules, so that accumulating is drawn as often as everything else together.
+        @rule(weight=_weights(), data=st.data())
+        def accumulate_sum(self, weight: float, data: st.DataObject) -> None:
+            self._accumulate("sum", weight, data)
+
+        @rule(weight=_weights(), data=st.data())
+        def accumulate_mean(self, weight: float, data: st.DataObject) -> None:
+            self._accumulate("mean", weight, data)
 
         @rule(kind=st.sampled_from(("sums", "mean")))
         def finish(self, kind: str) -> None:
@@ -136,14 +143,9 @@ def run_machine(
             self.checkpointed = True
 
         @precondition(lambda self: records and self.checkpointed)
-        @rule()
-        def restore(self) -> None:
-            self.steps.append(Restore())
-
-        @precondition(lambda self: records and self.checkpointed)
-        @rule(kind=st.sampled_from(CORRUPTION_KINDS))
-        def restore_corrupted(self, kind: str) -> None:
-            self.steps.append(RestoreCorrupted(kind))
+        @rule(corruption=st.one_of(st.none(), st.sampled_from(CORRUPTION_KINDS)))
+        def restore(self, corruption: str | None) -> None:
+            self.steps.append(Restore() if corruption is None else RestoreCorrupted(corruption))
 
         @invariant()
         def matches_the_reference(self) -> None:
@@ -153,7 +155,11 @@ def run_machine(
                 on_verdict(verdict)
 
         def teardown(self) -> None:
-            # hypothesis.target may be called once per test case: with the whole run's verdict.
+            # Every run ends by finishing its open window (a run may never draw the finish
+            # rule); hypothesis.target may be called once per test case: with the last verdict.
+            if self.steps and not isinstance(self.steps[-1], Finish):
+                self.steps.append(Finish("mean"))
+                self.matches_the_reference()
             if self.last is not None:
                 observe_metrics(self.last)
 

@@ -186,7 +186,7 @@ class ImplementationRun:
         self._dtype = TORCH_DTYPES[scenario.work_dtype]
         self.accumulator, self.module = self._fresh()
         self._latest: Any = None  # a record, or an async handle not resolved yet
-        self._unresolved: dict[int, Any] = {}
+        self._unresolved: dict[int, tuple[Any, RecordSnapshot]] = {}  # handle, its moment
         self._records: dict[int, RecordSnapshot] = {}
         self.outcomes: list[StepOutcome] = []
         self.messages: dict[int, str] = {}  # step index -> the exception's message
@@ -201,9 +201,12 @@ class ImplementationRun:
             self._latest = self._latest.result()
         return self._latest
 
-    def _snapshot(self, record: Any) -> RecordSnapshot:
+    def _snapshot(self, record: Any, *, counters: RecordSnapshot | None = None) -> RecordSnapshot:
+        # An opaque record is represented by the counters of the moment it was taken.
         if follows_schema(record):
             return snapshot_record(record)
+        if counters is not None:
+            return counters
         return counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
 
     def _state(self) -> RecordSnapshot:
@@ -279,8 +282,9 @@ class ImplementationRun:
                 result = finish_outcome(finished, list(self.scenario.params))
             elif isinstance(step, Checkpoint):
                 if step.asynchronous and self.implementation.supports("async_records"):
+                    moment = counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
                     self._latest = self.accumulator.state_dict_async()
-                    self._unresolved[index] = self._latest
+                    self._unresolved[index] = (self._latest, moment)
                 else:
                     self._latest = self.accumulator.state_dict()
                     self._records[index] = self._snapshot(self._latest)
@@ -318,8 +322,8 @@ class ImplementationRun:
 
     def trace(self) -> ScenarioTrace:
         """The outcomes so far, with every async checkpoint resolved into its record."""
-        for index, handle in list(self._unresolved.items()):
-            self._records[index] = self._snapshot(handle.result())
+        for index, (handle, moment) in list(self._unresolved.items()):
+            self._records[index] = self._snapshot(handle.result(), counters=moment)
             del self._unresolved[index]
         outcomes = tuple(
             dataclasses.replace(outcome, record=self._records.get(outcome.index))

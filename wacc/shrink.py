@@ -39,6 +39,11 @@ def _with(scenario: Scenario, **changes: object) -> Scenario | None:
     return _valid(**fields)
 
 
+def _replace_step(scenario: Scenario, index: int, step: Step) -> Scenario | None:
+    steps = scenario.steps[:index] + (step,) + scenario.steps[index + 1 :]
+    return _with(scenario, steps=steps)
+
+
 def _window_spans(steps: tuple[Step, ...]) -> list[tuple[int, int]]:
     """(start, end) of each run of accumulate steps closed by a finish (or the end)."""
     spans: list[tuple[int, int]] = []
@@ -82,9 +87,7 @@ def _gradient_removals(scenario: Scenario) -> Iterator[Scenario]:
         if isinstance(step, Accumulate):
             for entry in range(len(step.grads)):
                 grads = step.grads[:entry] + step.grads[entry + 1 :]
-                steps = list(scenario.steps)
-                steps[index] = dataclasses.replace(step, grads=grads)
-                candidate = _with(scenario, steps=tuple(steps))
+                candidate = _replace_step(scenario, index, dataclasses.replace(step, grads=grads))
                 if candidate is not None:
                     yield candidate
 
@@ -111,9 +114,7 @@ def _value_simplifications(scenario: Scenario) -> Iterator[Scenario]:
             continue
         for weight in (1.0, 2.0, 3.0, 7.0):
             if weight < step.weight and math.isfinite(step.weight):
-                steps = list(scenario.steps)
-                steps[index] = dataclasses.replace(step, weight=weight)
-                candidate = _with(scenario, steps=tuple(steps))
+                candidate = _replace_step(scenario, index, dataclasses.replace(step, weight=weight))
                 if candidate is not None:
                     yield candidate
         for entry, (name, values) in enumerate(step.grads):
@@ -124,11 +125,9 @@ def _value_simplifications(scenario: Scenario) -> Iterator[Scenario]:
                     if not formats.is_representable(simpler, scenario.grad_dtype):
                         continue
                     new_values = values[:position] + (simpler,) + values[position + 1 :]
-                    grads = list(step.grads)
-                    grads[entry] = (name, new_values)
-                    steps = list(scenario.steps)
-                    steps[index] = dataclasses.replace(step, grads=tuple(grads))
-                    candidate = _with(scenario, steps=tuple(steps))
+                    grads = step.grads[:entry] + ((name, new_values),) + step.grads[entry + 1 :]
+                    simpler_step = dataclasses.replace(step, grads=grads)
+                    candidate = _replace_step(scenario, index, simpler_step)
                     if candidate is not None:
                         yield candidate
 
