@@ -5,6 +5,7 @@ Each is a factory ``make(dtype, loss_scale)`` (the protocol of :mod:`wacc.implem
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Mapping
 from typing import Any
@@ -72,7 +73,11 @@ def _opaque(record: Mapping[str, Any]) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(record, buffer)
     blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    return {"layout": "opaque-1", "blob": blob}
+    return {
+        "layout": "opaque-1",
+        "blob": blob,
+        "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+    }
 
 
 class _OpaqueHandle:
@@ -84,7 +89,8 @@ class _OpaqueHandle:
 
 
 class _Opaque(_Delegating):
-    """Records in a layout of its own: the wacc_torch record serialized into one byte tensor."""
+    """Records in a layout of its own: the wacc_torch record serialized into one byte tensor,
+    with a SHA-256 so that a flipped byte is detected."""
 
     def state_dict(self) -> dict[str, Any]:
         return _opaque(self._inner.state_dict())
@@ -93,14 +99,17 @@ class _Opaque(_Delegating):
         return _OpaqueHandle(self._inner.state_dict_async())
 
     def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
-        if not isinstance(record, Mapping) or set(record) != {"layout", "blob"}:
+        if not isinstance(record, Mapping) or set(record) != {"layout", "blob", "sha256"}:
             raise wacc_torch.RecordError(
-                f"an opaque record has keys layout and blob, got {record!r}"
+                f"an opaque record has keys layout, blob, sha256: {record}"
             )
         if record["layout"] != "opaque-1" or not isinstance(record["blob"], torch.Tensor):
             raise wacc_torch.RecordError("field 'layout' or 'blob' has the wrong value or type")
+        data = record["blob"].numpy().tobytes()
+        if hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise wacc_torch.RecordError("field 'sha256' does not match the blob: it is damaged")
         try:
-            inner = torch.load(io.BytesIO(record["blob"].numpy().tobytes()), weights_only=True)
+            inner = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:
             raise wacc_torch.RecordError(f"field 'blob' does not load: {exc}") from None
         self._inner.load_state_dict(inner, module)
@@ -117,3 +126,28 @@ def factory_raises(dtype: torch.dtype, loss_scale: float) -> Any:
 
 
 NOT_A_FACTORY = 3
+
+
+class _OpaqueCredulous(_Opaque):
+    """Loads whatever it is handed: a damaged opaque record is silently ignored."""
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        try:
+            super().load_state_dict(record, module)
+        except wacc_torch.RecordError:
+            pass  # the bug: a corrupted record neither raises nor restores
+
+
+def opaque_credulous(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Opaque records, and a load that accepts corrupted ones without complaint."""
+    return _OpaqueCredulous(dtype, loss_scale)
+
+
+class _RaisesOnMean(_Delegating):
+    def accumulate_mean(self, module: nn.Module, weight: float, **kwargs: Any) -> None:
+        raise RuntimeError("means are not implemented")
+
+
+def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Raises a non-SPEC exception from every accumulate_mean."""
+    return _RaisesOnMean(dtype, loss_scale)

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def wacc(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``python -m wacc ARGS`` in ``cwd`` (the repository root makes ``tests.wacc.impls`` importable)."""
+    """``python -m wacc ARGS`` in ``cwd`` (the repository root: ``tests.wacc.impls`` imports)."""
     return subprocess.run(
         [sys.executable, "-m", "wacc", *args],
         cwd=cwd,

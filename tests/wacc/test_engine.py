@@ -32,7 +32,7 @@ def test_wacc_torch_passes_wacc_check_under_ci(spec: str, work_dtype: str, devic
 
 
 def test_a_fault_is_found_shrunk_and_written(tmp_path: Path) -> None:
-    """Double unscaling is found, shrunk to one accumulate step, and its JSON replays the failure."""
+    """Double unscaling is found, shrunk to one accumulate step, and its JSON replays it."""
     implementation = load_implementation("tests.wacc.impls:double_unscale")
     config = CheckConfig(dtypes=("float32",), families=("windows",), examples=30)
     report = run_check(implementation, config, out=tmp_path)
@@ -56,7 +56,7 @@ def test_the_state_machine_finds_a_fault() -> None:
 
 
 def test_a_seed_makes_a_run_reproducible() -> None:
-    """Two runs with the same seed judge the same number of scenarios with the same worst metrics."""
+    """Two runs with one seed judge as many scenarios with the same worst metrics."""
     implementation = load_implementation(DEFAULT_IMPL)
     config = CheckConfig(dtypes=("bfloat16",), families=("windows",), examples=15, seed=1234)
 
