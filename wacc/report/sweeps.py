@@ -3,15 +3,15 @@
 * :func:`skew_sweep` — relative error of ``wacc_torch`` and of the ``loss /= accum_steps`` loop
   against the exact full-window mean, as the token counts of a 4-microbatch window grow apart;
 * :func:`overflow_map` — over loss scale ``S`` x total weight ``W`` per work dtype: where ``S·W``
-  overflows (the ``scale_times_weight`` baseline breaks, the sequential division stays finite),
-  where the scaled sum itself overflows ``D``, where the true mean overflows ``D``;
+  overflows (the ``scale_times_weight`` baseline breaks, the sequential division stays exact),
+  where the unscaled sum overflows (``buf / S`` breaks for ``S < 1``), where the scaled sum
+  itself overflows ``D``, where the true mean overflows ``D``;
 * :func:`double_rounding_sweep` — where PyTorch's float64 -> float16/bfloat16 conversion (through
   float32) differs from correct rounding.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -93,11 +93,14 @@ def skew_sweep(
 
 
 OVERFLOW_CATEGORIES: tuple[str, ...] = (
-    "S·W finite: every method is fine",
-    "S·W overflows D: S·W division breaks, sequential division is finite",
-    "the scaled sum S·G overflows D: no buffer in D holds it",
-    "the true mean G/W overflows D: inf is the right answer",
+    "all finite: both divisions exact",
+    "S·W (or W itself) overflows D: dividing by S·W breaks, sequential division is exact",
+    "S < 1 and the unscaled sum W·t overflows D: y = buf / S overflows, sequential division breaks",
+    "the scaled sum S·W·t overflows D: no buffer in D holds it",
+    "the scaled sum S·W·t underflows D: the gradient is lost (why losses are scaled up)",
+    "the true mean t overflows D",
 )
+MEAN_EXPONENT = -4  # the per-token mean gradient t = 2**-4 of the overflow map
 
 
 @dataclass(frozen=True)
@@ -105,75 +108,88 @@ class OverflowMap:
     """Categories (indices into :data:`OVERFLOW_CATEGORIES`) over log2 S x log2 W."""
 
     work_dtype: str
-    gradient_sum: float  # G, the unscaled loss-sum gradient of the window (one element)
+    mean_exponent: int  # the true mean gradient is t = 2**mean_exponent
     scale_exponents: tuple[int, ...]
     weight_exponents: tuple[int, ...]
     categories: np.ndarray  # [weight index, scale index]
-    checked: int  # cells where both implementations were run and agreed with the category
+    checked: int  # finite cells where both implementations ran and matched the category
+
+
+_TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def _finish_mean(spec: str, dtype: torch.dtype, scale: float, weight: float, grad: float) -> float:
+    """finish_mean of one accumulate_sum of weight ``weight`` whose gradient is ``grad``."""
     accumulator = load_implementation(spec).make(dtype, scale)
     module = torch.nn.Module()
     module.register_parameter("weight", torch.nn.Parameter(torch.zeros(())))
-    accumulator.accumulate_sum(
-        module, weight, grads={"weight": torch.tensor(grad, dtype=torch.float64)}
-    )
-    result = accumulator.finish_mean().grads["weight"]
-    return float(result)
+    gradient = torch.tensor(grad, dtype=torch.float64)
+    accumulator.accumulate_sum(module, weight, grads={"weight": gradient})
+    return float(accumulator.finish_mean().grads["weight"])
 
 
-def overflow_map(work_dtype: str, *, cells: int = 24) -> OverflowMap:
-    """The map for ``work_dtype``: every cell's category, computed exactly and confirmed by
-    running ``wacc_torch`` and ``scale_times_weight`` on a window of one microbatch of weight
-    ``W`` whose scaled loss-sum gradient is ``S·G``."""
-    fmt = formats.get_format(work_dtype)
-    top = math.floor(math.log2(fmt.max_finite))  # max_D < 2**(top + 1)
-    # Losses scaled up to 2**top, totals up to 2**(top/2 + 8); G = 2**(top/2) puts every
-    # boundary inside the grid where D and float64 allow it.
-    scale_exponents = tuple(np.linspace(-8, top, cells).round().astype(int).tolist())
-    weight_exponents = tuple(
-        np.linspace(0, min(top // 2 + 8, 1000), cells).round().astype(int).tolist()
-    )
-    gradient_sum = 2.0 ** min(top // 2, 1000)
-    dtype = {
-        "float64": torch.float64,
-        "float32": torch.float32,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-    }[work_dtype]
+def _category(scale: Fraction, weight: Fraction, mean: Fraction, fmt: formats.Format) -> int:
     max_d = Fraction(fmt.max_finite)
+    if mean > max_d:
+        return 5
+    if scale * weight * mean > max_d:
+        return 3
+    if scale * weight * mean < Fraction(fmt.min_subnormal):
+        return 4
+    if weight * mean > max_d:
+        return 2
+    if scale * weight > max_d or weight > max_d:
+        return 1
+    return 0
+
+
+def overflow_map(work_dtype: str, *, cells: int = 25) -> OverflowMap:
+    """The map for ``work_dtype`` over ``S = 2**s`` x ``W = 2**w`` for a window whose true mean
+    gradient is ``t = 2**MEAN_EXPONENT`` (the scaled loss-sum gradient is ``S·W·t``): each cell's
+    category (:data:`OVERFLOW_CATEGORIES`, exact rational comparisons with ``max_D``), confirmed
+    wherever the buffer is finite by running ``wacc_torch`` (sequential: ``buf / S``, then ``/ W``)
+    and ``scale_times_weight`` (one division by ``S·W`` formed in D) on one microbatch."""
+    fmt = formats.get_format(work_dtype)
+    top = fmt.emax + 1  # max_D < 2**top
+    # W up to op(D)'s range (beyond it W_op = inf and both divisions break: nothing to map).
+    s_low, w_high = -24, min(top + 8, formats.op_format(fmt).emax)
+    scale_exponents = tuple(range(s_low, fmt.emax + 1, max(1, (fmt.emax - s_low) // cells)))
+    weight_exponents = tuple(range(0, w_high + 1, max(1, w_high // cells)))
+    dtype = _TORCH_DTYPES[work_dtype]
     categories = np.zeros((len(weight_exponents), len(scale_exponents)), dtype=int)
     checked = 0
+    mean = Fraction(2) ** MEAN_EXPONENT
     for i, w_exp in enumerate(weight_exponents):
         for j, s_exp in enumerate(scale_exponents):
-            scale, weight = 2.0**s_exp, 2.0**w_exp
-            scaled_sum = Fraction(scale) * Fraction(gradient_sum)
-            if scaled_sum > max_d:
-                category = 2
-            elif Fraction(gradient_sum) / Fraction(weight) > max_d:
-                category = 3
-            elif Fraction(scale) * Fraction(weight) > max_d:
-                category = 1
-            else:
-                category = 0
+            scale, weight = Fraction(2) ** s_exp, Fraction(2) ** w_exp
+            category = _category(scale, weight, mean, fmt)
             categories[i, j] = category
-            if category in (0, 1) and math.isfinite(float(scaled_sum)):
-                exact = gradient_sum / weight  # a power of two: exactly representable
-                sequential = _finish_mean(
-                    IMPLEMENTATIONS["wacc_torch"], dtype, scale, weight, float(scaled_sum)
+            if category == 3 or scale * weight * mean > Fraction(
+                formats.FORMATS["float64"].max_finite
+            ):
+                continue
+            args = (dtype, float(scale), float(weight), float(scale * weight * mean))
+            sequential = _finish_mean(IMPLEMENTATIONS["wacc_torch"], *args)
+            product = _finish_mean(IMPLEMENTATIONS["scale_times_weight"], *args)
+            max_d = Fraction(fmt.max_finite)
+            buffer_ok = category not in (3, 4, 5)
+            expected = (  # (sequential, product) exact: every intermediate each one forms fits D
+                buffer_ok and weight * mean <= max_d,
+                buffer_ok and weight <= max_d and scale * weight <= max_d,
+            )
+            if ((sequential == float(mean)), (product == float(mean))) != expected:
+                raise AssertionError(
+                    f"overflow map {work_dtype}: S=2**{s_exp}, W=2**{w_exp}, category "
+                    f"{category}: sequential {sequential!r}, S·W {product!r}, exact {float(mean)!r}"
                 )
-                product = _finish_mean(
-                    IMPLEMENTATIONS["scale_times_weight"], dtype, scale, weight, float(scaled_sum)
-                )
-                if sequential != exact or (product == exact) != (category == 0):
-                    raise AssertionError(
-                        f"overflow map {work_dtype}: S=2**{s_exp}, W=2**{w_exp}: category {category} "
-                        f"but sequential {sequential!r}, S·W {product!r}, exact {exact!r}"
-                    )
-                checked += 1
+            checked += 1
     return OverflowMap(
-        work_dtype, gradient_sum, scale_exponents, weight_exponents, categories, checked
+        work_dtype, MEAN_EXPONENT, scale_exponents, weight_exponents, categories, checked
     )
 
 
