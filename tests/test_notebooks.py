@@ -137,6 +137,13 @@ def test_explorer_makes_a_quick_report_when_there_is_none(
     failing = [row for row in rows if row["verdict"] != "pass"]
     assert f"rows: {len(rows)}, scenarios: {len({row['scenario_id'] for row in rows})}," in printed
     assert f"failing rows: {len(failing)} of {len(rows)}" in printed
+    shortcut = [
+        row
+        for row in rows
+        if row["work_dtype"] == "float16" and row["implementation"] == "scale_times_weight"
+    ]
+    shortcut_failing = sum(row["verdict"] != "pass" for row in shortcut)
+    assert f"scale_times_weight, float16: {shortcut_failing} of {len(shortcut)} fail" in printed
     assert "matches: True" in printed
 
 

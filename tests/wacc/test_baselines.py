@@ -20,7 +20,7 @@ from wacc_ref import formats
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 
 MAX_SHRUNK_ACCUMULATES = 3  # the limit for a shrunk scenario
-EXAMPLES = 30
+EXAMPLES = 100  # the ci budget; each run stops at its first failure
 
 
 def _load(factory: Factory) -> Implementation:
