@@ -27,9 +27,14 @@ _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 def register_profiles() -> None:
     """Register the three profiles with Hypothesis (idempotent)."""
     database = DirectoryBasedExampleDatabase(str(DATABASE_DIRECTORY))
+    # Every option explicit and the parent Hypothesis' own default, so that registering again
+    # while another profile is loaded gives the same profiles.
+    base = settings.get_profile("default")
     settings.register_profile(
         "dev",
+        parent=base,
         max_examples=CI_EXAMPLES,
+        derandomize=False,
         deadline=None,
         print_blob=True,
         database=database,
@@ -37,6 +42,7 @@ def register_profiles() -> None:
     )
     settings.register_profile(
         "ci",
+        parent=base,
         max_examples=CI_EXAMPLES,
         derandomize=True,
         deadline=None,
@@ -46,7 +52,9 @@ def register_profiles() -> None:
     )
     settings.register_profile(
         "nightly",
+        parent=base,
         max_examples=CI_EXAMPLES * NIGHTLY_FACTOR,
+        derandomize=False,
         deadline=None,
         print_blob=True,
         database=database,
