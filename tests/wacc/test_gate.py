@@ -31,18 +31,21 @@ def test_headroom_is_exact_for_ulps_and_one_rounding_for_ratios() -> None:
 
 
 def test_compare_separates_failures_regressions_and_improvements() -> None:
-    """A failing key is a failure, a worse metric a regression, a better one an improvement."""
-    base = {k: Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5) for k in ("a", "b", "c", "d")}
+    """A failing key is a failure, a worse corpus metric a regression, a better one an
+    improvement; a check key's metrics and counts are shown, never compared."""
+    keys = ("a/w/corpus", "b/w/corpus", "c/w/corpus", "d/w/corpus", "e/w/check")
+    base = {k: Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5) for k in keys}
     run = {
-        "a": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5),
-        "b": Metrics(scenarios=4, failing=1, max_ratio=7.0, findings=["step 1: boom"]),
-        "c": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5 + 2.0**-40),
-        "d": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.25),
+        "a/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5),
+        "b/w/corpus": Metrics(scenarios=10, failing=1, max_ratio=7.0, findings=["step 1: boom"]),
+        "c/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5 + 2.0**-40),
+        "d/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.25),
+        "e/w/check": Metrics(scenarios=37, max_ulps=5.0, max_ratio=0.9),
     }
     result = compare(run, base)
-    assert [row[3] for row in result.rows] == ["ok", "FAIL", "REGRESSION", "improved"]
+    assert [row[3] for row in result.rows] == ["ok", "FAIL", "REGRESSION", "improved", "ok"]
     assert len(result.failures) == 1 and "boom" in result.failures[0]
-    assert not result.passed
+    assert len(result.regressions) == 2 and not result.passed  # b's ratio, c's ratio
 
 
 def test_shards_partition_the_units_and_merging_is_order_free() -> None:
@@ -100,7 +103,11 @@ def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
 def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) -> None:
     """Lowering one recorded max error/bound below what the run measures is exit 1, REGRESSION."""
     document = json.loads((runs / "baseline.json").read_text(encoding="utf-8"))
-    key = next(k for k, e in document["entries"].items() if float.fromhex(e["max_ratio"]) > 0)
+    key = next(
+        k
+        for k, e in document["entries"].items()
+        if k.endswith("/corpus") and float.fromhex(e["max_ratio"]) > 0
+    )
     document["entries"][key]["max_ratio"] = (
         float.fromhex(document["entries"][key]["max_ratio"]) * 0.9
     ).hex()

@@ -1,25 +1,37 @@
 """The report's corpus: deterministic scenarios per strategy family, work dtype and gradient dtype.
 
 The scenarios are drawn by Hypothesis from :func:`wacc_ref.strategies.scenarios` with a fixed seed
-(``@seed(corpus_seed)``, generation only, no database), so the same seed and size give the same
-corpus on every machine with the same Hypothesis version. Sizes: ``quick`` (every cell present,
-for a sub-minute run), ``default`` and ``full`` (nightly).
+(``@seed(corpus_seed)``, generation only, no database). Hypothesis' generation is not a pure
+function of the seed, though: it also draws constants it collects from the source files of the
+modules loaded at the time (its "local constants", with a time limit on collecting them), so the
+same seed gives other scenarios after any code change, in another environment, or with other
+modules imported. The seed-0 corpus of sizes ``quick`` and ``default`` is therefore frozen: drawn
+once and shipped with the package (:data:`FROZEN_CORPUS`, rewritten only by
+``python -m wacc.report.corpus``), so the report and the gate judge the very same scenarios
+everywhere. ``full`` (nightly) and other seeds are drawn afresh. Sizes: ``quick`` (every cell
+present, a sub-minute run; the first scenario of each cell of ``default``), ``default`` and
+``full``.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from wacc.engine import FAMILIES
 from wacc_ref import formats
-from wacc_ref.scenario import Scenario, to_json
+from wacc_ref.scenario import Scenario, from_json, to_json
 from wacc_ref.strategies import scenarios
 
-__all__ = ["CORPUS_SIZES", "CorpusEntry", "build_corpus"]
+__all__ = ["CORPUS_SIZES", "FROZEN_CORPUS", "CorpusEntry", "build_corpus", "freeze_corpus"]
+
+FROZEN_CORPUS = Path(__file__).with_name("data") / "corpus-seed0-default.jsonl.gz"
 
 # size -> scenarios per (family, work dtype, gradient dtype) cell
 CORPUS_SIZES: Mapping[str, int] = {"quick": 1, "default": 6, "full": 60}
@@ -60,8 +72,8 @@ def _cell(family: str, work: str, grad: str, count: int, corpus_seed: int) -> li
     return drawn[1 : count + 1]
 
 
-def build_corpus(*, size: str = "default", corpus_seed: int = 0) -> list[CorpusEntry]:
-    """Every family x work dtype x gradient dtype, ``CORPUS_SIZES[size]`` scenarios each."""
+def draw_corpus(*, size: str, corpus_seed: int) -> list[CorpusEntry]:
+    """Every family x work dtype x gradient dtype, ``CORPUS_SIZES[size]`` each, drawn now."""
     count = CORPUS_SIZES[size]
     entries: list[CorpusEntry] = []
     for family in FAMILIES:
@@ -70,3 +82,48 @@ def build_corpus(*, size: str = "default", corpus_seed: int = 0) -> list[CorpusE
                 for scenario in _cell(family, work, grad, count, corpus_seed):
                     entries.append(CorpusEntry(family=family, scenario=scenario))
     return entries
+
+
+def _read_frozen() -> list[CorpusEntry]:
+    with gzip.open(FROZEN_CORPUS, "rt", encoding="utf-8") as handle:
+        return [
+            CorpusEntry(family=item["family"], scenario=from_json(json.dumps(item["scenario"])))
+            for item in map(json.loads, handle)
+        ]
+
+
+def build_corpus(*, size: str = "default", corpus_seed: int = 0) -> list[CorpusEntry]:
+    """The corpus of ``size`` and ``corpus_seed``: the frozen one for seed 0 (quick, default)."""
+    if size not in CORPUS_SIZES:
+        raise ValueError(f"unknown corpus size {size!r}; sizes are {', '.join(CORPUS_SIZES)}")
+    if corpus_seed != 0 or size == "full":
+        return draw_corpus(size=size, corpus_seed=corpus_seed)
+    frozen = _read_frozen()
+    if size == "default":
+        return frozen
+    seen: set[tuple[str, str, str]] = set()
+    quick = []
+    for entry in frozen:  # the first scenario of each cell
+        cell = (entry.family, entry.scenario.work_dtype, entry.scenario.grad_dtype)
+        if cell not in seen:
+            seen.add(cell)
+            quick.append(entry)
+    return quick
+
+
+def freeze_corpus(path: Path = FROZEN_CORPUS) -> Path:
+    """Draw the seed-0 default corpus and write it to ``path`` (gzipped JSON lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps(
+            {"family": e.family, "scenario": json.loads(to_json(e.scenario))}, sort_keys=True
+        )
+        for e in draw_corpus(size="default", corpus_seed=0)
+    ]
+    with gzip.GzipFile(path, "wb", mtime=0) as handle:  # mtime 0: the same bytes every time
+        handle.write(("\n".join(lines) + "\n").encode("utf-8"))
+    return path
+
+
+if __name__ == "__main__":
+    print(f"wrote {freeze_corpus()}")
