@@ -977,11 +977,10 @@ class WeightedGradientsAccumulator:
             has_pending=bool(pending),
             bound=True,
         )
+        adopted = {name: pending[name].detach() for name in binding.names if name in pending}
         with _COMMIT:
             accumulator._binding = binding
-            accumulator._pending = {
-                name: pending[name].detach() for name in binding.names if name in pending
-            }
+            accumulator._pending = adopted
             accumulator._issued = issued
             accumulator._zero_weight = zero_weight
             accumulator._total_weight = total_weight
