@@ -20,6 +20,7 @@ from wacc_torch.errors import (
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ProcessGroupUnavailableError",
     "RecordError",
     "StateDictHandle",
+    "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "WeightedGradientsAccumulator",
     "ZeroTotalWeightError",
