@@ -20,8 +20,9 @@ ELEMENTS = 1 << 24  # 64 MiB of float32: a copy long enough to still be in fligh
 
 
 def test_async_snapshot_survives_its_source_being_freed_and_reused() -> None:
-    """A snapshot taken on a side stream stays correct when the buffer is handed over, freed,
-    and its memory reused by the default stream before the copy finished."""
+    """A snapshot taken on a side stream stays correct when its source buffer is freed and the
+    memory reused by the default stream before the copy ran (record_stream + a reference held
+    by the handle)."""
     module = nn.Module()
     module.weight = nn.Parameter(torch.zeros(ELEMENTS, device="cuda"))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
@@ -32,9 +33,11 @@ def test_async_snapshot_survives_its_source_being_freed_and_reused() -> None:
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # keep the side stream busy: the copy starts late
         handle = accumulator.state_dict_async()
-    sums = accumulator.finish_sums()  # hands the source buffer over ...
-    del sums  # ... and frees it while its copy still waits on the side stream
-    for _ in range(8):  # reuse the freed memory on the default stream, overwriting it
+    # Drop the accumulator (its buffer's only owner) without any call that would make the
+    # default stream wait for the copy: the buffer's memory goes back to the default stream's
+    # pool while its copy still waits on the side stream.
+    del accumulator
+    for _ in range(8):  # reuse that memory on the default stream, overwriting it
         torch.full((ELEMENTS,), -1.0, device="cuda")
     record = handle.result()
     assert_bitwise_equal(record["pending"]["weight"], expected.cpu(), "snapshot")
