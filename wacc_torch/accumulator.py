@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -75,10 +76,12 @@ class _CommitPhase:
 _COMMIT = _CommitPhase()
 
 
-def _ordinary_tensors() -> torch.inference_mode:
+def _ordinary_tensors() -> AbstractContextManager[object]:
     # Buffers, temporaries and handed-over tensors must be ordinary tensors even when the caller
     # is in torch.inference_mode(): an inference tensor cannot be updated in place outside it.
-    return torch.inference_mode(False)
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return nullcontext()
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,8 @@ def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> to
 
 class _Scratch:
     """One preallocated work tensor per (device, dtype), sized for the largest user, so that a
-    commit phase needs no allocation; :meth:`view` hands out a shaped view of its start."""
+    commit phase needs no allocation; :meth:`view` hands out a shaped view of its start (one per
+    shape, reused: the users run one after the other)."""
 
     def __init__(self, needs: Iterable[tuple[torch.device, torch.dtype, int]]) -> None:
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
@@ -209,9 +213,15 @@ class _Scratch:
             (device, dtype): torch.empty(numel, dtype=dtype, device=device)
             for (device, dtype), numel in sizes.items()
         }
+        self._views: dict[tuple[torch.device, torch.dtype, torch.Size], torch.Tensor] = {}
 
     def view(self, device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        return self._storage[(device, dtype)][: shape.numel()].view(shape)
+        key = (device, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._storage[(device, dtype)].narrow(0, 0, shape.numel()).view(shape)
+            self._views[key] = view
+        return view
 
 
 def _read_total_weight(total_weight: object) -> float:

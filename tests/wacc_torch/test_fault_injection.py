@@ -40,7 +40,7 @@ COMMIT_OPERATIONS = frozenset(
         "mul",  # torch.mul(grad, w_D, out=work): into a preallocated work tensor
         "div",  # torch.div(g, S, out=g or a preallocated output)
         "view",
-        "__getitem__",
+        "narrow",
         "grad.__set__",
         "device.__get__",  # attribute reads: no kernel, no allocation
         "dtype.__get__",
