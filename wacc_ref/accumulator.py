@@ -30,6 +30,12 @@ Modes
     only operation done at that precision, with ``mpmath.libmp`` and an explicit precision).
     NaN or infinite gradients raise :class:`~wacc_ref.errors.ExactModeError`.
 
+Tracked set: ``params`` is matched by name (its order does not matter; the first binding's
+order is the records' ``param_names``).  A window with nothing in it (``issued == 0``) binds to
+the ``params`` it is given, so the set can change between windows (unfreezing, adapters); inside
+a window a change raises :class:`~wacc_ref.errors.ParameterMismatchError`, as in ``wacc_torch``.
+Weights and loss scales follow :func:`wacc_ref.records.read_real` (``wacc_torch``'s rule).
+
 Lazy buffers: a parameter's buffer is allocated at +0.0 on its first non-None gradient in a
 batch with weight > 0, so a first contribution of -0.0 gives ``round(+0 + -0) = +0``.
 """

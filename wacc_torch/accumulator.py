@@ -420,11 +420,27 @@ class WeightedGradientsAccumulator:
     tracked parameter's ``.grad``, which is then taken out of the module (set to None), also for
     a zero-weight batch, so a stale ``.grad`` can never leak into the next microbatch.
 
-    The tracked set is the module's ``requires_grad`` parameters (names, shapes, devices), bound
-    by the first accumulate (a zero-weight one too) or by a load. One buffer per tracked
-    parameter is allocated in D, on the parameter's device, at the first non-None gradient in a
-    positive-weight batch of the window, starting at +0.0. Any call that raises leaves the
-    counters, the buffers and the module's ``.grad`` exactly as they were.
+    The tracked set is the module's ``requires_grad`` parameters (names, shapes, devices),
+    matched by name, bound by the first accumulate of a window (a zero-weight one too) or by a
+    load. A window with nothing in it yet (``issued == 0``: new, or just finished) binds to the
+    module's current trainable parameters, so unfreezing, adapters switched on or off, or a
+    move to another device need no new accumulator; inside a window a change raises
+    :class:`ParameterMismatchError` (a parameter that became frozen is named as frozen). One
+    buffer per tracked parameter is allocated in D, on the parameter's device, at the first
+    non-None gradient in a positive-weight batch of the window, starting at +0.0; buffers are
+    ordinary tensors even under ``torch.inference_mode()``.
+
+    Weights and the loss scale follow one rule (:mod:`wacc_torch._scalars`): a Python int or
+    float, or a numpy scalar / 0-d array / 0-d tensor of an integer or one of six float
+    formats, read exactly (``Fraction``, ``longdouble``, bools, complex are refused). Gradients
+    must be one of float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2. On the CPU,
+    flush-to-zero (``torch.set_flush_denormal(True)``) is refused with
+    :class:`~wacc_torch.errors.UnsupportedEnvironmentError`: results would differ from SPEC §2.
+
+    Every mutating call prepares first (validation, conversion, allocation of every buffer and
+    temporary: anything that may raise) and then commits with in-place kernels and assignments
+    only, so a call that raises, out of memory included, leaves the counters, the buffers and
+    the module's ``.grad`` exactly as they were.
     """
 
     def __init__(self, *, dtype: torch.dtype, loss_scale: float, fused: bool = False) -> None:
