@@ -26,9 +26,11 @@ def flush_denormals() -> Iterator[None]:
         pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
     try:
         assert torch.tensor([2.0**-130]).mul(1.0).item() == 0.0  # the mode really is on
+        assert wacc_torch.denormals_flushed()  # and is detected (what a report shows)
         yield
     finally:
         torch.set_flush_denormal(False)
+        assert not wacc_torch.denormals_flushed()
 
 
 def test_flush_to_zero_is_refused_by_wacc_torch_and_changes_nothing(

@@ -3,6 +3,7 @@
 See ``shared/SPEC.md`` for the normative semantics. Production code: imports torch only.
 """
 
+from wacc_torch._environment import denormals_flushed
 from wacc_torch.accumulator import (
     AccumulatedGradients,
     AccumulatorState,
@@ -42,6 +43,7 @@ __all__ = [
     "ZeroTotalWeightError",
     "all_reduce_mean",
     "all_reduce_sums",
+    "denormals_flushed",
     "load_record",
     "normalize_sums",
     "save_record",
