@@ -90,8 +90,6 @@ def check_loss_scale(loss_scale: object, dtype: torch.dtype) -> float:
             f"loss_scale {loss_scale!r} is not exactly representable in float64 "
             f"(work dtype {dtype})"
         )
-    if not math.isfinite(scale):
-        raise InvalidLossScaleError(f"loss_scale {loss_scale!r} is not finite (work dtype {dtype})")
     converted = to_work_dtype(scale, dtype)
     if converted != scale:
         raise InvalidLossScaleError(
