@@ -208,7 +208,7 @@ def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
 def validate_weight(weight: object) -> int | float:
     """A weight is a finite number >= 0 (:func:`read_real`); returned exactly (int or float)."""
     value = read_real(weight, what="weight", error=InvalidWeightError)
-    if isinstance(value, float) and not math.isfinite(value) or value < 0:
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
         raise InvalidWeightError(f"weight must be a finite number >= 0, got {format_value(value)}")
     return value
 
