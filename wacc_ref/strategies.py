@@ -34,8 +34,10 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from wacc_ref import formats
-from wacc_ref.scenario import (
+from wacc_ref.corruption import (
     CORRUPTION_KINDS,
+)
+from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
     Finish,
