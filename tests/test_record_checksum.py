@@ -19,8 +19,8 @@ from torch import nn
 
 import wacc_torch
 from wacc_ref.accumulator import ReferenceAccumulator
+from wacc_ref.corruption import applicable_corruptions, corrupt_record, corruption_field
 from wacc_ref.errors import RecordError as ReferenceRecordError
-from wacc_ref.scenario import applicable_corruptions, corrupt_record, corruption_field
 from wacc_torch.records import CHECKSUM_KEY
 
 WORK_DTYPES = ("float64", "float32", "float16", "bfloat16")
