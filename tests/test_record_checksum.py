@@ -2,7 +2,7 @@
 change that leaves every field valid is caught by it, and every damaged field is still named.
 
 The checksum is verified last (after every field check), so each corruption kind of
-``wacc_ref.scenario`` still raises RecordError naming its own field in both packages.
+``wacc_ref.corruption`` still raises RecordError naming its own field in both packages.
 """
 
 from __future__ import annotations

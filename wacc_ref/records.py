@@ -29,7 +29,7 @@ Record (``state_dict``) schema — the same keys as ``wacc_torch``:
     ``"sha256:"`` + the SHA-256 of the record's canonical bytes, the same as ``wacc_torch``'s
     for the same state (:func:`record_checksum`).  Written into every record; verified on load
     after every field check (so a damaged field is still named); a record without it (older, or
-    built by hand, e.g. ``wacc_ref.scenario.record_from_snapshot``) loads unverified, with
+    built by hand, e.g. ``wacc_ref.traces.record_from_snapshot``) loads unverified, with
     ``format_version`` unchanged at 1.
 
 Numbers (weights, loss scales) follow one rule, :func:`read_real`, the same as ``wacc_torch``'s.
