@@ -12,13 +12,14 @@ preallocated work tensors, attribute reads and ``.grad`` assignments.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -28,7 +29,13 @@ from tests.wacc_torch.support import (
     assert_bitwise_equal,
     assert_records_equal,
 )
-from wacc_torch import WeightedGradientsAccumulator, normalize_sums
+from wacc_torch import (
+    AccumulatedGradients,
+    WeightedGradientsAccumulator,
+    all_reduce_mean,
+    all_reduce_sums,
+    normalize_sums,
+)
 
 # Operations a commit phase may run: none allocates memory or can meet an invalid input.
 COMMIT_OPERATIONS = frozenset(
@@ -332,3 +339,42 @@ def test_the_injector_sees_a_commit_that_fails() -> None:
         case.call()
     with pytest.raises(AssertionError):
         _assert_same(before, case, "a commit that failed half-way")
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real single-process gloo group (world size 1), destroyed afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("helper", [all_reduce_sums, all_reduce_mean], ids=lambda f: f.__name__)
+def test_distributed_helpers_never_write_the_callers_tensors(
+    helper: Callable[[AccumulatedGradients], AccumulatedGradients], one_rank_group: None
+) -> None:
+    """all_reduce_sums / all_reduce_mean reduce a copy: failing any one of their tensor
+    operations in turn re-raises and leaves the caller's sums bit for bit as they were."""
+
+    def make() -> AccumulatedGradients:
+        module = _module()
+        accumulator = _busy(module, dtype=torch.bfloat16)
+        accumulator.accumulate_mean(module, 2, grads={"second.bias": torch.tensor([1.0, -3.0])})
+        return accumulator.finish_sums()
+
+    counter, sums = FaultInjector(), make()
+    with counter:
+        helper(sums)
+    assert counter.prepared > 0
+    for fail_at in range(counter.prepared):
+        sums = make()
+        before = {name: None if g is None else g.clone() for name, g in sums.grads.items()}
+        with pytest.raises(InjectedFault), FaultInjector(fail_at):
+            helper(sums)
+        for name, grad in sums.grads.items():
+            expected = before[name]
+            assert (grad is None) == (expected is None), name
+            if grad is not None and expected is not None:
+                assert_bitwise_equal(grad, expected, f"operation {fail_at} failed: {name}")
