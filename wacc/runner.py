@@ -15,8 +15,10 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
   (``state``), and a corrupted restore applies a format-agnostic corruption
   (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the SPEC family.
-* An exception that is not a SPEC error is recorded as ``"unexpected <Class>: message"``: it
-  never matches the reference, so it is a divergence, never a crash of the judge.
+* An exception that is not a SPEC error is recorded as ``"unexpected <Class>"`` (its message in
+  :attr:`ImplementationRun.messages`), and a checkpoint or restore step on an implementation
+  without records as ``"unsupported: records"``: neither matches the reference, so each is a
+  divergence, never a crash of the judge.
 """
 
 from __future__ import annotations
@@ -168,6 +170,10 @@ def _wrong_type(value: object) -> object:
     return 3.5
 
 
+class _Unsupported(Exception):
+    """A step that needs a feature the implementation lacks (recorded, never raised out)."""
+
+
 class ImplementationRun:
     """One scenario executed step by step on an implementation (see the module docstring)."""
 
@@ -260,6 +266,10 @@ class ImplementationRun:
         skipped = False
         result: FinishOutcome | None = None
         try:
+            if not isinstance(step, Accumulate | Finish) and not self.implementation.supports(
+                "records"
+            ):
+                raise _Unsupported("records")
             if isinstance(step, Accumulate):
                 grads = {
                     name: None
@@ -305,6 +315,9 @@ class ImplementationRun:
                     corrupted, skipped = self._agnostic_corruption(record, step.kind)
                     if not skipped:
                         self.accumulator.load_state_dict(corrupted, self.module)
+        except _Unsupported as exc:
+            error = f"unsupported: {exc}"
+            self.messages[index] = f"the implementation has no {exc} (state_dict / load_state_dict)"
         except Exception as exc:  # an implementation under test may raise anything
             spec_error = error_class(exc)
             error = spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"

@@ -150,7 +150,11 @@ def _rel_error(actual: np.ndarray, exact: Sequence[Fraction]) -> float:
         value = _exact(a)
         if value is None:
             return math.inf
-        worst = max(worst, float(abs(value - x) / abs(x)))
+        try:
+            relative = float(abs(value - x) / abs(x))
+        except OverflowError:  # beyond float64's range: a relative error of +inf
+            return math.inf
+        worst = max(worst, relative)
     return worst
 
 
