@@ -85,8 +85,10 @@ def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
     )
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert _entries(runs / "m.json") == _entries(runs / "baseline.json")
-    verdict = gate("--merge", str(runs / "shards"), "--baseline", str(runs / "baseline.json"),
-                   "--junit-xml", str(runs / "gate.xml"), "--summary-md", str(runs / "gate.md"))  # fmt: skip
+    verdict = gate(
+        "--merge", str(runs / "shards"), "--baseline", str(runs / "baseline.json"),
+        "--junit-xml", str(runs / "gate.xml"), "--summary-md", str(runs / "gate.md"),
+    )  # fmt: skip
     assert verdict.returncode == 0, verdict.stdout + verdict.stderr
     assert "wacc gate passed" in verdict.stdout
     xml = (runs / "gate.xml").read_text(encoding="utf-8")
@@ -119,7 +121,7 @@ def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) ->
 
 @pytest.mark.slow
 def test_a_planted_regression_fails_the_gate(runs: Path) -> None:
-    """An implementation that divides once by S·W formed in D fails against wacc_torch's baseline."""
+    """An implementation dividing once by S·W formed in D fails against wacc_torch's baseline."""
     result = gate(
         "--impl", "wacc.baselines:scale_times_weight", "--baseline", str(runs / "baseline.json")
     )
