@@ -30,6 +30,12 @@ Modes
     only operation done at that precision, with ``mpmath.libmp`` and an explicit precision).
     NaN or infinite gradients raise :class:`~wacc_ref.errors.ExactModeError`.
 
+Tracked set: ``params`` is matched by name (its order does not matter; the first binding's
+order is the records' ``param_names``).  A window with nothing in it (``issued == 0``) binds to
+the ``params`` it is given, so the set can change between windows (unfreezing, adapters); inside
+a window a change raises :class:`~wacc_ref.errors.ParameterMismatchError`, as in ``wacc_torch``.
+Weights and loss scales follow :func:`wacc_ref.records.read_real` (``wacc_torch``'s rule).
+
 Lazy buffers: a parameter's buffer is allocated at +0.0 on its first non-None gradient in a
 batch with weight > 0, so a first contribution of -0.0 gives ``round(+0 + -0) = +0``.
 """
@@ -55,14 +61,17 @@ from wacc_ref.arith import (
 from wacc_ref.errors import (
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     ZeroTotalWeightError,
 )
 from wacc_ref.formats import FLOAT64, Format, op_format, round_to
 from wacc_ref.records import (
+    CHECKSUM_KEY,
     FORMAT_VERSION,
     Binding,
     check_finite_gradient,
     converted_mean_weight,
+    record_checksum,
     total_after,
     validate_binding,
     validate_counters,
@@ -139,6 +148,14 @@ def _object_array(values: list[Fraction], shape: tuple[int, ...]) -> np.ndarray:
 def _exact_gradient(name: str, gradient: npt.NDArray[np.float64]) -> np.ndarray:
     check_finite_gradient(name, gradient)
     return _object_array([Fraction(v) for v in gradient.reshape(-1).tolist()], gradient.shape)
+
+
+def _check_gradual_underflow() -> None:
+    """The arithmetic below needs IEEE gradual underflow (as SPEC §2 does)."""
+    try:
+        arith.check_gradual_underflow()
+    except RuntimeError as error:
+        raise UnsupportedEnvironmentError(str(error)) from None
 
 
 def _mpf(value: Fraction, precision: int) -> mpmath.mpf:
@@ -239,7 +256,9 @@ class ReferenceAccumulator:
     ) -> None:
         # Validate everything and compute the new window into locals; commit at the end only.
         w = validate_weight(weight)
-        binding = validate_binding(params, self._binding)
+        # A window with nothing in it (issued == 0) binds to the current set: the tracked set can
+        # change between windows (unfreezing, adapters), never inside one.
+        binding = validate_binding(params, self._binding, rebind=self._issued == 0)
         # Structure (names, dtype kinds, shapes) is checked for every call; values are read only
         # for a weight > 0 (SPEC §5: a zero-weight batch reads no gradient).
         checked = validate_gradients(grads, binding)
@@ -251,7 +270,7 @@ class ReferenceAccumulator:
         w_counted = converted_mean_weight(w, self._dtype) if mean else w
         # round_64(W + w), or exact; a W that overflows float64 is refused, as wacc_torch does.
         new_total = total_after(self._total_weight, w, w_counted)
-        arith.check_gradual_underflow()
+        _check_gradual_underflow()
         new_pending = dict(self._pending)
         for name, gradient in checked.items():
             if self._exact:
@@ -395,7 +414,7 @@ class ReferenceAccumulator:
             divisor = Fraction(self._loss_scale) * cast(Fraction, self._total_weight)
             result = self._exact_result(divisor, normalized=True)
         else:
-            arith.check_gradual_underflow()
+            _check_gradual_underflow()
             d = self._dtype
             op = op_format(d)
             weight_op = round_to(cast(float, self._total_weight), op)
@@ -422,7 +441,7 @@ class ReferenceAccumulator:
 
     def state_dict(self) -> dict[str, object]:
         """The record of SPEC §9 (keys documented in :mod:`wacc_ref.records`); a deep copy."""
-        return {
+        record: dict[str, object] = {
             "format_version": FORMAT_VERSION,
             "dtype": self._dtype.name,
             "loss_scale": self._loss_scale,
@@ -438,6 +457,17 @@ class ReferenceAccumulator:
                 if name in self._pending
             },
         }
+        record[CHECKSUM_KEY] = record_checksum(
+            dtype=self._dtype,
+            loss_scale=self._loss_scale,
+            fused=self._fused,
+            issued=self._issued,
+            zero_weight=self._zero_weight,
+            total_weight=self._total_weight,
+            binding=self._binding,
+            pending=self._pending,
+        )
+        return record
 
     def load_state_dict(
         self, record: Mapping[str, object], params: Mapping[str, tuple[int, ...]]

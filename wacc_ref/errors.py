@@ -13,6 +13,7 @@ __all__ = [
     "InvalidWeightError",
     "ParameterMismatchError",
     "RecordError",
+    "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "ZeroTotalWeightError",
 ]
@@ -40,6 +41,12 @@ class ZeroTotalWeightError(WeightedAccumulationError):
 
 class RecordError(WeightedAccumulationError):
     """A record (state_dict) that is malformed or does not fit this accumulator."""
+
+
+class UnsupportedEnvironmentError(WeightedAccumulationError):
+    """The floating-point environment would change results: the CPU flushes subnormals (FTZ/DAZ,
+    e.g. after ``torch.set_flush_denormal(True)`` in the same process).  Raised before anything
+    changes, like ``wacc_torch``'s class of the same name."""
 
 
 class ExactModeError(WeightedAccumulationError):

@@ -25,6 +25,14 @@ Record (``state_dict``) schema — the same keys as ``wacc_torch``:
     Only the buffers allocated so far, in registration order.  ``emulated``: float64 arrays
     holding exact D values (NaN and ±inf included).  ``exact``: object arrays of
     :class:`fractions.Fraction` (exact sums; never NaN or inf).
+``checksum`` (str)
+    ``"sha256:"`` + the SHA-256 of the record's canonical bytes, the same as ``wacc_torch``'s
+    for the same state (:func:`record_checksum`).  Written into every record; verified on load
+    after every field check (so a damaged field is still named); a record without it (older, or
+    built by hand, e.g. ``wacc_ref.traces.record_from_snapshot``) loads unverified, with
+    ``format_version`` unchanged at 1.
+
+Numbers (weights, loss scales) follow one rule, :func:`read_real`, the same as ``wacc_torch``'s.
 
 Every check here runs before anything is mutated; the caller commits only a fully validated
 result.
@@ -32,11 +40,13 @@ result.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import cast
 
 import ml_dtypes
 import numpy as np
@@ -54,6 +64,7 @@ from wacc_ref.errors import (
 from wacc_ref.formats import FLOAT64, WORK_DTYPES, Format, conv_to, get_format, round_to
 
 __all__ = [
+    "CHECKSUM_KEY",
     "FORMAT_VERSION",
     "RECORD_KEYS",
     "Binding",
@@ -62,6 +73,8 @@ __all__ = [
     "converted_mean_weight",
     "format_value",
     "gradient_array",
+    "read_real",
+    "record_checksum",
     "total_after",
     "validate_binding",
     "validate_counters",
@@ -88,9 +101,16 @@ RECORD_KEYS: tuple[str, ...] = (
     "pending",
 )
 
+CHECKSUM_KEY = "checksum"
+_CHECKSUM_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+
 Binding = tuple[tuple[str, tuple[int, ...]], ...]
 """The tracked parameter set: ``(name, shape)`` pairs in registration order."""
 
+# Names of the float dtypes a number may have (numpy and ml_dtypes spell them like torch).
+_SCALAR_FLOAT_NAMES = frozenset(
+    ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+)
 # Floating dtypes a gradient may arrive in whose values numpy converts to float64 exactly.
 _NUMPY_FLOAT_DTYPES = frozenset(
     np.dtype(t)
@@ -128,23 +148,52 @@ def validate_work_dtype(dtype: object) -> Format:
     return get_format(dtype)
 
 
+def read_real(value: object, *, what: str, error: type[WeightedAccumulationError]) -> int | float:
+    """``value`` as an exact Python int or float; ``error`` naming ``what`` if it is refused.
+
+    The rule (the same as ``wacc_torch._scalars.read_real``): a Python ``int`` (not ``bool``) or
+    ``float``; a numpy scalar or 0-d array (the reference's counterpart of a 0-d tensor) whose
+    dtype is an integer of at most 64 bits or one of the six formats (float64, float32, float16,
+    bfloat16, float8_e4m3fn, float8_e5m2).  Refused: bools, complex, Fraction, Decimal,
+    ``numpy.longdouble`` (wider than float64: reading it would round), strings, sequences,
+    arrays that are not 0-d.  Accepted values are read exactly (no rounding); NaN, inf and
+    negatives come back as they are.
+    """
+    if isinstance(value, bool | np.bool_):
+        raise error(f"{what} must be a real number, got the bool {value!r}")
+    if isinstance(value, int | float) and not isinstance(value, np.generic):
+        return value
+    if isinstance(value, np.generic | np.ndarray):
+        if isinstance(value, np.ndarray) and value.ndim != 0:
+            raise error(f"an array {what} must be 0-d, got shape {list(value.shape)}: {value!r}")
+        dtype = value.dtype
+        if dtype.kind in "iu" and dtype.itemsize <= 8:
+            return int(value.item())
+        if dtype.name in _SCALAR_FLOAT_NAMES:
+            return float(value.item())
+        raise error(
+            f"{what} {value!r} has numpy dtype {dtype}: only integers of at most 64 bits and the "
+            f"formats {', '.join(sorted(_SCALAR_FLOAT_NAMES))} are read exactly"
+        )
+    raise error(
+        f"{what} must be a Python int or float, a numpy scalar or a 0-d array of a real dtype of "
+        f"at most 64 bits, got {value!r} of type {type(value).__name__}"
+    )
+
+
 def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
-    """SPEC §4: a finite float > 0, exactly representable in D."""
+    """SPEC §4: a finite value > 0, exactly representable in D (types: :func:`read_real`)."""
     problem = None
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float | np.number):
-        problem = "is not a real number"
-    elif isinstance(loss_scale, np.complexfloating):
-        problem = "is not a real number"
-    elif isinstance(loss_scale, float | np.floating) and not math.isfinite(loss_scale):
+    try:
+        value = read_real(loss_scale, what="loss_scale", error=InvalidLossScaleError)
+    except InvalidLossScaleError as error:
+        raise InvalidLossScaleError(f"{error} (work dtype {dtype.name})") from None
+    if isinstance(value, float) and not math.isfinite(value):
         problem = "is not finite"
-    elif not loss_scale > 0:
+    elif not value > 0:
         problem = "is not > 0"
     else:
-        exact_value = (
-            Fraction(int(loss_scale))
-            if isinstance(loss_scale, int | np.integer)
-            else Fraction(float(loss_scale))
-        )
+        exact_value = Fraction(value)
         rounded = round_to(exact_value, dtype)
         if not math.isfinite(rounded) or Fraction(rounded) != exact_value:
             problem = f"is not exactly representable in {dtype.name}"
@@ -153,32 +202,20 @@ def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
             f"loss_scale {format_value(loss_scale)} {problem}; it must be a finite value > 0 "
             f"exactly representable in the work dtype {dtype.name}"
         )
-    return float(cast(float, loss_scale))
+    return float(value)
 
 
-def validate_weight(weight: object) -> float:
-    """A weight is a finite number >= 0 (int or float, not bool); returns it as a Python float."""
-    if isinstance(weight, bool | np.bool_) or not isinstance(
-        weight, int | float | np.integer | np.floating
-    ):
-        raise InvalidWeightError(
-            f"weight must be a finite int or float >= 0, got {weight!r} ({type(weight).__name__})"
-        )
-    if isinstance(weight, np.floating) and weight.dtype.itemsize > 8:
-        raise InvalidWeightError(
-            f"weight {weight!r} is a {weight.dtype} wider than float64: it cannot be read exactly"
-        )
-    try:
-        value = float(weight)
-    except OverflowError:
-        raise InvalidWeightError(f"weight {weight!r} does not fit a float64") from None
-    if math.isnan(value) or math.isinf(value) or value < 0:
+def validate_weight(weight: object) -> int | float:
+    """A weight is a finite number >= 0 (:func:`read_real`); returned exactly (int or float)."""
+    value = read_real(weight, what="weight", error=InvalidWeightError)
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
         raise InvalidWeightError(f"weight must be a finite number >= 0, got {format_value(value)}")
     return value
 
 
-def converted_mean_weight(weight: float, dtype: Format) -> float:
-    """SPEC §6 ``w_D = conv_D(w)`` of a weight ``w > 0``.
+def converted_mean_weight(weight: int | float, dtype: Format) -> float:
+    """SPEC §6 ``w_D = conv_D(w)`` of a weight ``w > 0`` (an int is read through float64, as
+    PyTorch's ``torch.tensor(w, dtype=D)`` does).
 
     Raises :class:`InvalidWeightError` naming ``w`` and ``w_D`` when ``w_D`` is 0 or not finite
     (the weight does not survive the work dtype).
@@ -192,14 +229,23 @@ def converted_mean_weight(weight: float, dtype: Format) -> float:
     return converted
 
 
-def total_after(total: float | Fraction, weight: float, counted: float) -> float | Fraction:
-    """The total weight after counting ``counted`` for ``weight``: ``round_64(W + counted)``.
+def total_after(
+    total: float | Fraction, weight: int | float, counted: int | float
+) -> float | Fraction:
+    """The total weight after counting ``counted`` for ``weight``: ``round_64(W + counted)``, one
+    rounding of the exact sum (an int beyond 2**53 is not rounded on its own first).
 
     Exact for a Fraction ``W`` (exact mode).  Raises :class:`InvalidWeightError` naming the weight
     if the total overflows float64: such a ``W`` could never be recorded (SPEC §9 needs a finite
     one).
     """
-    new_total = total + Fraction(counted) if isinstance(total, Fraction) else total + counted
+    new_total: float | Fraction
+    if isinstance(total, Fraction):
+        new_total = total + Fraction(counted)
+    elif isinstance(counted, float):
+        new_total = total + counted  # both float64: IEEE addition rounds the exact sum once
+    else:
+        new_total = round_to(Fraction(total) + counted, FLOAT64)
     if not math.isfinite(round_to(new_total, FLOAT64)):
         raise InvalidWeightError(
             f"weight {format_value(weight)} makes the total weight overflow float64 "
@@ -242,6 +288,17 @@ def validate_params(params: object) -> Binding:
     return tuple(binding)
 
 
+def _as_array(value: object, *, what: str, error: type[WeightedAccumulationError]) -> np.ndarray:
+    """``np.asarray(value)``, with numpy's own refusals (a ragged list, a tensor numpy cannot
+    read such as a torch bfloat16 one, ...) turned into ``error`` naming ``what``."""
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as problem:
+        raise error(
+            f"{what} cannot be read as an array ({type(value).__name__}): {problem}"
+        ) from None
+
+
 def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDArray[np.float64]:
     """The float64 array of a gradient, exactly; :class:`ParameterMismatchError` otherwise.
 
@@ -249,7 +306,7 @@ def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDAr
     Python floats.  Integer, bool, complex and object dtypes are refused (PyTorch refuses a
     non-floating ``.grad``), as is a shape other than the parameter's.
     """
-    array = np.asarray(value)
+    array = _as_array(value, what=f"gradient of {name!r}", error=ParameterMismatchError)
     if array.dtype not in _NUMPY_FLOAT_DTYPES:
         raise ParameterMismatchError(
             f"gradient of {name!r} has dtype {array.dtype}, not a floating dtype of at most 64 bits"
@@ -261,19 +318,40 @@ def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDAr
     return np.array(array, dtype=np.float64)
 
 
-def validate_binding(params: object, tracked: Binding | None) -> Binding:
+def validate_binding(params: object, tracked: Binding | None, *, rebind: bool = False) -> Binding:
     """:func:`validate_params`, then check the binding against the ``tracked`` set.
 
-    :class:`ParameterMismatchError` naming both sets when a set is tracked (not ``None``) and
-    ``params`` differs from it in names, order or shapes.
+    Parameters are matched by NAME (as ``wacc_torch`` matches a module's): the order of
+    ``params`` does not matter and the tracked order (the records' ``param_names``) is kept.
+    ``rebind=True`` (a window with nothing in it) takes ``params`` as the new set instead.
+    :class:`ParameterMismatchError` naming the differences when a set is tracked (not ``None``)
+    and ``params`` differs from it in names or shapes; a tracked name missing from ``params``
+    is reported as no longer trainable (frozen or removed).
     """
     binding = validate_params(params)
-    if tracked is not None and binding != tracked:
+    if tracked is None or rebind:
+        return binding
+    given = dict(binding)
+    shapes = dict(tracked)
+    if given.keys() != shapes.keys():
+        gone = [name for name in shapes if name not in given]
+        extra = [name for name in given if name not in shapes]
+        problems = []
+        if gone:
+            problems.append(f"no longer trainable (frozen or removed) since it was bound: {gone!r}")
+        if extra:
+            problems.append(f"trainable but not tracked: {extra!r}")
         raise ParameterMismatchError(
-            f"params {[(n, list(s)) for n, s in binding]!r} differ from the tracked set "
-            f"{[(n, list(s)) for n, s in tracked]!r}"
+            f"params changed in the middle of a window; parameter(s) {'; '.join(problems)}. The "
+            f"tracked set can change only between windows (after finish_sums/finish_mean)"
         )
-    return binding
+    for name, shape in tracked:
+        if given[name] != shape:
+            raise ParameterMismatchError(
+                f"parameter {name!r} has shape {list(given[name])}, tracked shape is "
+                f"{list(shape)} (mid-window)"
+            )
+    return tracked
 
 
 def validate_gradients(grads: object, binding: Binding) -> dict[str, npt.NDArray[np.float64]]:
@@ -354,7 +432,7 @@ def validate_pending(
         if name not in pending:
             continue
         what = f"{field}[{name!r}]"
-        array = np.asarray(pending[name])
+        array = _as_array(pending[name], what=what, error=error)
         if array.shape != shape:
             raise error(f"{what} has shape {list(array.shape)}, the parameter has {list(shape)}")
         if exact:
@@ -493,7 +571,7 @@ def validate_record(
     missing = [k for k in RECORD_KEYS if k not in record]
     if missing:
         raise RecordError(f"record lacks the field(s) {missing}")
-    unknown = [k for k in record if k not in RECORD_KEYS]
+    unknown = [k for k in record if k not in RECORD_KEYS and k != CHECKSUM_KEY]
     if unknown:
         raise RecordError(f"record has unknown field(s) {unknown!r}")
     version = record["format_version"]
@@ -514,16 +592,17 @@ def validate_record(
         raise RecordError(f"fused is {record['fused']!r}; this accumulator has fused={fused}")
     binding = _record_binding(record)
     if binding is not None:
-        names_of_params = [n for n, _ in binding_of_params]
-        if [n for n, _ in binding] != names_of_params:
+        # Matched by name, as wacc_torch matches a module's parameters; the record's order stays.
+        shapes_of_params = dict(binding_of_params)
+        if {n for n, _ in binding} != shapes_of_params.keys():
             raise RecordError(
                 f"param_names {[n for n, _ in binding]!r} do not match the parameters "
-                f"{names_of_params!r}"
+                f"{list(shapes_of_params)!r}"
             )
-        if binding != binding_of_params:
+        if any(shapes_of_params[n] != shape for n, shape in binding):
             raise RecordError(
                 f"param_shapes {[list(s) for _, s in binding]!r} do not match the parameters' "
-                f"shapes {[list(s) for _, s in binding_of_params]!r}"
+                f"shapes {[list(shapes_of_params[n]) for n, _ in binding]!r}"
             )
     pending = validate_pending(
         record["pending"], binding, dtype, exact=exact, error=RecordError, field="pending"
@@ -537,6 +616,26 @@ def validate_record(
         exact=exact,
         error=RecordError,
     )
+    if CHECKSUM_KEY in record:
+        # Last: every field is well formed now, so the bytes hashed are well defined.
+        stored = record[CHECKSUM_KEY]
+        if not isinstance(stored, str) or not _CHECKSUM_PATTERN.fullmatch(stored):
+            raise RecordError(f"checksum must be 'sha256:' and 64 hex digits, got {stored!r}")
+        computed = record_checksum(
+            dtype=dtype,
+            loss_scale=loss_scale,
+            fused=fused,
+            issued=issued,
+            zero_weight=zero_weight,
+            total_weight=total_weight,
+            binding=binding,
+            pending=pending,
+        )
+        if computed != stored:
+            raise RecordError(
+                f"checksum does not match the record's content (stored {stored}, computed "
+                f"{computed}): the record was changed or damaged after it was written"
+            )
     return ValidatedRecord(
         binding=binding,
         pending=pending,
@@ -544,3 +643,69 @@ def validate_record(
         zero_weight=zero_weight,
         total_weight=total_weight,
     )
+
+
+# Each work dtype: the numpy dtype holding its values and its canonical quiet NaN's bits (sign +,
+# top mantissa bit only).
+_BITS: Mapping[str, tuple[npt.DTypeLike, int]] = {
+    "float64": (np.float64, 0x7FF8_0000_0000_0000),
+    "float32": (np.float32, 0x7FC0_0000),
+    "float16": (np.float16, 0x7E00),
+    "bfloat16": (ml_dtypes.bfloat16, 0x7FC0),
+}
+
+
+def _float_text(value: float | Fraction) -> str:
+    # A float64 as its hex form (lossless); an exact-mode Fraction as "numerator/denominator".
+    if isinstance(value, Fraction):
+        return f"{value.numerator}/{value.denominator}"
+    return float(value).hex()
+
+
+def record_checksum(
+    *,
+    dtype: Format,
+    loss_scale: float,
+    fused: bool,
+    issued: int,
+    zero_weight: int,
+    total_weight: float | Fraction,
+    binding: Binding | None,
+    pending: Mapping[str, np.ndarray],
+) -> str:
+    """``"sha256:"`` + the SHA-256 of a record's canonical bytes (shared with ``wacc_torch``).
+
+    The bytes: the UTF-8 of the compact JSON list ``[format_version, dtype, loss_scale.hex(),
+    fused, issued, zero_weight, total_weight.hex(), param_names, param_shapes, pending names in
+    param_names order]``, then each pending buffer in that order as its bit patterns in D,
+    little-endian, row-major, every NaN as D's canonical quiet NaN (the SPEC treats all NaNs
+    alike and this model keeps values, not payloads).  ``pending`` holds validated buffers
+    (float64 arrays of D values; in ``exact`` mode object arrays of Fractions, hashed as the
+    ASCII of ``numerator/denominator,`` per element, a layout ``wacc_torch`` never writes).
+    """
+    names = [name for name, _ in binding or ()]
+    ordered = [name for name in names if name in pending]
+    header = [
+        FORMAT_VERSION,
+        dtype.name,
+        float(loss_scale).hex(),
+        fused,
+        issued,
+        zero_weight,
+        _float_text(total_weight),
+        names,
+        [list(shape) for _, shape in binding or ()],
+        ordered,
+    ]
+    digest = hashlib.sha256(json.dumps(header, separators=(",", ":")).encode())
+    for name in ordered:
+        values = pending[name]
+        if values.dtype == object:
+            digest.update("".join(f"{_float_text(v)}," for v in values.reshape(-1)).encode())
+            continue
+        value_dtype, canonical_nan = _BITS[dtype.name]
+        in_d = values.astype(value_dtype)  # exact: validated buffers hold D values only
+        bits = in_d.view(np.dtype(f"u{in_d.dtype.itemsize}"))
+        bits[np.isnan(values)] = canonical_nan
+        digest.update(np.ascontiguousarray(bits, dtype=bits.dtype.newbyteorder("<")).data)
+    return "sha256:" + digest.hexdigest()

@@ -3,6 +3,7 @@
 See ``shared/SPEC.md`` for the normative semantics. Production code: imports torch only.
 """
 
+from wacc_torch._environment import denormals_flushed
 from wacc_torch.accumulator import (
     AccumulatedGradients,
     AccumulatorState,
@@ -20,6 +21,7 @@ from wacc_torch.errors import (
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
@@ -35,11 +37,13 @@ __all__ = [
     "ProcessGroupUnavailableError",
     "RecordError",
     "StateDictHandle",
+    "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "WeightedGradientsAccumulator",
     "ZeroTotalWeightError",
     "all_reduce_mean",
     "all_reduce_sums",
+    "denormals_flushed",
     "load_record",
     "normalize_sums",
     "save_record",

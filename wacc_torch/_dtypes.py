@@ -1,14 +1,14 @@
-"""Work dtypes, op(D) and the loss-scale check shared by the accumulator and the records."""
+"""Work dtypes, gradient dtypes, op(D) and the loss-scale check (accumulator and records)."""
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
 
+from wacc_torch._scalars import FLOAT_DTYPES, read_real
 from wacc_torch.errors import InvalidLossScaleError, WeightedAccumulationError
 
 # Keyed by the torch spelling without the "torch." prefix, as records store it.
@@ -20,6 +20,10 @@ WORK_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "bfloat16": torch.bfloat16,
     }
 )
+# A gradient may come in any of the six formats the reference models; their conversion to every
+# work dtype is defined (SPEC §2). Others (float4, the fnuz float8 variants, ...) are refused up
+# front: PyTorch may not even convert them (float4_e2m1fn_x2 raises NotImplementedError).
+GRADIENT_DTYPES: frozenset[torch.dtype] = FLOAT_DTYPES
 _NAME_OF_DTYPE: Mapping[torch.dtype, str] = MappingProxyType(
     {dtype: name for name, dtype in WORK_DTYPES.items()}
 )
@@ -52,27 +56,36 @@ def op_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def to_work_dtype(value: float, dtype: torch.dtype) -> float:
     """SPEC conv_D of a Python float, exactly as ``torch.tensor(value, dtype=dtype)`` does it."""
-    return float(torch.tensor(value, dtype=dtype).item())
+    # On the CPU explicitly: under torch.set_default_device("cuda") this would be a device
+    # round trip (a sync per call), under "meta" it would hold no value at all.
+    return float(torch.tensor(value, dtype=dtype, device="cpu").item())
 
 
 def check_loss_scale(loss_scale: object, dtype: torch.dtype) -> float:
-    """Return ``loss_scale`` as a float if it is finite, > 0 and exactly representable in dtype."""
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
+    """Return ``loss_scale`` as a float if it is finite, > 0 and exactly representable in dtype.
+
+    Which types are accepted is :func:`wacc_torch._scalars.read_real`'s rule; the value is read
+    exactly, so an int like ``2**53 + 1`` (not a float64) is refused, never rounded.
+    """
+    try:
+        value = read_real(loss_scale, what="loss_scale", error=InvalidLossScaleError)
+    except InvalidLossScaleError as error:
+        raise InvalidLossScaleError(f"{error} (work dtype {dtype})") from None
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidLossScaleError(
-            f"loss_scale must be a real number, got {loss_scale!r} of type "
-            f"{type(loss_scale).__name__} (work dtype {dtype})"
+            f"loss_scale must be a finite float > 0, got {value!r} (work dtype {dtype})"
+        )
+    if not value > 0:
+        raise InvalidLossScaleError(
+            f"loss_scale must be a finite float > 0, got {loss_scale!r} (work dtype {dtype})"
         )
     try:
-        scale = float(loss_scale)
+        scale = float(value)
     except OverflowError:
         raise InvalidLossScaleError(
-            f"loss_scale {loss_scale!r} does not fit a float (work dtype {dtype})"
+            f"loss_scale {loss_scale!r} does not fit a float64 (work dtype {dtype})"
         ) from None
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise InvalidLossScaleError(
-            f"loss_scale must be a finite float > 0, got {scale!r} (work dtype {dtype})"
-        )
-    if scale != loss_scale:
+    if scale != value:  # int vs float comparison in Python is exact
         raise InvalidLossScaleError(
             f"loss_scale {loss_scale!r} is not exactly representable in float64 "
             f"(work dtype {dtype})"

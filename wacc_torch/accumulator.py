@@ -8,27 +8,37 @@ weight, each step rounded on its own. ``fused=True`` is an opt-in one-pass mode 
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
 from wacc_torch._dtypes import (
+    GRADIENT_DTYPES,
     check_loss_scale,
     check_work_dtype,
     dtype_name,
     op_dtype,
     to_work_dtype,
 )
+from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._scalars import add_to_total, as_float64, read_real
 from wacc_torch.errors import (
     InvalidWeightError,
     ParameterMismatchError,
     ZeroTotalWeightError,
 )
-from wacc_torch.records import FORMAT_VERSION, check_counters, validate_record
+from wacc_torch.records import (
+    CHECKSUM_KEY,
+    FORMAT_VERSION,
+    check_counters,
+    record_checksum_of,
+    validate_record,
+)
 
 __all__ = [
     "AccumulatedGradients",
@@ -40,6 +50,38 @@ __all__ = [
 
 Weight = float | torch.Tensor
 GradientMapping = Mapping[str, torch.Tensor | None]
+
+
+class _CommitPhase:
+    """Marks a commit phase: from here on only operations that cannot fail on validated,
+    prepared inputs (in-place kernels on our own dense buffers, attribute assignments).
+
+    Every public mutating call first prepares (validation, conversion, allocation, every
+    temporary: anything that may raise) and then commits inside ``with _COMMIT:``. It does
+    nothing at run time; the fault-injection tests replace it to tell the phases apart.
+    """
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        return None
+
+
+_COMMIT = _CommitPhase()
+
+
+def _ordinary_tensors() -> AbstractContextManager[object]:
+    # Buffers, temporaries and handed-over tensors must be ordinary tensors even when the caller
+    # is in torch.inference_mode(): an inference tensor cannot be updated in place outside it.
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return nullcontext()
 
 
 @dataclass(frozen=True)
@@ -81,7 +123,8 @@ class AccumulatedGradients:
         Each tensor is converted to that parameter's dtype (and device); a None gradient sets
         ``.grad`` to None. Parameters not named in ``grads`` are left alone. When no conversion
         is needed the ``.grad`` is the tensor held here, not a copy. Every name and shape is
-        checked before any ``.grad`` is written (:class:`ParameterMismatchError`).
+        checked and every conversion made before any ``.grad`` is written
+        (:class:`ParameterMismatchError`; a failed conversion writes nothing either).
         """
         parameters = dict(module.named_parameters())
         for name, grad in self.grads.items():
@@ -93,23 +136,37 @@ class AccumulatedGradients:
                     f"gradient {name!r} has shape {list(grad.shape)} but the parameter has "
                     f"shape {list(parameter.shape)}"
                 )
-        for name, grad in self.grads.items():
-            parameter = parameters[name]
-            parameter.grad = (
-                None if grad is None else grad.to(dtype=parameter.dtype, device=parameter.device)
-            )
+        with _ordinary_tensors():
+            converted = {
+                name: None
+                if grad is None
+                else grad.to(dtype=parameters[name].dtype, device=parameters[name].device)
+                for name, grad in self.grads.items()
+            }
+        with _COMMIT:
+            for name, grad in converted.items():
+                parameters[name].grad = grad
 
 
 class StateDictHandle:
     """A pending ``state_dict_async()`` snapshot; :meth:`result` waits for it.
 
     The device-to-host copies were issued on each buffer's current CUDA stream when the
-    snapshot was taken; ``result`` waits on the CUDA events recorded right after them.
+    snapshot was taken; ``result`` waits on the CUDA events recorded right after them. The
+    handle keeps the source buffers alive until then, and each source was marked as used on
+    the copy's stream (``record_stream``), so freeing or reusing a buffer (after
+    ``finish_sums`` hands it over, on any stream) cannot overwrite it under the copy.
     """
 
-    def __init__(self, record: dict[str, Any], events: list[torch.cuda.Event]) -> None:
+    def __init__(
+        self,
+        record: dict[str, Any],
+        events: list[torch.cuda.Event],
+        sources: list[torch.Tensor],
+    ) -> None:
         self._record = record
         self._events = events
+        self._sources: list[torch.Tensor] | None = sources
 
     def done(self) -> bool:
         """Whether every device-to-host copy of the snapshot has completed."""
@@ -119,35 +176,22 @@ class StateDictHandle:
         """Wait for the copies and return the record (same content as ``state_dict()``)."""
         for event in self._events:
             event.synchronize()
+        self._sources = None  # the copies are complete: the sources may go
+        if CHECKSUM_KEY not in self._record:
+            # Only now are the host copies complete, so only now can their bytes be hashed.
+            self._record[CHECKSUM_KEY] = record_checksum_of(self._record)
         return self._record
 
 
-def _coerce_weight(weight: object) -> float:
-    """Return a microbatch weight as a float; refuse anything but a finite real >= 0."""
-    if isinstance(weight, torch.Tensor):
-        if weight.dim() != 0:
-            raise InvalidWeightError(
-                f"a tensor weight must be 0-d, got shape {list(weight.shape)}: {weight!r}"
-            )
-        if weight.dtype == torch.bool or weight.is_complex():
-            raise InvalidWeightError(
-                f"a tensor weight must be real-valued, got dtype {weight.dtype}: {weight!r}"
-            )
-        value: object = weight.item()
-    else:
-        value = weight
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidWeightError(
-            f"weight must be a real number or a 0-d real tensor, got {weight!r} "
-            f"of type {type(weight).__name__}"
-        )
-    try:
-        number = float(value)
-    except OverflowError:
-        raise InvalidWeightError(f"weight {weight!r} does not fit a float") from None
-    if not math.isfinite(number) or number < 0.0:
+def _coerce_weight(weight: object) -> int | float:
+    """A microbatch weight, read exactly (an int or a float); refuse anything but a finite
+    real >= 0 (which types count as real: :func:`wacc_torch._scalars.read_real`)."""
+    value = read_real(weight, what="weight", error=InvalidWeightError)
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidWeightError(f"weight must be finite and >= 0, got {weight!r}")
-    return number
+    if value < 0:
+        raise InvalidWeightError(f"weight must be finite and >= 0, got {weight!r}")
+    return value
 
 
 def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -156,11 +200,52 @@ def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(value, dtype=dtype, device=device)
 
 
+class _Scratch:
+    """One preallocated work tensor per (device, dtype), sized for the largest user, so that a
+    commit phase needs no allocation; :meth:`view` hands out a shaped view of its start (one per
+    shape, reused: the users run one after the other)."""
+
+    def __init__(self, needs: Iterable[tuple[torch.device, torch.dtype, int]]) -> None:
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for device, dtype, numel in needs:
+            sizes[(device, dtype)] = max(sizes.get((device, dtype), 0), numel)
+        self._storage = {
+            (device, dtype): torch.empty(numel, dtype=dtype, device=device)
+            for (device, dtype), numel in sizes.items()
+        }
+        self._views: dict[tuple[torch.device, torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def view(self, device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        key = (device, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._storage[(device, dtype)].narrow(0, 0, shape.numel()).view(shape)
+            self._views[key] = view
+        return view
+
+
+def _read_total_weight(total_weight: object) -> float:
+    """SPEC §8's W for :func:`normalize_sums`: same number rule as a weight, finite, > 0."""
+    value = read_real(total_weight, what="total_weight", error=InvalidWeightError)
+    if value == 0:
+        raise ZeroTotalWeightError(
+            f"cannot normalize by total weight {total_weight!r}: no positive weight was counted"
+        )
+    weight = as_float64(value)
+    if weight != value and math.isfinite(weight):
+        raise InvalidWeightError(
+            f"total_weight {total_weight!r} is not exactly a float64 (W is a float64 sum)"
+        )
+    if not (math.isfinite(weight) and weight > 0.0):
+        raise InvalidWeightError(f"total_weight must be finite and > 0, got {total_weight!r}")
+    return weight
+
+
 def normalize_sums(
     grads: Mapping[str, torch.Tensor | None],
     *,
     loss_scale: float,
-    total_weight: float,
+    total_weight: float | torch.Tensor,
     in_place: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """Divide scaled gradient sums by the loss scale, then by the total weight (SPEC §8).
@@ -168,37 +253,31 @@ def normalize_sums(
     Per element, in each tensor's own dtype D: ``y = round_D(g / S)``, then
     ``round_D(round_op(y / round_op(W)))`` with op = float64 for float64 and float32 otherwise.
     The product ``S * W`` is never formed. Both divisors are 0-d tensors on the gradient's
-    device. None entries stay None. With ``in_place=True`` the result overwrites the given
-    tensors (and the returned dict holds them); otherwise they are left untouched.
+    device. None entries stay None. ``total_weight`` may be a number or a 0-d tensor (what a
+    manual ``dist.all_reduce`` of the weight gives), read like a weight; it must be exactly a
+    float64. With ``in_place=True`` the result overwrites the given tensors (and the returned
+    dict holds them), all or nothing: every divisor and temporary is made before the first
+    tensor is written. Otherwise they are left untouched.
 
     Raises :class:`ZeroTotalWeightError` when ``total_weight == 0``, :class:`InvalidWeightError`
-    for a negative or non-finite one, :class:`InvalidLossScaleError` for a loss scale that is not
-    finite, > 0 and exactly representable in every gradient's dtype (float64 when every entry is
-    None), and :class:`ParameterMismatchError` for a value that is not a tensor of a work dtype.
+    for a negative, non-finite or non-real one, :class:`InvalidLossScaleError` for a loss scale
+    that is not finite, > 0 and exactly representable in every gradient's dtype (float64 when
+    every entry is None), and :class:`ParameterMismatchError` for a value that is not a dense
+    tensor of a work dtype (or, with ``in_place=True``, one that is not safe to write in place).
     """
     if not isinstance(grads, Mapping):
         raise TypeError(
             f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
         )
-    if isinstance(total_weight, bool) or not isinstance(total_weight, numbers.Real):
-        raise InvalidWeightError(f"total_weight must be a real number, got {total_weight!r}")
-    try:
-        weight = float(total_weight)
-    except OverflowError:
-        weight = math.inf
-    if weight == 0.0:
-        raise ZeroTotalWeightError(
-            f"cannot normalize by total weight {total_weight!r}: no positive weight was counted"
-        )
-    if not (math.isfinite(weight) and weight > 0.0):
-        raise InvalidWeightError(f"total_weight must be finite and > 0, got {total_weight!r}")
+    weight = _read_total_weight(total_weight)
     checked_dtypes: set[torch.dtype] = set()
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name, grad in grads.items():
         if grad is None:
             continue
-        if not isinstance(grad, torch.Tensor):
+        if not isinstance(grad, torch.Tensor) or grad.layout != torch.strided:
             raise ParameterMismatchError(
-                f"gradient {name!r} must be a tensor or None, got {type(grad).__name__}"
+                f"gradient {name!r} must be a dense tensor or None, got {type(grad).__name__}"
             )
         try:
             check_work_dtype(grad.dtype)
@@ -206,39 +285,91 @@ def normalize_sums(
             raise ParameterMismatchError(
                 f"gradient {name!r} has dtype {grad.dtype}, not a work dtype"
             ) from None
+        if in_place:
+            _check_writable(grad, what=f"gradient {name!r}")
         if grad.dtype not in checked_dtypes:
             check_loss_scale(loss_scale, grad.dtype)
             checked_dtypes.add(grad.dtype)
+        tensors.append((name, grad))
     if not checked_dtypes:
         # No tensor, so no work dtype to check S against; S itself must still be valid (finite,
         # > 0, a float64), which the check in float64 covers.
         check_loss_scale(loss_scale, torch.float64)
     scale = float(loss_scale)
+    if any(grad.device.type == "cpu" for _, grad in tensors):
+        check_gradual_underflow("normalize_sums")
 
-    divisors: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-    normalized: dict[str, torch.Tensor | None] = {}
-    for name, grad in grads.items():
-        if grad is None:
-            normalized[name] = None
-            continue
-        key = (grad.device, grad.dtype)
-        if key not in divisors:
-            divisors[key] = (
-                _scalar_tensor(scale, grad.dtype, grad.device),
-                _scalar_tensor(weight, op_dtype(grad.dtype), grad.device),
-            )
-        scale_tensor, weight_tensor = divisors[key]
-        # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion.
-        scaled = grad.div_(scale_tensor) if in_place else torch.div(grad, scale_tensor)
-        if grad.dtype == weight_tensor.dtype:
-            result = scaled.div_(weight_tensor)
-        else:
-            # Narrow D: divide explicitly in op(D) = float32 (so a W beyond D's range, e.g.
-            # fp16 with W = 70000, stays finite), then round once more into D.
-            quotient = scaled.to(weight_tensor.dtype).div_(weight_tensor)
-            result = scaled.copy_(quotient)
-        normalized[name] = result
-    return normalized
+    # Prepare: every divisor and temporary; then the in-place commit cannot fail half-way.
+    with _ordinary_tensors():
+        divisors: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        for _, grad in tensors:
+            key = (grad.device, grad.dtype)
+            if key not in divisors:
+                divisors[key] = (
+                    _scalar_tensor(scale, grad.dtype, grad.device),
+                    _scalar_tensor(weight, op_dtype(grad.dtype), grad.device),
+                )
+        # Narrow D divides in op(D) = float32 (so a W beyond D's range, e.g. fp16 with
+        # W = 70000, stays finite), then rounds once more into D: a float32 work tensor.
+        scratch = _Scratch(
+            (grad.device, op_dtype(grad.dtype), grad.numel())
+            for _, grad in tensors
+            if op_dtype(grad.dtype) != grad.dtype
+        )
+        outputs = {
+            name: grad
+            if in_place
+            else torch.empty_like(grad, memory_format=torch.contiguous_format)
+            for name, grad in tensors
+        }
+        with _COMMIT:
+            for name, grad in tensors:
+                scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
+                out = outputs[name]
+                # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion.
+                torch.div(grad, scale_tensor, out=out)
+                if out.dtype == weight_tensor.dtype:
+                    out.div_(weight_tensor)
+                else:
+                    quotient = scratch.view(out.device, weight_tensor.dtype, out.shape)
+                    quotient.copy_(out).div_(weight_tensor)
+                    out.copy_(quotient)
+    return {name: None if grad is None else outputs[name] for name, grad in grads.items()}
+
+
+def _may_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` may share memory (an expanded, stride-0 view, ...).
+
+    Sufficient test for "no overlap": with the dims of size > 1 sorted by stride, each stride
+    is at least the extent of the previous ones. Exotic non-overlapping layouts that fail it
+    are reported as overlapping: refusing them is safe.
+    """
+    dims = sorted(
+        (stride, size)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if size > 1
+    )
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def _check_writable(tensor: torch.Tensor, *, what: str) -> None:
+    """Refuse a tensor that an in-place update could not write element by element: overlapping
+    memory (an expanded, stride-0 view) or an inference tensor outside inference mode."""
+    if _may_overlap(tensor):
+        raise ParameterMismatchError(
+            f"{what} has overlapping memory (shape {list(tensor.shape)}, strides "
+            f"{list(tensor.stride())}): it cannot be updated in place element by element"
+        )
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise ParameterMismatchError(
+            f"{what} is an inference tensor (made under torch.inference_mode()): it cannot be "
+            f"updated in place outside inference mode"
+        )
 
 
 @dataclass(frozen=True)
@@ -268,6 +399,14 @@ def _tracked_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return parameters
 
 
+def _binding_of(parameters: list[tuple[str, nn.Parameter]]) -> _Binding:
+    return _Binding(
+        names=tuple(name for name, _ in parameters),
+        shapes=tuple(parameter.shape for _, parameter in parameters),
+        devices=tuple(parameter.device for _, parameter in parameters),
+    )
+
+
 class WeightedGradientsAccumulator:
     """Accumulates gradients of unequal microbatches and normalizes them once (SPEC §3-§9).
 
@@ -281,11 +420,27 @@ class WeightedGradientsAccumulator:
     tracked parameter's ``.grad``, which is then taken out of the module (set to None), also for
     a zero-weight batch, so a stale ``.grad`` can never leak into the next microbatch.
 
-    The tracked set is the module's ``requires_grad`` parameters (names, shapes, devices), bound
-    by the first accumulate (a zero-weight one too) or by a load. One buffer per tracked
-    parameter is allocated in D, on the parameter's device, at the first non-None gradient in a
-    positive-weight batch of the window, starting at +0.0. Any call that raises leaves the
-    counters, the buffers and the module's ``.grad`` exactly as they were.
+    The tracked set is the module's ``requires_grad`` parameters (names, shapes, devices),
+    matched by name, bound by the first accumulate of a window (a zero-weight one too) or by a
+    load. A window with nothing in it yet (``issued == 0``: new, or just finished) binds to the
+    module's current trainable parameters, so unfreezing, adapters switched on or off, or a
+    move to another device need no new accumulator; inside a window a change raises
+    :class:`ParameterMismatchError` (a parameter that became frozen is named as frozen). One
+    buffer per tracked parameter is allocated in D, on the parameter's device, at the first
+    non-None gradient in a positive-weight batch of the window, starting at +0.0; buffers are
+    ordinary tensors even under ``torch.inference_mode()``.
+
+    Weights and the loss scale follow one rule (:mod:`wacc_torch._scalars`): a Python int or
+    float, or a numpy scalar / 0-d array / 0-d tensor of an integer or one of six float
+    formats, read exactly (``Fraction``, ``longdouble``, bools, complex are refused). Gradients
+    must be one of float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2. On the CPU,
+    flush-to-zero (``torch.set_flush_denormal(True)``) is refused with
+    :class:`~wacc_torch.errors.UnsupportedEnvironmentError`: results would differ from SPEC §2.
+
+    Every mutating call prepares first (validation, conversion, allocation of every buffer and
+    temporary: anything that may raise) and then commits with in-place kernels and assignments
+    only, so a call that raises, out of memory included, leaves the counters, the buffers and
+    the module's ``.grad`` exactly as they were.
     """
 
     def __init__(self, *, dtype: torch.dtype, loss_scale: float, fused: bool = False) -> None:
@@ -301,6 +456,8 @@ class WeightedGradientsAccumulator:
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
+        # Work tensors of the accumulate call being committed (None outside one).
+        self._work: _Scratch | None = None
         # Events of state_dict_async copies not yet known to be complete (_await_snapshots).
         self._snapshot_events: list[tuple[torch.device, torch.cuda.Event]] = []
 
@@ -358,104 +515,160 @@ class WeightedGradientsAccumulator:
         weight: Weight,
         mean: bool,
     ) -> None:
-        # Validation order (as the reference model's): the weight's own validity, the module's
-        # tracked set, the gradients' structure, then whether a mean weight survives D.
+        # Prepare. Validation order (as the reference model's): the weight's own validity, the
+        # module's tracked set, the gradients' structure, then whether a mean weight survives D.
         weight_value = _coerce_weight(weight)
         binding, parameters = self._check_module(module)
         gradients = self._collect_gradients(binding, parameters, grads)
-        counted_weight = weight_value
-        if mean and weight_value > 0.0:
-            counted_weight = to_work_dtype(weight_value, self._dtype)
+        positive = weight_value > 0
+        counted_weight: int | float = weight_value
+        if mean and positive:
+            # conv_D as PyTorch does it: an int is read through float64 first.
+            counted_weight = to_work_dtype(as_float64(weight_value), self._dtype)
             if counted_weight == 0.0 or not math.isfinite(counted_weight):
                 raise InvalidWeightError(
-                    f"weight {weight!r} ({weight_value.hex()}) does not survive the work dtype "
-                    f"{self._dtype}: it converts to {counted_weight!r}"
+                    f"weight {weight!r} does not survive the work dtype {self._dtype}: it "
+                    f"converts to {counted_weight!r}"
                 )
-        new_total = self._total_weight + counted_weight
+        new_total = add_to_total(self._total_weight, counted_weight)  # round_64(W + w), exact w
         if not math.isfinite(new_total):
             raise InvalidWeightError(
                 f"weight {weight_value!r} makes the total weight overflow "
                 f"({self._total_weight!r} + {counted_weight!r})"
             )
+        steps = self._prepare_steps(parameters, gradients, mean=mean) if positive else None
 
-        # Everything is validated. Allocate before mutating anything, so that running out of
-        # memory leaves the counters, the buffers and the module's .grad as they were.
-        new_buffers = (
-            {}
-            if weight_value == 0.0
-            else {
-                name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
-                for (name, parameter), grad in zip(parameters, gradients, strict=True)
-                if grad is not None and name not in self._pending
-            }
-        )
-        self._await_snapshots()
-        self._binding = binding
-        if grads is None:
-            for _, parameter in parameters:
-                parameter.grad = None
-        if weight_value == 0.0:
+        with _COMMIT:
+            self._await_snapshots()
+            self._binding = binding
+            if steps is not None:
+                new_buffers, self._work = steps
+                self._pending.update(new_buffers)
+                scale = float(counted_weight)
+                for (name, _), grad in zip(parameters, gradients, strict=True):
+                    if grad is not None:
+                        self._add(self._pending[name], grad, weight=scale, mean=mean)
+                self._work = None  # the work tensors live for one call only
+            if grads is None:
+                for _, parameter in parameters:
+                    parameter.grad = None
             self._issued += 1
-            self._zero_weight += 1
-            return
-        self._pending.update(new_buffers)
-        for (name, _), grad in zip(parameters, gradients, strict=True):
-            if grad is not None:
-                self._add(self._pending[name], grad, weight=counted_weight, mean=mean)
-        self._issued += 1
-        self._total_weight = new_total
+            if positive:
+                self._total_weight = new_total
+            else:
+                self._zero_weight += 1
+
+    def _needs_work(self, grad: torch.Tensor, *, mean: bool) -> bool:
+        # Convert first (conv_D), then operate in D: buffer.add_(grad of another dtype) would
+        # be a single rounding in the promoted type instead. The reproducible mean also needs
+        # its product round_D(c * w_D) in a tensor of its own.
+        return grad.dtype != self._dtype or (mean and not self._fused)
+
+    def _prepare_steps(
+        self,
+        parameters: list[tuple[str, nn.Parameter]],
+        gradients: list[torch.Tensor | None],
+        *,
+        mean: bool,
+    ) -> tuple[dict[str, torch.Tensor], _Scratch]:
+        """Allocate the new buffers and the work tensors of a positive-weight batch (may raise)."""
+        present = [
+            (name, parameter, grad)
+            for (name, parameter), grad in zip(parameters, gradients, strict=True)
+            if grad is not None
+        ]
+        if any(grad.device.type == "cpu" for _, _, grad in present):
+            check_gradual_underflow("accumulate")
+        with _ordinary_tensors():
+            new_buffers = {
+                name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
+                for name, parameter, _ in present
+                if name not in self._pending
+            }
+            scratch = _Scratch(
+                (grad.device, self._dtype, grad.numel())
+                for _, _, grad in present
+                if self._needs_work(grad, mean=mean)
+            )
+        return new_buffers, scratch
 
     def _add(self, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool) -> None:
-        # Convert first (conv_D), then operate in D: buffer.add_(grad of another dtype) would be
-        # a single rounding in the promoted type instead.
-        converted = grad.to(self._dtype)
-        if not mean:
-            buffer.add_(converted)
-        elif self._fused:
-            buffer.add_(converted, alpha=weight)
-        else:
+        # Commit phase: in-place kernels only, on validated same-shape same-device tensors; the
+        # work tensor was allocated in the prepare phase (self._work).
+        if not self._needs_work(grad, mean=mean):
+            if mean:  # fused, gradient already in D
+                buffer.add_(grad, alpha=weight)
+            else:
+                buffer.add_(grad)
+            return
+        assert self._work is not None
+        work = self._work.view(grad.device, self._dtype, grad.shape)
+        if mean and not self._fused:
             # weight is w_D, exactly representable in D, so the scalar multiply is exactly
             # round_D(c * w_D); then a separate add: never an FMA.
-            if converted is grad:
-                product = converted.mul(weight)
+            if grad.dtype == self._dtype:
+                torch.mul(grad, weight, out=work)
             else:
-                product = converted.mul_(weight)  # our own conversion copy: reuse it
-            buffer.add_(product)
+                work.copy_(grad).mul_(weight)  # copy_ converts exactly like .to(D)
+            buffer.add_(work)
+            return
+        work.copy_(grad)
+        if mean:
+            buffer.add_(work, alpha=weight)
+        else:
+            buffer.add_(work)
 
     def _check_module(self, module: nn.Module) -> tuple[_Binding, list[tuple[str, nn.Parameter]]]:
-        """Return the (possibly new) binding and the module's tracked parameters in its order."""
-        parameters = _tracked_parameters(module)
+        """Return the (possibly new) binding and the module's tracked parameters in its order.
+
+        A window with nothing in it (``issued == 0``: a new accumulator, or right after a
+        finish) binds to the module's current ``requires_grad`` parameters, so gradual
+        unfreezing, LoRA toggles or a move to another device need no new accumulator; inside a
+        window the set is fixed and a change raises :class:`ParameterMismatchError`.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         binding = self._binding
-        if binding is None:
-            return (
-                _Binding(
-                    names=tuple(name for name, _ in parameters),
-                    shapes=tuple(parameter.shape for _, parameter in parameters),
-                    devices=tuple(parameter.device for _, parameter in parameters),
-                ),
-                parameters,
-            )
-        by_name = dict(parameters)
+        if binding is None or self._issued == 0:
+            parameters = _tracked_parameters(module)
+            return _binding_of(parameters), parameters
+        every = dict(module.named_parameters())
+        by_name = {name: p for name, p in every.items() if p.requires_grad}
         tracked = set(binding.names)
         if by_name.keys() != tracked:
-            missing = [name for name in binding.names if name not in by_name]
-            extra = [name for name in by_name if name not in tracked]
+            frozen = [n for n in binding.names if n in every and n not in by_name]
+            missing = [n for n in binding.names if n not in every]
+            extra = [n for n in by_name if n not in tracked]
+            problems = []
+            if frozen:
+                problems.append(f"frozen (requires_grad=False) since it was bound: {frozen!r}")
+            if missing:
+                problems.append(f"missing from the module: {missing!r}")
+            if extra:
+                problems.append(f"trainable but not tracked: {extra!r}")
             raise ParameterMismatchError(
-                f"the module's requires_grad parameters differ from the tracked set: missing "
-                f"{missing!r}, not tracked {extra!r}"
+                f"the module's requires_grad parameters changed in the middle of a window "
+                f"(issued={self._issued}); parameter(s) {'; '.join(problems)}. The tracked set "
+                f"can change only between windows (after finish_sums/finish_mean)"
             )
         ordered = [(name, by_name[name]) for name in binding.names]
         for (name, parameter), shape, device in zip(
             ordered, binding.shapes, binding.devices, strict=True
         ):
+            if not parameter.is_floating_point():
+                raise ParameterMismatchError(
+                    f"parameter {name!r} has dtype {parameter.dtype}: only floating-point "
+                    f"parameters can be accumulated"
+                )
             if parameter.shape != shape:
                 raise ParameterMismatchError(
                     f"parameter {name!r} has shape {list(parameter.shape)}, tracked shape is "
-                    f"{list(shape)}"
+                    f"{list(shape)} (mid-window)"
                 )
             if parameter.device != device:
                 raise ParameterMismatchError(
-                    f"parameter {name!r} is on {parameter.device}, tracked device is {device}"
+                    f"parameter {name!r} is on {parameter.device}, tracked device is {device} "
+                    f"(mid-window)"
                 )
         return binding, ordered
 
@@ -488,9 +701,10 @@ class WeightedGradientsAccumulator:
                 raise ParameterMismatchError(
                     f"gradient of {name!r} must be a tensor or None, got {type(grad).__name__}"
                 )
-            if not grad.is_floating_point():
+            if grad.dtype not in GRADIENT_DTYPES:
                 raise ParameterMismatchError(
-                    f"gradient of {name!r} has dtype {grad.dtype}: a floating dtype is required"
+                    f"gradient of {name!r} has dtype {grad.dtype}: one of "
+                    f"{sorted(str(dtype) for dtype in GRADIENT_DTYPES)} is required"
                 )
             if grad.layout != torch.strided:
                 raise ParameterMismatchError(
@@ -517,45 +731,49 @@ class WeightedGradientsAccumulator:
         ranks yourself, then divide by ``loss_scale`` exactly once and by the reduced weight
         (:func:`normalize_sums` does both). Works on an empty window too (W == 0).
         """
-        self._await_snapshots()
-        result = AccumulatedGradients(
-            grads=self._handover(),
-            weight=self._total_weight,
-            loss_scale=self._loss_scale,
-            issued=self._issued,
-            zero_weight=self._zero_weight,
-            normalized=False,
-        )
-        self._reset_window()
+        with _COMMIT:
+            self._await_snapshots()
+            result = AccumulatedGradients(
+                grads=self._handover(),
+                weight=self._total_weight,
+                loss_scale=self._loss_scale,
+                issued=self._issued,
+                zero_weight=self._zero_weight,
+                normalized=False,
+            )
+            self._reset_window()
         return result
 
     def finish_mean(self) -> AccumulatedGradients:
         """Divide the sums by S, then by W (:func:`normalize_sums`), and start a new window (§8).
 
         Raises :class:`ZeroTotalWeightError` when W == 0 (an empty window or only zero-weight
-        batches), clearing nothing. The buffers are divided in place and handed over.
+        batches), clearing nothing. The buffers are divided in place and handed over; every
+        divisor and temporary is made first, so a failure (out of memory, flush-to-zero) leaves
+        the window as it was and the call can be repeated.
         """
         if self._total_weight == 0.0:
             raise ZeroTotalWeightError(
                 f"finish_mean on a window with total weight 0.0 (issued={self._issued}, "
                 f"zero_weight={self._zero_weight}); nothing was cleared"
             )
-        self._await_snapshots()
+        self._await_snapshots()  # the in-place division must wait for snapshot copies
         grads = normalize_sums(
             self._handover(),
             loss_scale=self._loss_scale,
             total_weight=self._total_weight,
             in_place=True,
         )
-        result = AccumulatedGradients(
-            grads=grads,
-            weight=self._total_weight,
-            loss_scale=self._loss_scale,
-            issued=self._issued,
-            zero_weight=self._zero_weight,
-            normalized=True,
-        )
-        self._reset_window()
+        with _COMMIT:
+            result = AccumulatedGradients(
+                grads=grads,
+                weight=self._total_weight,
+                loss_scale=self._loss_scale,
+                issued=self._issued,
+                zero_weight=self._zero_weight,
+                normalized=True,
+            )
+            self._reset_window()
         return result
 
     def _handover(self) -> dict[str, torch.Tensor | None]:
@@ -588,13 +806,18 @@ class WeightedGradientsAccumulator:
         * ``pending`` (dict[str, Tensor]): the buffers allocated so far in this window, as CPU
           tensors of dtype D (copies: later accumulation does not change them). A buffer may
           hold inf or NaN (an overflow in D, a NaN gradient); the record keeps them as they are.
+        * ``checksum`` (str): ``"sha256:"`` and the SHA-256 of the record's canonical bytes
+          (every field above and every buffer's bits; :mod:`wacc_torch.records`), verified by
+          ``load_state_dict`` after the field checks. A record without it loads unverified.
 
         The record survives ``torch.save`` and ``torch.load(..., weights_only=True)``.
         """
         record = self._record_header()
-        record["pending"] = {
-            name: buffer.detach().to("cpu", copy=True) for name, buffer in self._pending.items()
-        }
+        with _ordinary_tensors():
+            record["pending"] = {
+                name: buffer.detach().to("cpu", copy=True) for name, buffer in self._pending.items()
+            }
+        record[CHECKSUM_KEY] = record_checksum_of(record)
         return record
 
     def state_dict_async(self) -> StateDictHandle:
@@ -602,21 +825,34 @@ class WeightedGradientsAccumulator:
 
         CUDA buffers are copied with ``non_blocking=True`` into pinned host memory on their
         device's current stream and a CUDA event is recorded after the copies; ``.result()``
-        waits for it. Later accumulation (on any stream) waits for that event first, so the
-        snapshot holds the values of this call's moment. CPU buffers are copied synchronously.
+        waits for it (and only then computes the checksum, over the completed copies). Later
+        accumulation (on any stream) waits for that event first, so the snapshot holds the
+        values of this call's moment; the handle keeps each source buffer alive and marked in
+        use on the copy's stream until the copy is done, so handing it over (``finish_sums``)
+        and freeing or reusing its memory cannot corrupt the snapshot. CPU buffers are copied
+        synchronously.
         """
         record = self._record_header()
         pending: dict[str, torch.Tensor] = {}
         cuda_devices: list[torch.device] = []
-        for name, buffer in self._pending.items():
-            if buffer.device.type == "cuda":
-                host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-                host.copy_(buffer.detach(), non_blocking=True)
-                pending[name] = host
-                if buffer.device not in cuda_devices:
-                    cuda_devices.append(buffer.device)
-            else:
-                pending[name] = buffer.detach().to("cpu", copy=True)
+        sources: list[torch.Tensor] = []
+        with _ordinary_tensors():
+            for name, buffer in self._pending.items():
+                if buffer.device.type == "cuda":
+                    stream = torch.cuda.current_stream(buffer.device)
+                    host = torch.empty(
+                        buffer.shape, dtype=buffer.dtype, device="cpu", pin_memory=True
+                    )
+                    host.copy_(buffer.detach(), non_blocking=True)
+                    # The caching allocator must not hand this memory to another stream before
+                    # the copy ran, even if the buffer is freed right after this call.
+                    buffer.record_stream(stream)
+                    sources.append(buffer)
+                    pending[name] = host
+                    if buffer.device not in cuda_devices:
+                        cuda_devices.append(buffer.device)
+                else:
+                    pending[name] = buffer.detach().to("cpu", copy=True)
         record["pending"] = pending
         events: list[torch.cuda.Event] = []
         for device in cuda_devices:
@@ -624,7 +860,7 @@ class WeightedGradientsAccumulator:
             event.record(torch.cuda.current_stream(device))
             events.append(event)
             self._snapshot_events.append((device, event))
-        return StateDictHandle(record, events)
+        return StateDictHandle(record, events, sources)
 
     def _record_header(self) -> dict[str, Any]:
         binding = self._binding
@@ -677,16 +913,22 @@ class WeightedGradientsAccumulator:
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),
                 devices=tuple(device_of[name] for name in validated.param_names),
             )
-            restored = {
-                name: buffer.detach().to(device_of[name], copy=True).contiguous()
-                for name, buffer in validated.pending.items()
-            }
-        self._await_snapshots()
-        self._binding = binding
-        self._pending = restored
-        self._issued = validated.issued
-        self._zero_weight = validated.zero_weight
-        self._total_weight = validated.total_weight
+            with _ordinary_tensors():
+                # Fresh dense copies that this accumulator owns (an expanded or strided buffer
+                # in the record could not be accumulated into element by element).
+                restored = {
+                    name: buffer.detach().to(
+                        device_of[name], memory_format=torch.contiguous_format, copy=True
+                    )
+                    for name, buffer in validated.pending.items()
+                }
+        with _COMMIT:
+            self._await_snapshots()
+            self._binding = binding
+            self._pending = restored
+            self._issued = validated.issued
+            self._zero_weight = validated.zero_weight
+            self._total_weight = validated.total_weight
 
     @classmethod
     def from_pending(
@@ -698,10 +940,13 @@ class WeightedGradientsAccumulator:
         """Re-attach saved counters ``state`` to pending buffers the caller already restored.
 
         ``pending`` maps tracked parameter names to buffers of dtype ``state.dtype`` with the
-        parameters' shapes, on the parameters' devices; they are adopted (detached), not copied.
-        The new accumulator is bound to the module's ``requires_grad`` parameters. Raises
-        :class:`ParameterMismatchError` for a bad buffer (name, shape, dtype, device) and
-        :class:`RecordError` for inconsistent counters.
+        parameters' shapes, on the parameters' devices; they are adopted (detached), not copied,
+        so each must be memory that accumulation can own: dense and non-overlapping (not an
+        expanded, stride-0 view), not an inference tensor, and sharing its storage with no other
+        pending buffer, tracked parameter or ``.grad`` (else an update of one would change the
+        other). The new accumulator is bound to the module's ``requires_grad`` parameters.
+        Raises :class:`ParameterMismatchError` for a bad buffer (name, shape, dtype, device,
+        memory) and :class:`RecordError` for inconsistent counters.
         """
         if not isinstance(state, AccumulatorState):
             raise TypeError(f"state must be an AccumulatorState, got {type(state).__name__}")
@@ -710,6 +955,13 @@ class WeightedGradientsAccumulator:
             raise TypeError(f"pending must be a mapping, got {type(pending).__name__}")
         binding, parameters = accumulator._check_module(module)
         by_name = dict(parameters)
+        # Storages the adopted buffers must not share: the parameters' and their .grad's.
+        foreign = {
+            _storage_key(tensor): f"the storage of parameter {name!r}{suffix}"
+            for name, parameter in parameters
+            for tensor, suffix in ((parameter, ""), (parameter.grad, "'s .grad"))
+            if tensor is not None and _storage_key(tensor) is not None
+        }
         for name, buffer in pending.items():
             parameter = by_name.get(name)
             if parameter is None:
@@ -735,6 +987,15 @@ class WeightedGradientsAccumulator:
                     f"pending buffer {name!r} is on {buffer.device}, the parameter is on "
                     f"{parameter.device}"
                 )
+            _check_writable(buffer, what=f"pending buffer {name!r}")
+            key = _storage_key(buffer)
+            if key is not None:
+                if key in foreign:
+                    raise ParameterMismatchError(
+                        f"pending buffer {name!r} shares {foreign[key]}: accumulating into it "
+                        f"would change that tensor too"
+                    )
+                foreign[key] = f"the storage of pending buffer {name!r}"
         issued, zero_weight, total_weight = check_counters(
             issued=state.issued,
             zero_weight=state.zero_weight,
@@ -742,11 +1003,17 @@ class WeightedGradientsAccumulator:
             has_pending=bool(pending),
             bound=True,
         )
-        accumulator._binding = binding
-        accumulator._pending = {
-            name: pending[name].detach() for name in binding.names if name in pending
-        }
-        accumulator._issued = issued
-        accumulator._zero_weight = zero_weight
-        accumulator._total_weight = total_weight
+        adopted = {name: pending[name].detach() for name in binding.names if name in pending}
+        with _COMMIT:
+            accumulator._binding = binding
+            accumulator._pending = adopted
+            accumulator._issued = issued
+            accumulator._zero_weight = zero_weight
+            accumulator._total_weight = total_weight
         return accumulator
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Identity of a tensor's memory (None for memory-less meta tensors)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return None if pointer == 0 else pointer

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidWeightError",
     "ParameterMismatchError",
     "RecordError",
+    "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "ZeroTotalWeightError",
 ]
@@ -39,3 +40,11 @@ class ZeroTotalWeightError(WeightedAccumulationError):
 
 class RecordError(WeightedAccumulationError):
     """A record (state_dict) or record file is malformed or does not fit this accumulator."""
+
+
+class UnsupportedEnvironmentError(WeightedAccumulationError):
+    """The floating-point environment would change results (CPU flush-to-zero is on).
+
+    Not one of SPEC §11's input errors: it is raised before anything is read or changed, so the
+    call can be repeated once the environment is fixed (``torch.set_flush_denormal(False)``).
+    """

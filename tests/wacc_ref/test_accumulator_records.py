@@ -111,8 +111,10 @@ def test_record_schema_and_documented_keys() -> None:
         "param_names",
         "param_shapes",
         "pending",
+        "checksum",
     ]
     assert record["format_version"] == 1 and record["dtype"] == "bfloat16"
+    assert isinstance(record["checksum"], str) and record["checksum"].startswith("sha256:")
     assert record["loss_scale"] == 8.0 and record["fused"] is True
     assert record["issued"] == 2 and record["zero_weight"] == 0
     assert record["total_weight"] == 7.0 + 1000.0  # bf16: 1001 counts as 1000
@@ -238,6 +240,7 @@ def test_valid_record_loads_nan_and_inf_pending_values() -> None:
     """Pending buffers may hold NaN and ±inf (overflowed or NaN-fed buffers) and still load."""
     record = _valid_record()
     record["pending"] = {"w": np.array([[math.nan, math.inf, -math.inf], [0.0, -0.0, 65504.0]])}
+    del record["checksum"]  # edited by hand: such a record loads unverified
     acc = ReferenceAccumulator(dtype="float16", loss_scale=4.0)
     acc.load_state_dict(record, PARAMS)
     assert bits(acc.state_dict()["pending"]["w"]) == bits(record["pending"]["w"])  # type: ignore[index]

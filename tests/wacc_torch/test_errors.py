@@ -183,12 +183,22 @@ def _freeze_layer(module: TwoLayer) -> nn.Module:
 
 BAD_MODULES = [
     pytest.param(
-        _drop_layer, r"missing \['second.weight', 'second.bias'\]", id="missing-parameter"
+        _drop_layer,
+        r"missing from the module: \['second.weight', 'second.bias'\]",
+        id="missing-parameter",
     ),
-    pytest.param(_add_layer, r"not tracked \['third.weight', 'third.bias'\]", id="extra-parameter"),
+    pytest.param(
+        _add_layer,
+        r"trainable but not tracked: \['third.weight', 'third.bias'\]",
+        id="extra-parameter",
+    ),
     pytest.param(_reshape_layer, r"'second.weight'.*\[4, 3\].*\[2, 3\]", id="shape"),
     pytest.param(_move_to_meta, "'second.bias' is on meta", id="device"),
-    pytest.param(_freeze_layer, r"missing \['second.bias'\]", id="no-longer-requires-grad"),
+    pytest.param(
+        _freeze_layer,
+        r"frozen \(requires_grad=False\) since it was bound: \['second.bias'\]",
+        id="no-longer-requires-grad",
+    ),
 ]
 
 

@@ -29,7 +29,7 @@ from wacc_torch import (
     load_record,
     save_record,
 )
-from wacc_torch.records import RECORD_KEYS
+from wacc_torch.records import CHECKSUM_KEY, RECORD_KEYS, record_checksum_of
 
 SCALE = 2.0**4
 
@@ -55,8 +55,9 @@ def test_record_has_exactly_the_documented_keys_and_plain_types() -> None:
     """state_dict holds the schema's keys, plain Python values and CPU tensors of dtype D."""
     module = TwoLayer()
     record = _filled(module, dtype=torch.bfloat16).state_dict()
-    assert tuple(record) == RECORD_KEYS
+    assert tuple(record) == (*RECORD_KEYS, CHECKSUM_KEY)
     assert record["format_version"] == FORMAT_VERSION == 1
+    assert type(record[CHECKSUM_KEY]) is str
     assert record["dtype"] == "bfloat16" and record["loss_scale"] == SCALE
     assert record["fused"] is False
     assert (record["issued"], record["zero_weight"], record["total_weight"]) == (3, 1, 8.0)
@@ -68,7 +69,7 @@ def test_record_has_exactly_the_documented_keys_and_plain_types() -> None:
     for buffer in record["pending"].values():
         assert buffer.device.type == "cpu" and buffer.dtype == torch.bfloat16
     documented = WeightedGradientsAccumulator.state_dict.__doc__ or ""
-    assert all(f"``{key}``" in documented for key in RECORD_KEYS)
+    assert all(f"``{key}``" in documented for key in (*RECORD_KEYS, CHECKSUM_KEY))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -137,6 +138,7 @@ def test_pending_buffers_with_inf_and_nan_are_accepted() -> None:
     record["pending"]["second.bias"] = torch.tensor(
         [float("inf"), float("nan")], dtype=torch.float16
     )
+    record[CHECKSUM_KEY] = record_checksum_of(record)  # edited on purpose: sealed again
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=SCALE)
     accumulator.load_state_dict(record, TwoLayer())
     assert_records_equal(accumulator.state_dict(), record)
