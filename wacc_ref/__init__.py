@@ -21,6 +21,7 @@ from wacc_ref.errors import (
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ReferenceAccumulator",
     "ReferenceResult",
     "ReferenceState",
+    "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "ZeroTotalWeightError",
     "conv_to",

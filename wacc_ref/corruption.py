@@ -1,8 +1,11 @@
 """Corrupted copies of accumulator records (semantics §9): what a restore must refuse.
 
-the buffers are shared with the input, never written).  Each kind in :data:`CORRUPTION_KINDS` is
-listed in :data:`CORRUPTION_FIELDS` with the field that the ``RecordError`` message must name;
-for the two pending-buffer kinds that is the parameter's name, given by :func:`corruption_field`.
+:func:`corrupt_record` returns a corrupted copy of a record of either implementation (numpy arrays
+or torch tensors as pending buffers; only ``reshape``, ``shape`` and dict/list edits are used, and
+the buffers are shared with the input, never written; ``checksum_mismatch`` changes a copy). Each
+kind in :data:`CORRUPTION_KINDS` is listed in :data:`CORRUPTION_FIELDS` with the field that the
+``RecordError`` message must name; for the two pending-buffer kinds that is the parameter's name,
+given by :func:`corruption_field`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from wacc_ref import formats
 
 __all__ = [
+    "CHECKSUM_KINDS",
     "CORRUPTION_FIELDS",
     "CORRUPTION_KINDS",
     "UNKNOWN_DTYPE",
@@ -83,11 +87,19 @@ CORRUPTION_FIELDS: Mapping[str, str] = MappingProxyType(
         # the first parameter's shape gets a trailing 1 in param_shapes (and its pending buffer is
         # reshaped to match); needs bound parameters.
         "param_shape_wrong": "param_shapes",
+        # one value of the first pending buffer changed (a copy), the checksum kept: a silent
+        # corruption only the checksum sees; needs a pending buffer and a checksum.
+        "checksum_mismatch": "checksum",
+        # checksum = "sha256:xyz" (not 64 hex digits); needs a checksum.
+        "checksum_malformed": "checksum",
     }
 )
 CORRUPTION_KINDS: tuple[str, ...] = tuple(CORRUPTION_FIELDS)
 
-_NEEDS_PENDING = frozenset({"pending_unknown_parameter", "pending_wrong_shape"})
+_NEEDS_PENDING = frozenset(
+    {"pending_unknown_parameter", "pending_wrong_shape", "checksum_mismatch"}
+)
+CHECKSUM_KINDS = frozenset({"checksum_mismatch", "checksum_malformed"})  # need a checksum
 _NEEDS_BOUND = frozenset({"param_names_wrong", "param_shape_wrong"})
 
 
@@ -107,10 +119,13 @@ def applicable_corruptions(record: Mapping[str, Any]) -> tuple[str, ...]:
     """The corruption kinds :func:`corrupt_record` can apply to ``record``, in kind order."""
     has_pending = bool(record["pending"])
     bound = bool(record["param_names"])
+    checksum = "checksum" in record
     return tuple(
         kind
         for kind in CORRUPTION_KINDS
-        if (kind not in _NEEDS_PENDING or has_pending) and (kind not in _NEEDS_BOUND or bound)
+        if (kind not in _NEEDS_PENDING or has_pending)
+        and (kind not in _NEEDS_BOUND or bound)
+        and (kind not in CHECKSUM_KINDS or checksum)
     )
 
 
@@ -118,7 +133,15 @@ def _check_kind(record: Mapping[str, Any], kind: str) -> None:
     if kind not in CORRUPTION_FIELDS:
         raise ValueError(f"unknown corruption kind {kind!r}; known: {', '.join(CORRUPTION_KINDS)}")
     if kind not in applicable_corruptions(record):
-        need = "a pending buffer" if kind in _NEEDS_PENDING else "bound parameters"
+        need = (
+            "a pending buffer and a checksum"
+            if kind == "checksum_mismatch"
+            else "a checksum"
+            if kind in CHECKSUM_KINDS
+            else "a pending buffer"
+            if kind in _NEEDS_PENDING
+            else "bound parameters"
+        )
         raise CorruptionNotApplicableError(f"corruption {kind!r} needs {need}; the record has none")
 
 
@@ -212,6 +235,15 @@ def corrupt_record(record: Mapping[str, Any], kind: str) -> dict[str, Any]:
         if name in out["pending"]:
             buffer = out["pending"][name]
             out["pending"][name] = buffer.reshape(tuple(buffer.shape) + (1,))
+    elif kind == "checksum_mismatch":
+        name = _first_pending_name(record)
+        buffer = out["pending"][name]
+        changed = buffer.clone() if hasattr(buffer, "clone") else buffer.copy()  # torch or numpy
+        flat = changed.reshape(-1)
+        flat[0] = 1.0 if float(flat[0]) == 0.0 or float(flat[0]) != float(flat[0]) else 0.0
+        out["pending"][name] = changed
+    elif kind == "checksum_malformed":
+        out["checksum"] = "sha256:xyz"
     else:  # pragma: no cover - _check_kind rejected it
         raise AssertionError(kind)
     return out

@@ -87,10 +87,12 @@ class RecordSnapshot:
     param_names: tuple[str, ...]
     param_shapes: tuple[tuple[int, ...], ...]
     pending: tuple[tuple[str, np.ndarray], ...]
+    checksum: str | None = None  # the record's checksum field (None: a record without one)
 
     def key(self) -> tuple[object, ...]:
         """A hashable form: equal keys <=> identical snapshots (floats as bit patterns)."""
         return (
+            self.checksum,
             self.format_version,
             self.dtype,
             float_key(self.loss_scale),
@@ -129,6 +131,9 @@ class RecordSnapshot:
             lines += array_differences(
                 f"{what}.pending[{name!r}]", mine_pending[name], theirs_pending[name]
             )
+        # The checksum follows from the content: a line of its own only when all else agrees.
+        if not lines and self.checksum != other.checksum:
+            lines.append(f"{what}.checksum: expected {self.checksum!r}, got {other.checksum!r}")
         return lines
 
 
@@ -160,6 +165,7 @@ def snapshot_record(
         param_names=names,
         param_shapes=tuple(tuple(int(d) for d in shape) for shape in record["param_shapes"]),
         pending=tuple((name, to_float64(buffer)) for name, buffer in pending_items),
+        checksum=record.get("checksum"),
     )
 
 
@@ -294,8 +300,9 @@ class ScenarioTrace:
 
 
 def record_from_snapshot(snapshot: RecordSnapshot) -> dict[str, Any]:
-    """A record in the shared schema (numpy float64 buffers) holding exactly ``snapshot``."""
-    return {
+    """A record in the shared schema (numpy float64 buffers) holding exactly ``snapshot``, with
+    its checksum when the snapshot has one (then the load verifies it)."""
+    record: dict[str, Any] = {
         "format_version": snapshot.format_version,
         "dtype": snapshot.dtype,
         "loss_scale": snapshot.loss_scale,
@@ -307,3 +314,6 @@ def record_from_snapshot(snapshot: RecordSnapshot) -> dict[str, Any]:
         "param_shapes": [list(shape) for shape in snapshot.param_shapes],
         "pending": {name: array.copy() for name, array in snapshot.pending},
     }
+    if snapshot.checksum is not None:
+        record["checksum"] = snapshot.checksum
+    return record

@@ -94,10 +94,11 @@ def test_corrupted_record_raises_record_error_naming_the_field_and_changes_nothi
 
 
 def test_applicability_follows_what_the_record_holds() -> None:
-    """Pending kinds need a pending buffer, parameter kinds need bound parameters; the rest
-    always apply."""
-    pending_kinds = {"pending_unknown_parameter", "pending_wrong_shape"}
+    """Pending kinds need a pending buffer, parameter kinds bound parameters, checksum kinds a
+    checksum; the rest always apply."""
+    pending_kinds = {"pending_unknown_parameter", "pending_wrong_shape", "checksum_mismatch"}
     bound_kinds = {"param_names_wrong", "param_shape_wrong"}
+    checksum_kinds = {"checksum_mismatch", "checksum_malformed"}
     assert set(applicable_corruptions(record_with_pending())) == set(CORRUPTION_KINDS)
     assert set(applicable_corruptions(_record_bound_without_pending())) == (
         set(CORRUPTION_KINDS) - pending_kinds
@@ -105,6 +106,8 @@ def test_applicability_follows_what_the_record_holds() -> None:
     assert set(applicable_corruptions(_record_unbound())) == (
         set(CORRUPTION_KINDS) - pending_kinds - bound_kinds
     )
+    unchecked = {k: v for k, v in record_with_pending().items() if k != "checksum"}
+    assert set(applicable_corruptions(unchecked)) == set(CORRUPTION_KINDS) - checksum_kinds
 
 
 def test_every_kind_documents_a_field_and_unknown_kinds_are_refused() -> None:

@@ -309,7 +309,8 @@ def _replace_state_pending(
     pending = tuple(
         (n, np.array(values).reshape(a.shape) if n == name else a) for n, a in old.state.pending
     )
-    state = dataclasses.replace(old.state, pending=pending)
+    # A state edited by hand carries no checksum (the reference would refuse a stale one).
+    state = dataclasses.replace(old.state, pending=pending, checksum=None)
     outcomes[index] = dataclasses.replace(old, state=state)
     return ScenarioTrace(outcomes=tuple(outcomes))
 

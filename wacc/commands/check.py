@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import wacc_torch
 from wacc.commands._common import (
     add_impl_arguments,
     check_device,
@@ -84,7 +85,11 @@ def _print_report(report: CheckReport, impl: str) -> None:
         ]
         for dtype, summary in report.summaries.items()
     ]
-    print(f"wacc check {impl}: oracles {', '.join(report.oracles)}; {report.seconds:.1f} s")
+    denormals = "flushed (FTZ/DAZ on)" if wacc_torch.denormals_flushed() else "preserved"
+    print(
+        f"wacc check {impl}: oracles {', '.join(report.oracles)}; denormals {denormals}; "
+        f"{report.seconds:.1f} s"
+    )
     print(
         render_table(
             ["dtype", "scenarios", "failed", "max ulps", "max rel err", "max err/bound"], rows

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+import wacc_torch
+
 __all__ = ["Provenance", "collect_provenance", "cpu_name", "git_commit"]
 
 _PACKAGES = ("wacc", "torch", "numpy", "mpmath", "gmpy2", "hypothesis", "matplotlib")
@@ -56,6 +58,7 @@ class Provenance:
     scenarios: int
     date: str
     wall_seconds: float = 0.0
+    denormals_flushed: bool = False  # torch.set_flush_denormal(True) in force on the CPU
 
     def lines(self) -> list[str]:
         """The header as markdown bullet lines."""
@@ -64,7 +67,7 @@ class Provenance:
         return [
             f"- wacc {self.versions.get('wacc', '?')} at commit `{self.commit}`",
             f"- versions: {versions}",
-            f"- devices: {devices}",
+            f"- devices: {devices}; denormals {'flushed' if self.denormals_flushed else 'preserved'}",
             f"- corpus: seed {self.corpus_seed}, size `{self.corpus_size}`, "
             f"{self.scenarios} scenarios",
             f"- date: {self.date}; wall time {self.wall_seconds:.1f} s",
@@ -93,4 +96,5 @@ def collect_provenance(
         corpus_size=corpus_size,
         scenarios=scenarios,
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        denormals_flushed=wacc_torch.denormals_flushed(),
     )
