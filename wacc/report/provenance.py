@@ -67,7 +67,8 @@ class Provenance:
         return [
             f"- wacc {self.versions.get('wacc', '?')} at commit `{self.commit}`",
             f"- versions: {versions}",
-            f"- devices: {devices}; denormals {'flushed' if self.denormals_flushed else 'preserved'}",
+            f"- devices: {devices}; denormals "
+            + ("flushed (FTZ/DAZ)" if self.denormals_flushed else "preserved"),
             f"- corpus: seed {self.corpus_seed}, size `{self.corpus_size}`, "
             f"{self.scenarios} scenarios",
             f"- date: {self.date}; wall time {self.wall_seconds:.1f} s",
