@@ -14,9 +14,15 @@ Use::
     with ddp_model.no_sync():
         for batch in window[:-1]:
             ...backward...; accumulator.accumulate_sum(ddp_model.module, tokens)
+    loss = ...last forward...               # outside no_sync()
     hook.last_microbatch_sum(last_tokens)   # one small metadata exchange, before the backward
-    ...last backward...                     # buckets reduce as their gradients become ready
+    loss.backward()                         # buckets reduce as their gradients become ready
     optimizer.step()
+
+Call ``last_microbatch_*`` AFTER the last microbatch's forward: the first forward after DDP's
+first synchronized backward rebuilds its buckets with a collective, and ranks with different
+numbers of earlier microbatches reach that forward at different points; arming after the forward
+keeps every rank's collectives in the same order.
 
 Collectives per window: one metadata ``all_gather_object`` (in ``last_microbatch_*``: weights,
 counters, dtype, loss scale, parameter names; every rank reaches the same verdict, so a bad input
@@ -82,10 +88,10 @@ class WeightedAllReduceHook:
     """Registers itself as ``model``'s DDP communication hook (``register_comm_hook``).
 
     ``accumulator`` is the window's accumulator, fed with ``accumulate_*(model.module, ...)``
-    under ``model.no_sync()``.  Call :meth:`last_microbatch_sum` (or ``_mean``) right before the
-    window's last backward, which runs WITHOUT ``no_sync()``; after it, every ``.grad`` holds the
-    global mean and :attr:`result` the reduced window (``normalized=True``, the global weight and
-    counters, the normalized buffers in ``D``).  A backward outside ``no_sync()`` without a
+    under ``model.no_sync()``.  Call :meth:`last_microbatch_sum` (or ``_mean``) between the
+    window's last forward and its backward, both WITHOUT ``no_sync()``; after the backward,
+    every ``.grad`` holds the global mean and :attr:`result` the reduced window
+    (``normalized=True``, the global weight and counters, the normalized buffers in ``D``).  A backward outside ``no_sync()`` without a
     preceding ``last_microbatch_*`` raises :class:`WeightedAccumulationError` inside the backward
     rather than silently averaging.  ``group`` defaults to the DDP model's process group.
     """
