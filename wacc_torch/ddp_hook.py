@@ -91,9 +91,9 @@ class WeightedAllReduceHook:
     under ``model.no_sync()``.  Call :meth:`last_microbatch_sum` (or ``_mean``) between the
     window's last forward and its backward, both WITHOUT ``no_sync()``; after the backward,
     every ``.grad`` holds the global mean and :attr:`result` the reduced window
-    (``normalized=True``, the global weight and counters, the normalized buffers in ``D``).  A backward outside ``no_sync()`` without a
-    preceding ``last_microbatch_*`` raises :class:`WeightedAccumulationError` inside the backward
-    rather than silently averaging.  ``group`` defaults to the DDP model's process group.
+    (``normalized=True``, the global weight and counters, the normalized buffers in ``D``).
+    A backward outside ``no_sync()`` without a preceding ``last_microbatch_*`` raises
+    :class:`WeightedAccumulationError` inside the backward rather than silently averaging.  ``group`` defaults to the DDP model's process group.
     """
 
     def __init__(
