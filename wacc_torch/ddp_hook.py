@@ -93,7 +93,8 @@ class WeightedAllReduceHook:
     every ``.grad`` holds the global mean and :attr:`result` the reduced window
     (``normalized=True``, the global weight and counters, the normalized buffers in ``D``).
     A backward outside ``no_sync()`` without a preceding ``last_microbatch_*`` raises
-    :class:`WeightedAccumulationError` inside the backward rather than silently averaging.  ``group`` defaults to the DDP model's process group.
+    :class:`WeightedAccumulationError` inside the backward rather than silently averaging.
+    ``group`` defaults to the DDP model's process group.
     """
 
     def __init__(
