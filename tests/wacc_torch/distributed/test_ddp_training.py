@@ -8,19 +8,23 @@ zero-token microbatches in step 1).  Three ways of training run side by side in 
 - ``hook``: the same, except the last microbatch runs outside ``no_sync()`` and
   :class:`wacc_torch.ddp_hook.WeightedAllReduceHook` carries the pending sums on DDP's bucketed
   all-reduce;
+- ``fsdp``: the same model under FSDP2 (``fully_shard``) with
+  :class:`wacc_torch.fsdp.FSDPWeightedWindow` (gradient sync off until the last microbatch, a
+  summing reduce-scatter, then / S / W); it accumulates in the parameters' float64;
 - ``ddp_average``: DDP's own accumulation idiom, ``no_sync()`` for all but the last microbatch,
   mean loss per microbatch divided by the rank's number of microbatches, DDP averaging over ranks.
   (Syncing every microbatch is impossible here: the ranks run different numbers of backwards, so
   their collectives would not match.)
 
 The model is an ``nn.Linear`` in float64 with the squared-error loss on dyadic data, so every
-handed-in gradient is exact (checked against rational arithmetic) and the only rounding is the
-accumulator's float32 work dtype.  Full-batch training is computed exactly (rationals); its
-gradient is linear in the parameters, ``G(θ) = θ M - C``, which lets the error propagate
-exactly through the three steps: ``|Δ_{t+1}| <= |Δ_t| |I - lr M_t| + lr |E_t| + |r_t|`` with
-``E_t`` the step's gradient error (bounded per element by
-:func:`tests.wacc_torch.distributed.bounds.reduced_mean_bound`) and ``r_t`` the float64 rounding of
-the SGD update (``γ_1`` of the result).
+handed-in gradient of the DDP paths is exact (checked against rational arithmetic) and their only
+rounding is the accumulator's float32 work dtype.  (The FSDP2 path accumulates in its float64
+parameters, whose steps make the backward itself inexact: its bound adds the float64
+backward's.)  Full-batch training is computed exactly (rationals); its gradient is linear in the
+parameters, ``G(θ) = θ M - C``, which lets the error propagate exactly through the three steps:
+``|Δ_{t+1}| <= |Δ_t| |I - lr M_t| + lr |E_t| + |r_t|`` with ``E_t`` the step's gradient error
+(bounded per element by :func:`tests.wacc_torch.distributed.bounds.reduced_mean_bound`, or
+``_fsdp_step_bound``) and ``r_t`` the float64 rounding of the SGD update (``γ_1`` of the result).
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from wacc_ref.bounds import gamma, window_error_bound
+from wacc_ref.bounds import TOLERANCES, gamma, window_error_bound
 from wacc_ref.formats import round_to
 from wacc_torch import WeightedGradientsAccumulator, all_reduce_mean
 from wacc_torch.ddp_hook import WeightedAllReduceHook
+from wacc_torch.fsdp import FSDPWeightedWindow
 
 from .bounds import reduced_mean_bound
 from .spawn import init_rank, load_results, run_job, save_result
@@ -65,7 +72,6 @@ STEP_COUNTS: Mapping[int, Sequence[Mapping[int, tuple[int, ...]]]] = {
         {0: (2, 9, 4), 1: (30,), 2: (5,), 3: (8, 1)},
     ),
 }
-PATHS = ("helper", "hook", "ddp_average")
 NAMES = ("weight", "bias")
 
 
@@ -195,6 +201,33 @@ def _run_ddp_average(rank: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
     return record
 
 
+def _run_fsdp(rank: int, world_size: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    module = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float64)
+    module.load_state_dict(inputs["init"])
+    fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=False)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    window = FSDPWeightedWindow(module, loss_scale=LOSS_SCALE)  # type: ignore[arg-type]
+
+    def full(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        # full_tensor() all-gathers the shards: every rank makes the same calls.
+        return {name: t.detach().full_tensor() for name, t in tensors.items()}
+
+    record: dict[str, Any] = {"params": [], "applied": []}
+    for step in inputs["steps"]:
+        record["params"].append(full(dict(module.named_parameters())))
+        microbatches = step[rank]
+        for index, (x, y) in enumerate(microbatches):
+            window.microbatch(last=index == len(microbatches) - 1)
+            _sum_loss(module, x, y).backward()
+            window.add_weight(float(len(y)))
+        window.finish_mean()
+        record["applied"].append(full({n: p.grad for n, p in module.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    record["params"].append(full(dict(module.named_parameters())))
+    return record
+
+
 def _rank_main(rank: int, world_size: int, init_file: str, inputs_file: str, out_dir: str) -> None:
     init_rank(rank, world_size, init_file)
     try:
@@ -205,6 +238,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, inputs_file: str, out
             {
                 "helper": _run_helper(rank, inputs),
                 "hook": _run_hook(rank, inputs),
+                "fsdp": _run_fsdp(rank, world_size, inputs),
                 "ddp_average": _run_ddp_average(rank, inputs),
             },
         )
@@ -284,7 +318,8 @@ def _step_bound(
     handed_in: Sequence[Sequence[Mapping[str, torch.Tensor]]] | None,
 ) -> tuple[Matrix, Matrix, int]:
     """The exact full-batch mean gradient G(θ) of the step and the per-element bound on the
-    reduced mean's error; checks that the handed-in gradients (when recorded) are exact."""
+    reduced mean's error (float32 work dtype); checks that the handed-in gradients (when
+    recorded) are exact."""
     ranks = len(step)
     exact_total = [[Fraction(0)] * (IN_FEATURES + 1) for _ in range(OUT_FEATURES)]
     rank_sums: list[Matrix] = []
@@ -292,7 +327,7 @@ def _step_bound(
     tokens_total = 0
     for rank in range(ranks):
         exact_microbatches = [
-            [[LOSS_SCALE * v for v in row] for row in _gradient_sum(theta, _tokens(mb))]
+            [[Fraction(LOSS_SCALE) * v for v in row] for row in _gradient_sum(theta, _tokens(mb))]
             for mb in step[rank]
         ]
         counts = [len(y) for _, y in step[rank]]
@@ -359,6 +394,70 @@ def _step_bound(
     return mean, bounds, tokens_total
 
 
+def _fsdp_step_bound(
+    theta: Matrix, step: Mapping[int, Sequence[tuple[torch.Tensor, torch.Tensor]]]
+) -> tuple[Matrix, Matrix, int]:
+    """The exact full-batch mean gradient G(θ) and the bound on the FSDP2 path's error, all of
+    whose arithmetic is float64 (u = 2**-53), from the operation sequence (Higham ch. 3, any
+    summation order, FMA or not):
+
+    - backward of microbatch k (n_k tokens) in float64, for token t and output i: the residual
+      ``ρ = Σ_j W_ij x_j + b_i - y_i`` is a dot product of d + 2 terms, ``|r̂ - ρ| <= γ_{d+2} a``
+      with ``a = Σ_j |W_ij x_j| + |b_i| + |y_i|``; the loss scale and the factors 1/2 and 2 are
+      exact; the gradient ``Σ_t S r̂ z_j`` is a dot product of n_k terms:
+      ``|ĝ - g| <= E = S Σ_t |z_j| (γ_{n_k} (|ρ| + γ_{d+2} a) + γ_{d+2} a)``;
+    - FSDP's accumulation and the summing reduce-scatter together add the K handed-in gradients
+      in some order: ``γ_{K-1} Σ_k (|g_k| + E_k)``; ``/ S`` is exact (a power of two, no
+      underflow here); ``/ W`` rounds once: ``u |result|`` plus the underflow unit η.
+    """
+    u = Fraction(TOLERANCES["float64"].unit_roundoff)
+    eta = TOLERANCES["float64"].underflow_unit_exact
+    gamma_residual = Fraction(gamma(IN_FEATURES + 2, "float64"))
+    scale = Fraction(LOSS_SCALE)
+    size = IN_FEATURES + 1
+    exact = [[Fraction(0)] * size for _ in range(OUT_FEATURES)]
+    magnitude = [[Fraction(0)] * size for _ in range(OUT_FEATURES)]  # Σ_k (|g_k| + E_k)
+    handed_in_error = [[Fraction(0)] * size for _ in range(OUT_FEATURES)]  # Σ_k E_k
+    microbatches = [mb for rank in sorted(step) for mb in step[rank]]
+    tokens_total = 0
+    for microbatch in microbatches:
+        tokens = _tokens(microbatch)
+        tokens_total += len(tokens)
+        if not tokens:
+            continue  # an empty sum: exactly 0
+        gamma_dot = Fraction(gamma(len(tokens), "float64"))
+        g = [[scale * v for v in row] for row in _gradient_sum(theta, tokens)]
+        for i in range(OUT_FEATURES):
+            error = [Fraction(0)] * size
+            for z, y in tokens:
+                residual = sum((theta[i][j] * z[j] for j in range(size)), Fraction(0)) - y[i]
+                a = sum((abs(theta[i][j] * z[j]) for j in range(size)), Fraction(0)) + abs(y[i])
+                per_token = gamma_dot * (abs(residual) + gamma_residual * a) + gamma_residual * a
+                for j in range(size):
+                    error[j] += scale * abs(z[j]) * per_token
+            for j in range(size):
+                exact[i][j] += g[i][j]
+                magnitude[i][j] += abs(g[i][j]) + error[j]
+                handed_in_error[i][j] += error[j]
+    gamma_sum = Fraction(gamma(max(len(microbatches) - 1, 0), "float64"))
+    weight = Fraction(tokens_total)
+    mean = [[v / (scale * weight) for v in row] for row in exact]
+    bounds = [
+        [
+            (
+                (handed_in_error[i][j] + gamma_sum * magnitude[i][j]) / (scale * weight)
+                + abs(mean[i][j])
+            )
+            * (1 + u)
+            - abs(mean[i][j])
+            + eta
+            for j in range(size)
+        ]
+        for i in range(OUT_FEATURES)
+    ]
+    return mean, bounds, tokens_total
+
+
 def _propagation(step: Mapping[int, Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> Matrix:
     """|I - lr M| with M = (1/N) Σ_t z_t z_t^T over the step's tokens, exactly."""
     tokens = [token for rank in sorted(step) for mb in step[rank] for token in _tokens(mb)]
@@ -402,13 +501,14 @@ def _assert_ranks_identical(rank_results: Sequence[Mapping[str, Any]], path: str
                 )
 
 
-@pytest.mark.parametrize("path", ("helper", "hook"))
+@pytest.mark.parametrize("path", ("helper", "hook", "fsdp"))
 def test_training_matches_full_batch_within_derived_bound(
     rank_results: list[dict[str, Any]], inputs: Mapping[str, Any], path: str
 ) -> None:
-    """Three DDP steps with weighted accumulation (helper or comm hook) give, on every rank, the
-    parameters of exact full-batch SGD on the union of the data within the float32 bound
-    propagated exactly through the steps; each step's gradient within its own bound."""
+    """Three steps with weighted accumulation (DDP + helper, DDP + comm hook, FSDP2 + window)
+    give, on every rank, the parameters of exact full-batch SGD on the union of the data within
+    the bound of the path's rounding dtype propagated exactly through the steps; each step's
+    gradient within its own bound."""
     _assert_ranks_identical(rank_results, path)
     record = rank_results[0][path]
     exact_params, _ = _exact_training(inputs)
@@ -422,7 +522,10 @@ def test_training_matches_full_batch_within_derived_bound(
         handed_in = (
             [r["helper"]["handed_in"][t] for r in rank_results] if path == "helper" else None
         )
-        mean, bounds, _ = _step_bound(theta, step, handed_in)
+        if path == "fsdp":
+            mean, bounds, _ = _fsdp_step_bound(theta, step)
+        else:
+            mean, bounds, _ = _step_bound(theta, step, handed_in)
         applied = _as_matrix(record["applied"][t])
         for i in range(OUT_FEATURES):
             for j in range(IN_FEATURES + 1):
