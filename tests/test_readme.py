@@ -18,12 +18,14 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
 
 
-def test_readme_has_the_three_usage_examples() -> None:
-    """The README shows a single-process loop, a data-parallel block and a reference block."""
+def test_readme_has_the_four_usage_examples() -> None:
+    """The README shows a single-process loop, a data-parallel block, a reference block and the
+    DDP communication-hook block."""
     blocks = _python_blocks()
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     assert "no_sync" in blocks[1]
     assert "ReferenceAccumulator" in blocks[2]
+    assert "WeightedAllReduceHook" in blocks[3]
 
 
 def test_training_loop_example_runs_and_resumes_mid_window(
@@ -65,3 +67,24 @@ def test_reference_example_prints_what_its_comments_say(capsys: pytest.CaptureFi
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["inf", "1.0"]
     assert lines[2] == str(np.array([3 * 2.0**-13, 2.0**-13]))
+
+
+def test_comm_hook_example_runs_on_one_gloo_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a one-rank gloo group the comm-hook block leaves a finite mean gradient in every .grad
+    and reports the window's weight (3 + 40 + 9 tokens) and its three microbatches."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(compile(_python_blocks()[0], str(README), "exec"), namespace)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        namespace["ddp_model"] = torch.nn.parallel.DistributedDataParallel(namespace["model"])
+        exec(compile(_python_blocks()[3], str(README), "exec"), namespace)
+        result = namespace["hook"].result
+        assert result.normalized and result.weight == 3.0 + 40.0 + 9.0 and result.issued == 3
+        grads = [p.grad for p in namespace["model"].parameters()]
+        assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    finally:
+        dist.destroy_process_group()

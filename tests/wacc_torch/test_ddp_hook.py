@@ -124,15 +124,20 @@ def _captured(call: Callable[[], object]) -> dict[str, Any]:
     return {"error": None}
 
 
-def _scenario_against_helper(rank: int, world_size: int) -> dict[str, Any]:
+def _scenario_against_helper(
+    rank: int, world_size: int, device: torch.device | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    batches = _batches(rank, world_size)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(rank, world_size)]
+    device_ids = None if device is None else [device]
+
+    def ddp() -> DistributedDataParallel:
+        return DistributedDataParallel(_mlp().to(device), device_ids=device_ids)
+
     for dtype, mode in CASES:
         key = f"{str(dtype).removeprefix('torch.')}/{mode}"
-        helper_grads = _helper_step(
-            DistributedDataParallel(_mlp()), batches, mode=mode, dtype=dtype
-        )
-        model = DistributedDataParallel(_mlp())
+        helper_grads = _helper_step(ddp(), batches, mode=mode, dtype=dtype)
+        model = ddp()
         accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=LOSS_SCALE)
         hook = WeightedAllReduceHook(model, accumulator)
         hook_grads = _hook_step(model, hook, accumulator, batches, mode=mode)
@@ -265,6 +270,40 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
         save_result(out_dir, rank, results)
     finally:
         dist.destroy_process_group()
+
+
+def _cuda_rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """NCCL with a GPU per rank, else gloo with every rank on GPU 0."""
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    device = torch.device("cuda", rank if backend == "nccl" else 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        results = _scenario_against_helper(rank, world_size, device)
+        for entry in results.values():
+            for path in ("helper", "hook"):
+                entry[path] = {n: None if g is None else g.cpu() for n, g in entry[path].items()}
+        save_result(out_dir, rank, {"against_helper": results, "backend": backend})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hook_grads_equal_helper_bit_for_bit_on_cuda() -> None:
+    """On CUDA (NCCL with a GPU per rank, else gloo on one GPU), two ranks: the hook's .grad
+    equals the no_sync + helper path's bit for bit, for every case."""
+    with tempfile.TemporaryDirectory(prefix="wacc-hook-cuda-") as tmp:
+        work_dir = Path(tmp)
+        run_job(_cuda_rank_main, (str(work_dir),), world_size=2, work_dir=work_dir)
+        rank_results = load_results(work_dir, 2)
+    for rank, results in enumerate(rank_results):
+        for case, got in results["against_helper"].items():
+            for name, grad in got["helper"].items():
+                what = f"{results['backend']} rank {rank} {case} {name}"
+                assert_bitwise_equal(got["hook"][name], grad, what)
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"world{n}")
