@@ -1,6 +1,6 @@
 """Spawning real multi-process gloo jobs for the tests: time-bounded and self-cleaning.
 
-A job is ``world_size`` processes started with the ``spawn`` method, each running
+A job is ``world_size`` fresh processes (forked by a fork server that preloaded torch), each running
 ``target(rank, world_size, init_file, *args)``.  The ranks meet through a file store in a fresh
 temporary directory (no port to pick, nothing left behind), each with a short collective timeout,
 and the whole job has a wall-clock deadline: ranks still running at the deadline, or after any
@@ -58,6 +58,15 @@ def load_results(work_dir: Path, world_size: int) -> list[dict[str, Any]]:
     ]
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    """Fresh processes (no state shared with the test process), started cheaply: a fork server
+    that imported torch once forks every rank of every job, instead of each rank importing torch
+    anew (seconds per process on a loaded CI machine)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
+    return context
+
+
 def run_job(
     target: Callable[..., None],
     args: tuple[Any, ...],
@@ -75,7 +84,7 @@ def run_job(
     is dead when this returns or raises.
     """
     init_file = str(work_dir / init_name)
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     processes = [
         context.Process(
             target=target,
