@@ -23,6 +23,10 @@ With two ranks every element is ``round_D(a + b)``; with more ranks the associat
 backend's.  All of a rank's buffers must live on one device (the common data-parallel layout).
 With NCCL, call ``torch.cuda.set_device`` on every rank first: the metadata exchange and the zeros
 of a rank without buffers use the current CUDA device, as ``torch.distributed`` itself does.
+
+:mod:`wacc_torch.ddp_hook` does the same reduction inside DDP's bucketed all-reduce of the last
+microbatch (overlapped with its backward); :mod:`wacc_torch.fsdp` does it for FSDP2.  A rank that
+never joins makes the others raise after the process group's ``timeout``.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ rank):
    divides each local shard by ``S``, then by the global weight, in place (SPEC §8,
    :func:`wacc_torch.accumulator.normalize_sums`).
 
-Collectives per window: FSDP's own (one all-gather per FSDP unit in the first forward, one
-reduce-scatter per unit in the last backward, each carrying the parameter dtype) plus one small
-metadata exchange.  With two ranks every element of the reduce-scatter is one rounding
-``round(a + b)``, so the result equals the DDP path's (``no_sync`` + ``accumulate_sum`` with
-``D`` = the parameter dtype + :func:`wacc_torch.all_reduce_mean`) bit for bit.
+Collectives per window: FSDP's own (parameter all-gathers, one reduce-scatter per FSDP unit in
+the last backward, in the parameter dtype) plus one small metadata exchange.  With two ranks
+every element of the reduce-scatter is one rounding ``round(a + b)``, so the result equals the
+DDP path's (``no_sync`` + ``accumulate_sum`` with ``D`` = the parameter dtype +
+:func:`wacc_torch.all_reduce_mean`) bit for bit.
 
 Bit for bit, except for signed zeros: FSDP's accumulation starts from the first gradient, the
 accumulator's buffers from +0, so an element that is -0 in every contribution stays -0 here.
