@@ -8,18 +8,13 @@ from collections.abc import Iterator
 import gmpy2
 import mpmath
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-# "ci" is derandomized so that a red CI run reproduces exactly on a developer's machine;
-# "dev" explores new examples on every run.
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile("dev", deadline=None, print_blob=True)
+from wacc.profiles import register_profiles
+
+# The profiles are wacc's own (``wacc check --profile`` uses the same ones): "ci" is
+# derandomized so that a red CI run reproduces exactly; "dev" explores new examples.
+register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 

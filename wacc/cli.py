@@ -20,7 +20,11 @@ from wacc.errors import UsageError
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # subcommand -> (module, one-line help). Order is the order ``wacc --help`` lists them.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("wacc.commands.check", "judge an implementation on generated scenarios"),
+    "replay": ("wacc.commands.replay", "replay one scenario file step by step"),
+    "report": ("wacc.commands.report", "the dtype error report: corpus, tables, plots"),
+}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -622,7 +622,7 @@ def _multiplier_class(multiplier: float) -> int:
 
 def window_error_bound(
     *,
-    kind: str,
+    kind: str | Sequence[str],
     grads: Sequence[ArrayLike | None],
     weights: Sequence[float],
     dtype: str,
@@ -634,7 +634,9 @@ def window_error_bound(
     ``grads[k]`` and ``weights[k]`` are microbatch ``k`` in issue order: the gradient values as
     handed in (any float dtype; read exactly as float64) and the weight ``w``.  A ``None`` gradient
     is a zero contribution; a zero-weight batch is skipped and its gradient never read.  ``kind``
-    is ``"sum"`` or ``"mean"``.  ``normalized=True`` bounds ``finish_mean()`` against
+    is ``"sum"`` or ``"mean"`` for the whole window, or one of them per microbatch (a window may
+    mix ``accumulate_sum`` and ``accumulate_mean``: the derivation is per term, and a sum term is
+    the mean term with no product).  ``normalized=True`` bounds ``finish_mean()`` against
     ``Σ c_k / S / W``; ``normalized=False`` bounds the ``finish_sums()`` buffer against ``Σ c_k``.
     The bound holds for the two-step order and every fused variant of SPEC §6 (the derivation is
     the module docstring).  Elements where an intermediate may overflow, or whose gradient is
@@ -647,8 +649,14 @@ def window_error_bound(
     a positive-weight batch to take the shape from).
     """
     tol = _tolerance(dtype)
-    if kind not in KINDS:
-        raise BoundArgumentError(f"kind must be one of {KINDS}, got {kind!r}")
+    kinds = [kind] * len(weights) if isinstance(kind, str) else list(kind)
+    for each in kinds:
+        if each not in KINDS:
+            raise BoundArgumentError(f"kind must be one of {KINDS}, got {each!r}")
+    if len(kinds) != len(weights):
+        raise BoundArgumentError(
+            f"kinds and weights differ in length: {len(kinds)} kinds, {len(weights)} weights"
+        )
     if not isinstance(normalized, bool):
         raise TypeError(f"normalized must be a bool, got {normalized!r}")
     scale = _check_loss_scale(loss_scale, tol)
@@ -656,7 +664,7 @@ def window_error_bound(
         raise BoundArgumentError(
             f"grads and weights differ in length: {len(grads)} gradients, {len(weights)} weights"
         )
-    effective = [_effective_weight(w, k, kind, tol) for k, w in enumerate(weights)]
+    effective = [_effective_weight(w, k, kinds[k], tol) for k, w in enumerate(weights)]
     positive = [k for k, w in enumerate(effective) if w > 0]
 
     shape: tuple[int, ...] | None = None
@@ -691,7 +699,8 @@ def window_error_bound(
         )
 
     count = len(positive)
-    multipliers = [1.0 if kind == "sum" else float(effective[k]) for k in positive]
+    multipliers = [1.0 if kinds[k] == "sum" else float(effective[k]) for k in positive]
+    term_kinds = [kinds[k] for k in positive]
     n_cases = len(_conversion_roundings(tol.dtype))
     scalars: _NormalizedScalars | None = None
     if normalized:
@@ -738,7 +747,7 @@ def window_error_bound(
             first_code, case_code = divmod(value, n_cases)
             is_first, steps_after = divmod(first_code, count)
             table[:, column] = _term_entries(
-                tol, kind, multipliers[j], steps_after, bool(is_first), case_code, scalars
+                tol, term_kinds[j], multipliers[j], steps_after, bool(is_first), case_code, scalars
             )
         where = np.searchsorted(codes, code)
         # Non-finite elements are already refused; keeping them out avoids 0 * inf.

@@ -34,8 +34,10 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from wacc_ref import formats
-from wacc_ref.scenario import (
+from wacc_ref.corruption import (
     CORRUPTION_KINDS,
+)
+from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
     Finish,
@@ -47,6 +49,7 @@ from wacc_ref.scenario import (
 )
 
 __all__ = [
+    "LARGE_WEIGHTS",
     "MAX_CORRUPTIONS_PER_CHECKPOINT",
     "MAX_INTERRUPTIONS",
     "MAX_PARAMETERS",
@@ -97,6 +100,9 @@ PARAMETER_NAMES = ("weight", "bias", "encoder.layer.0.weight", "head.bias", "nor
 _ZERO_WEIGHTS = (0.0, -0.0)
 _ACCUMULATE_KINDS: dict[str, Literal["sum", "mean"]] = {"sum": "sum", "mean": "mean"}
 _FINISH_KINDS: dict[str, Literal["sums", "mean"]] = {"sums": "sums", "mean": "mean"}
+# Token totals past float32's exact integers: 2**24 + 1 (W + 1 rounds in float32), and a
+# total whose sums with small counts round in float32 (its spacing there is 2**17).
+LARGE_WEIGHTS: tuple[float, ...] = (float.fromhex("0x1.000001p+24"), float.fromhex("0x1.8p+40"))
 _INVALID_WEIGHTS = (-1.0, -0.5, math.nan, math.inf, -math.inf)
 
 
@@ -440,6 +446,10 @@ def _window_weights(draw: st.DrawFn, *, max_size: int, invalid_weights: bool) ->
         weights = [float(c) for c in draw(unequal_microbatches(max_size=max_size))]
     else:
         weights = draw(zero_weights(max_size=max_size))
+    # Rarely (1 in 8 windows): one weight beyond float32's exact integers (2**24), so that a
+    # total weight kept in float32 (or any narrower accumulation of W) shows.
+    if draw(st.integers(0, 7)) == 0:
+        weights[draw(st.integers(0, len(weights) - 1))] = draw(st.sampled_from(LARGE_WEIGHTS))
     # Rarely (1 in 8 windows): replace one weight by an invalid one (InvalidWeightError path).
     if invalid_weights and draw(st.integers(0, 7)) == 0:
         weights[draw(st.integers(0, len(weights) - 1))] = draw(st.sampled_from(_INVALID_WEIGHTS))

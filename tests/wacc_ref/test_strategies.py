@@ -12,6 +12,12 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from wacc_ref import errors, formats
+from wacc_ref.oracles import (
+    run_reference,
+    stepwise_differences,
+    trace_differences,
+    trace_violations,
+)
 from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
@@ -19,14 +25,9 @@ from wacc_ref.scenario import (
     Restore,
     RestoreCorrupted,
     Scenario,
-    ScenarioTrace,
     from_json,
-    run_reference,
     scenarios_identical,
-    stepwise_differences,
     to_json,
-    trace_differences,
-    trace_violations,
     without_interruptions,
 )
 from wacc_ref.strategies import (
@@ -42,6 +43,9 @@ from wacc_ref.strategies import (
     scenarios,
     unequal_microbatches,
     zero_weights,
+)
+from wacc_ref.traces import (
+    ScenarioTrace,
 )
 
 T = TypeVar("T")

@@ -1,0 +1,153 @@
+"""Implementations the judge's tests point it at: wrappers of ``wacc_torch``, one deviation each.
+
+Each is a factory ``make(dtype, loss_scale)`` (the protocol of :mod:`wacc.implementation`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import wacc_torch
+
+
+class _Delegating:
+    """Forwards every attribute to a real ``wacc_torch`` accumulator."""
+
+    def __init__(self, dtype: torch.dtype, loss_scale: float) -> None:
+        self._inner = wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _DoubleUnscale(_Delegating):
+    def finish_mean(self) -> wacc_torch.AccumulatedGradients:
+        result = self._inner.finish_mean()
+        grads = {
+            name: None if grad is None else grad / result.loss_scale
+            for name, grad in result.grads.items()
+        }
+        return wacc_torch.AccumulatedGradients(
+            grads=grads,
+            weight=result.weight,
+            loss_scale=result.loss_scale,
+            issued=result.issued,
+            zero_weight=result.zero_weight,
+            normalized=True,
+        )
+
+
+def double_unscale(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Divides the mean by the loss scale a second time (GradScaler.unscale_ after finish_mean)."""
+    return _DoubleUnscale(dtype, loss_scale)
+
+
+class _CountersOnly:
+    """The core API only: no records at all."""
+
+    def __init__(self, dtype: torch.dtype, loss_scale: float) -> None:
+        inner = wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+        self.accumulate_sum = inner.accumulate_sum
+        self.accumulate_mean = inner.accumulate_mean
+        self.finish_sums = inner.finish_sums
+        self.finish_mean = inner.finish_mean
+        self._inner = inner
+
+    @property
+    def state(self) -> wacc_torch.AccumulatorState:
+        return self._inner.state
+
+
+def counters_only(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, but cannot checkpoint (no state_dict / load_state_dict / state_dict_async)."""
+    return _CountersOnly(dtype, loss_scale)
+
+
+def _opaque(record: Mapping[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return {
+        "layout": "opaque-1",
+        "blob": blob,
+        "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+    }
+
+
+class _OpaqueHandle:
+    def __init__(self, handle: wacc_torch.StateDictHandle) -> None:
+        self._handle = handle
+
+    def result(self) -> dict[str, Any]:
+        return _opaque(self._handle.result())
+
+
+class _Opaque(_Delegating):
+    """Records in a layout of its own: the wacc_torch record serialized into one byte tensor,
+    with a SHA-256 so that a flipped byte is detected."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return _opaque(self._inner.state_dict())
+
+    def state_dict_async(self) -> _OpaqueHandle:
+        return _OpaqueHandle(self._inner.state_dict_async())
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        if not isinstance(record, Mapping) or set(record) != {"layout", "blob", "sha256"}:
+            raise wacc_torch.RecordError(
+                f"an opaque record has keys layout, blob, sha256: {record}"
+            )
+        if record["layout"] != "opaque-1" or not isinstance(record["blob"], torch.Tensor):
+            raise wacc_torch.RecordError("field 'layout' or 'blob' has the wrong value or type")
+        data = record["blob"].numpy().tobytes()
+        if hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise wacc_torch.RecordError("field 'sha256' does not match the blob: it is damaged")
+        try:
+            inner = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise wacc_torch.RecordError(f"field 'blob' does not load: {exc}") from None
+        self._inner.load_state_dict(inner, module)
+
+
+def opaque_records(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with records that do not follow wacc_torch's schema (judged format-agnostically)."""
+    return _Opaque(dtype, loss_scale)
+
+
+def factory_raises(dtype: torch.dtype, loss_scale: float) -> Any:
+    """A factory that cannot build anything."""
+    raise RuntimeError(f"no accumulator for {dtype} today")
+
+
+NOT_A_FACTORY = 3
+
+
+class _OpaqueCredulous(_Opaque):
+    """Loads whatever it is handed: a damaged opaque record is silently ignored."""
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        try:
+            super().load_state_dict(record, module)
+        except wacc_torch.RecordError:
+            pass  # the bug: a corrupted record neither raises nor restores
+
+
+def opaque_credulous(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Opaque records, and a load that accepts corrupted ones without complaint."""
+    return _OpaqueCredulous(dtype, loss_scale)
+
+
+class _RaisesOnMean(_Delegating):
+    def accumulate_mean(self, module: nn.Module, weight: float, **kwargs: Any) -> None:
+        raise RuntimeError("means are not implemented")
+
+
+def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Raises a non-SPEC exception from every accumulate_mean."""
+    return _RaisesOnMean(dtype, loss_scale)

@@ -1,0 +1,241 @@
+"""Planted bugs: :class:`~wacc.baselines.SpecAccumulator` with one deviation each.
+
+Each variant is listed in :data:`PLANTED` with the strategy family and work dtype where the
+judge must see it, the oracle that sees it, and the fewest accumulate steps a scenario needs to
+show it (``None`` where no generated scenario can: the class docstring says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from wacc.baselines import FusedUndeclared, ScaleTimesWeight, SpecAccumulator
+from wacc.implementation import Implementation
+from wacc_torch import InvalidWeightError, ZeroTotalWeightError
+
+
+class EqualWeightMean(SpecAccumulator):
+    """Every mean microbatch weighs 1 (its gradient added as is, W counts microbatches)."""
+
+    def counted_weight(self, weight: float, *, mean: bool) -> float:
+        return 1.0 if mean else weight
+
+
+class ZeroWeightNotCounted(SpecAccumulator):
+    """A zero-weight batch moves ``issued`` but not ``zero_weight``."""
+
+    def skip_zero_weight(self, gradients: Mapping[str, torch.Tensor | None]) -> None:
+        self.issued += 1
+
+
+class ZeroWeightAddsNaNs(SpecAccumulator):
+    """A zero-weight batch's gradient is read and added times 0 (NaN/inf become NaN)."""
+
+    def skip_zero_weight(self, gradients: Mapping[str, torch.Tensor | None]) -> None:
+        super().skip_zero_weight(gradients)
+        for name, grad in gradients.items():
+            if grad is not None and name in self.pending:
+                self.pending[name].add_(grad.to(self.dtype) * 0.0)
+
+
+class ClearOnZeroTotal(SpecAccumulator):
+    """``finish_mean`` with W == 0 clears the window before raising."""
+
+    def finish_mean(self) -> Any:
+        if self.total_weight == 0:
+            self.reset_window()
+            raise ZeroTotalWeightError("finish_mean with total weight 0")
+        return super().finish_mean()
+
+
+class RawWeight(SpecAccumulator):
+    """Means use the raw weight w, not ``w_D = conv_D(w)`` (bf16: 257 stays 257)."""
+
+    def counted_weight(self, weight: float, *, mean: bool) -> float:
+        super().counted_weight(weight, mean=mean)  # the same refusals
+        return weight
+
+
+class DoubleUnscale(SpecAccumulator):
+    """``finish_mean`` divides by S a second time (``GradScaler.unscale_`` after it)."""
+
+    def normalize(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        return {
+            name: None if grad is None else grad.div_(self.loss_scale)
+            for name, grad in super().normalize(grads).items()
+        }
+
+
+class AddBeforeConvert(SpecAccumulator):
+    """Sums add the gradient in its own dtype to the buffer: one rounding, not convert-then-add."""
+
+    def add(self, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool) -> None:
+        if mean:
+            super().add(buffer, grad, weight=weight, mean=mean)
+        else:
+            # PyTorch refuses to promote float8 with another dtype: widen it (exactly) first.
+            buffer.add_(grad.float() if grad.element_size() == 1 else grad)
+
+
+class RecordAliasing(SpecAccumulator):
+    """``state_dict()`` hands out the live pending buffers, not copies."""
+
+    def state_dict(self) -> dict[str, Any]:
+        record = super().state_dict()
+        record["pending"] = dict(self.pending)
+        return record
+
+
+class NonAtomicLoad(SpecAccumulator):
+    """``load_state_dict`` sets the counters before it validates the rest of the record."""
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        if isinstance(record, Mapping):
+            self.issued = record.get("issued", self.issued)
+            self.zero_weight = record.get("zero_weight", self.zero_weight)
+        super().load_state_dict(record, module)
+
+
+class WeightInFloat32(SpecAccumulator):
+    """W is kept in float32: wrong once W needs more than 24 bits.
+
+    The generated token counts are integers below 10**6 with at most 8 microbatches per window
+    (and 12 machine steps), so W stays below 2**24 and is exact in float32: no generated
+    scenario shows this bug; a hand-made window of 2**24 + 1 tokens does.
+    """
+
+    def updated_total(self, counted: float) -> float:
+        return float(torch.tensor(self.total_weight + counted, dtype=torch.float32))
+
+
+class FinishSumsWithoutReset(SpecAccumulator):
+    """``finish_sums`` leaves the window open (counters and buffers kept)."""
+
+    def finish_sums(self) -> Any:
+        return self._result({n: self.pending.get(n) for n in self.names}, normalized=False)
+
+
+class MeanInFloat32(SpecAccumulator):
+    """``finish_mean`` divides in float32 whatever D (wrong for float64)."""
+
+    def normalize(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        return {
+            name: None
+            if grad is None
+            else grad.copy_((grad / self.loss_scale).float() / self.total_weight)
+            for name, grad in grads.items()
+        }
+
+
+class ReciprocalDivision(SpecAccumulator):
+    """``finish_mean`` multiplies by ``1/W`` instead of dividing by W."""
+
+    def normalize(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        out: dict[str, torch.Tensor | None] = {}
+        for name, grad in grads.items():
+            if grad is not None:
+                op = torch.float64 if self.dtype == torch.float64 else torch.float32
+                inverse = 1.0 / torch.tensor(self.total_weight, dtype=op)
+                grad = grad.copy_((grad / self.loss_scale).to(op) * inverse)
+            out[name] = grad
+        return out
+
+
+class NegativeWeightAccepted(SpecAccumulator):
+    """A finite negative weight is accepted (and subtracted from W)."""
+
+    def check_weight(self, weight: object) -> float:
+        if isinstance(weight, float) and weight < 0:
+            return weight
+        return super().check_weight(weight)
+
+    def counted_weight(self, weight: float, *, mean: bool) -> float:
+        if weight < 0:
+            return float(torch.tensor(weight, dtype=self.dtype)) if mean else weight
+        return super().counted_weight(weight, mean=mean)
+
+
+class ResumeDropsZeroWeight(SpecAccumulator):
+    """A restore forgets the ``zero_weight`` counter (sets it to 0)."""
+
+    def restore(self, record: Mapping[str, Any], parameters: Mapping[str, nn.Parameter]) -> None:
+        super().restore(record, parameters)
+        self.zero_weight = 0
+
+
+class SumCountsConvertedWeight(SpecAccumulator):
+    """Sums count ``conv_D(w)`` in W instead of w (bf16: 257 counts as 256)."""
+
+    def counted_weight(self, weight: float, *, mean: bool) -> float:
+        converted = float(torch.tensor(weight, dtype=self.dtype))
+        if converted == 0:
+            raise InvalidWeightError(f"weight {weight!r} does not survive {self.dtype}")
+        return converted
+
+
+class _LazySnapshot:
+    def __init__(self, accumulator: SpecAccumulator) -> None:
+        self._accumulator = accumulator
+
+    def result(self) -> dict[str, Any]:
+        return self._accumulator.state_dict()
+
+
+class AsyncSnapshotLate(SpecAccumulator):
+    """``state_dict_async().result()`` reads the state at ``.result()``, not at the call."""
+
+    def state_dict_async(self) -> Any:
+        return _LazySnapshot(self)
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A planted bug, where it shows, the oracle that sees it, the fewest accumulates it needs."""
+
+    cls: type[SpecAccumulator]
+    family: str
+    dtype: str
+    oracle: str
+    fewest: int | None
+
+    @property
+    def implementation(self) -> Implementation:
+        """The variant as the judge loads an implementation."""
+
+        def make(dtype: torch.dtype, loss_scale: float) -> SpecAccumulator:
+            return self.cls(dtype=dtype, loss_scale=loss_scale)
+
+        return Implementation(
+            spec=f"planted:{self.cls.__name__}", factory=make, fused=False, missing=()
+        )
+
+
+PLANTED: dict[str, Planted] = {
+    planted.cls.__name__: planted
+    for planted in (
+        Planted(EqualWeightMean, "windows", "float32", "semantics", 1),
+        Planted(ScaleTimesWeight, "windows", "float16", "emulation", 1),
+        Planted(ZeroWeightNotCounted, "windows", "float32", "semantics", 1),
+        Planted(ZeroWeightAddsNaNs, "non_finite", "float32", "emulation", 2),
+        Planted(ClearOnZeroTotal, "invalid_weights", "float32", "semantics", 1),
+        Planted(RawWeight, "windows", "bfloat16", "semantics", 1),
+        Planted(DoubleUnscale, "windows", "float32", "emulation", 1),
+        Planted(FusedUndeclared, "windows", "float32", "emulation", 2),
+        Planted(AddBeforeConvert, "windows", "bfloat16", "emulation", 1),
+        Planted(RecordAliasing, "interruptions", "float32", "semantics", 1),
+        Planted(NonAtomicLoad, "interruptions", "float32", "semantics", 0),
+        Planted(WeightInFloat32, "windows", "float32", "semantics", None),
+        Planted(FinishSumsWithoutReset, "windows", "float32", "semantics", 1),
+        Planted(MeanInFloat32, "windows", "float64", "emulation", 1),
+        Planted(ReciprocalDivision, "windows", "float32", "emulation", 1),
+        Planted(NegativeWeightAccepted, "invalid_weights", "float32", "semantics", 1),
+        Planted(ResumeDropsZeroWeight, "interruptions", "float32", "semantics", 1),
+        Planted(SumCountsConvertedWeight, "windows", "bfloat16", "semantics", 1),
+        Planted(AsyncSnapshotLate, "interruptions", "float32", "semantics", 1),
+    )
+}

@@ -1,0 +1,177 @@
+"""The ``wacc`` command through real subprocesses: exit codes 0/1/2, replay files, hostile input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wacc_ref.scenario import Accumulate, Finish, Scenario, from_json, to_json
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wacc(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m wacc ARGS`` in ``cwd`` (the repository root: ``tests.wacc.impls`` imports)."""
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wacc: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_help_lists_the_subcommands_with_examples() -> None:
+    """``wacc --help`` names check and replay; each subcommand's help shows examples."""
+    top = wacc("--help")
+    assert top.returncode == 0 and "check" in top.stdout and "replay" in top.stdout
+    for command in ("check", "replay"):
+        sub = wacc(command, "--help")
+        assert sub.returncode == 0 and "examples:" in sub.stdout and "exit codes" in sub.stdout
+
+
+def test_check_passes_wacc_torch_with_exit_0(tmp_path: Path) -> None:
+    """A small check of wacc_torch exits 0 and prints the per-dtype table."""
+    result = wacc("check", "--dtype", "float16", "--examples", "10", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "float16" in result.stdout and "max err/bound" in result.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_check_finds_a_divergence_writes_it_and_its_replay_reproduces_it(tmp_path: Path) -> None:
+    """A buggy implementation exits 1 with a one-line replay command that exits 1 again."""
+    impl = "tests.wacc.impls:double_unscale"
+    result = wacc(
+        "check", impl, "--dtype", "float32", "--family", "windows", "--examples", "20",
+        "--out", str(tmp_path), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "replay:" in line]
+    command = line.split("replay: ", 1)[1].split()
+    assert command[:2] == ["wacc", "replay"] and command[-2:] == ["--impl", impl]
+    scenario_file = Path(command[2])
+    assert scenario_file.parent == tmp_path
+    from_json(scenario_file.read_text(encoding="utf-8"))  # the wacc_ref format, loadable
+    replay = wacc(*command[1:])
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    assert "FAIL emulation,bound" in replay.stdout and "DIVERGES" in replay.stdout
+    agrees = wacc("replay", str(scenario_file))  # the default implementation agrees
+    assert agrees.returncode == 0, agrees.stdout + agrees.stderr
+    assert "agrees with the reference" in agrees.stdout
+
+
+def test_an_unsupported_feature_fails_unless_allowed(tmp_path: Path) -> None:
+    """Missing records is ``unsupported: records`` and exit 1; --allow-missing makes it pass."""
+    impl = "tests.wacc.impls:counters_only"
+    common = ["--dtype", "float64", "--examples", "5", "--out", str(tmp_path)]
+    refused = wacc("check", impl, *common)
+    assert refused.returncode == 1 and "unsupported: records" in refused.stdout
+    allowed = wacc(
+        "check", impl, *common, "--allow-missing", "records", "--allow-missing", "async_records"
+    )
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["check", "tests.wacc.impls:nothing_here"], "has no attribute 'nothing_here'"),
+        (["check", "no_such_module_xyz:make"], "cannot import module"),
+        (["check", "tests.wacc.impls:factory_raises"], "raised for (torch.float32, 1.0)"),
+        (["check", "--dtype", "float128"], "invalid choice: 'float128'"),
+        (["check", "--examples", "0"], "--examples must be >= 1"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["replay", "/no/such/file.json"], "cannot read"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:
+    """Bad usage or environment gets exit 2 and one line on stderr naming the problem."""
+    assert fragment in _one_line_error(wacc(*args))
+
+
+def test_cuda_asked_for_without_a_device_is_exit_2() -> None:
+    """``--device cuda`` on a machine without CUDA is an environment error, not a crash."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the environment error does not apply")
+    assert "no CUDA device" in _one_line_error(wacc("check", "--device", "cuda"))
+
+
+def _small_scenario() -> Scenario:
+    return Scenario(
+        work_dtype="float16",
+        grad_dtype="float32",
+        loss_scale=2.0**15,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", 4000.0, {"weight": (2.0**15, 3.0)}),
+            Accumulate.of("mean", 96.0, {"weight": (2.0**-9, -1.0)}),
+            Finish("mean"),
+        ),
+    )
+
+
+def test_a_replay_file_round_trips_and_prints_every_step(tmp_path: Path) -> None:
+    """A scenario written with to_json replays on wacc_torch with one table row per step."""
+    path = tmp_path / "scenario.json"
+    path.write_text(to_json(_small_scenario(), indent=1), encoding="utf-8")
+    result = wacc("replay", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [
+        line for line in result.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])
+    ]
+    assert [row.split()[1] for row in rows] == ["accumulate_sum", "accumulate_mean", "finish_mean"]
+
+
+def _hostile_files(tmp_path: Path) -> dict[str, Path]:
+    good = json.loads(to_json(_small_scenario()))
+    files: dict[str, object] = {
+        "json bomb (nesting)": "[" * 200_000 + "]" * 200_000,
+        "huge integer": '{"format": ' + "9" * 100_000 + "}",
+        "wrong types": {**good, "steps": "all of them", "loss_scale": 3},
+        "huge shape": {
+            **good,
+            "parameters": [{"name": "weight", "shape": [2**40, 2**40]}],
+            "steps": [],
+        },
+        "unknown op": {**good, "steps": [{"op": "rm -rf /"}]},
+        "not utf-8": b"\xff\xfe{\x00",
+        "not json": "hello",
+        "oversized": " " * (5 * 2**20),
+    }
+    paths = {}
+    for index, (name, content) in enumerate(files.items()):
+        path = tmp_path / f"hostile-{index}.json"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(
+                content if isinstance(content, str) else json.dumps(content), encoding="utf-8"
+            )
+        paths[name] = path
+    return paths
+
+
+def test_hostile_replay_files_are_refused_quickly_with_exit_2(tmp_path: Path) -> None:
+    """Each malformed or hostile file is refused in seconds with one line naming the problem."""
+    for name, path in _hostile_files(tmp_path).items():
+        started = time.perf_counter()
+        message = _one_line_error(wacc("replay", str(path), timeout=60))
+        assert time.perf_counter() - started < 30, name
+        assert str(path) in message, (name, message)

@@ -1,0 +1,95 @@
+"""Running scenarios on any implementation (wacc.runner): records, corruptions, foreign errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wacc.implementation import DEFAULT_IMPL, load_implementation
+from wacc.runner import AGNOSTIC_CORRUPTIONS, follows_schema, run_implementation
+from wacc.verdict import judge
+from wacc_ref.corruption import CORRUPTION_KINDS
+from wacc_ref.scenario import Accumulate, Checkpoint, Finish, RestoreCorrupted, Scenario, to_json
+
+
+def _with_corruptions() -> Scenario:
+    return Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=4.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", 3.0, {"weight": (1.0, -2.0)}),
+            Checkpoint(),
+            # the first len(AGNOSTIC_CORRUPTIONS) kinds map to every agnostic corruption once
+            *(RestoreCorrupted(kind) for kind in CORRUPTION_KINDS[: len(AGNOSTIC_CORRUPTIONS)]),
+            Finish("mean"),
+        ),
+    )
+
+
+def test_wacc_torch_records_follow_the_schema_and_opaque_ones_do_not() -> None:
+    """Schema detection: wacc_torch's record has every documented key; an opaque one has not."""
+    made = load_implementation(DEFAULT_IMPL).make(torch.float32, 1.0)
+    opaque = load_implementation("tests.wacc.impls:opaque_records").make(torch.float32, 1.0)
+    assert follows_schema(made.state_dict()) and not follows_schema(opaque.state_dict())
+
+
+def test_a_correct_opaque_implementation_refuses_every_agnostic_corruption() -> None:
+    """Missing/extra key, wrong type, truncated and flipped files are all refused or detected."""
+    trace, run = run_implementation(
+        load_implementation("tests.wacc.impls:opaque_records"), _with_corruptions()
+    )
+    corrupted = [o for o in trace.outcomes if o.op == "restore_corrupted"]
+    assert len(corrupted) == len(AGNOSTIC_CORRUPTIONS) and not run.schema
+    assert all(o.error == "RecordError" or o.skipped for o in corrupted), run.messages
+    assert not judge(
+        load_implementation("tests.wacc.impls:opaque_records"), _with_corruptions()
+    ).failed
+
+
+def test_an_implementation_that_accepts_corrupted_records_is_flagged() -> None:
+    """A load that swallows a damaged record fails oracle 3 at those restore steps."""
+    verdict = judge(load_implementation("tests.wacc.impls:opaque_credulous"), _with_corruptions())
+    assert verdict.failed_oracles == ("semantics",), to_json(verdict.scenario)
+    flagged = [step.index for step in verdict.steps if step.failed]
+    assert flagged and all(verdict.steps[i].op == "restore_corrupted" for i in flagged)
+
+
+def test_a_foreign_exception_is_a_divergence_not_a_crash() -> None:
+    """A RuntimeError from the implementation is recorded as 'unexpected RuntimeError'."""
+    scenario = Scenario(
+        work_dtype="float64",
+        grad_dtype="float64",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", ()),),
+        steps=(Accumulate.of("mean", 2.0, {"weight": (1.0,)}), Finish("sums")),
+    )
+    verdict = judge(load_implementation("tests.wacc.impls:raises_on_mean"), scenario)
+    assert verdict.steps[0].actual_error == "unexpected RuntimeError"
+    assert "semantics" in verdict.steps[0].failed
+    assert verdict.messages[0] == "RuntimeError: means are not implemented"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_checkpoints_change_nothing_and_records_round_trip(asynchronous: bool) -> None:
+    """A checkpoint's record equals the state of its moment, even resolved after later steps."""
+    scenario = Scenario(
+        work_dtype="bfloat16",
+        grad_dtype="float32",
+        loss_scale=2.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", 5.0, {"weight": (1.0, 3.0)}),
+            Checkpoint(asynchronous=asynchronous),
+            Accumulate.of("sum", 2.0, {"weight": (4.0, 4.0)}),
+        ),
+    )
+    trace, _ = run_implementation(load_implementation(DEFAULT_IMPL), scenario)
+    checkpoint = trace.outcomes[1]
+    assert checkpoint.record is not None
+    assert checkpoint.record.key() == trace.outcomes[0].state.key()
+    assert trace.outcomes[2].state.key() != checkpoint.record.key()

@@ -1,0 +1,370 @@
+"""Tests of wacc_ref.oracles: the reference run, trace comparison, invariants, step-local oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import numpy as np
+
+from tests.wacc_ref.scenario_support import (
+    assert_array_bits,
+    make_scenario,
+    special_scenario,
+)
+from wacc_ref import formats
+from wacc_ref.oracles import (
+    run_reference,
+    stepwise_differences,
+    trace_differences,
+    trace_violations,
+)
+from wacc_ref.scenario import (
+    Accumulate,
+    Checkpoint,
+    Finish,
+    Restore,
+    RestoreCorrupted,
+    Scenario,
+    without_interruptions,
+)
+from wacc_ref.traces import (
+    FinishOutcome,
+    ScenarioTrace,
+    StepOutcome,
+)
+
+# --------------------------------------------------------------------------------------------
+# Running scenarios on the reference
+# --------------------------------------------------------------------------------------------
+
+
+def _hand_scenario() -> Scenario:
+    """float32, S = 2, one parameter w of 2 elements; every outcome is derived by hand below."""
+    return make_scenario(
+        (
+            Accumulate.of("sum", 1.0, {"w": [1.0, -0.0]}),  # 0: buf = [1, +0] (+0 + -0 = +0)
+            Accumulate.of("sum", 7.0, {"w": [3.0, -0.0]}),  # 1: buf = [4, +0], W = 8
+            Checkpoint(asynchronous=True),  # 2
+            RestoreCorrupted("dtype_wrong"),  # 3: RecordError, nothing changes
+            Restore(),  # 4: same state, fresh accumulator
+            Accumulate.of("sum", 0.0, {"w": [math.nan, math.nan]}),  # 5: zero weight
+            Finish("mean"),  # 6: y = [2, +0], out = [0.25, +0]; W = 8
+            Finish("mean"),  # 7: empty window: ZeroTotalWeightError
+            Accumulate.of("mean", -1.0, {"w": [1.0, 1.0]}),  # 8: InvalidWeightError
+            Finish("sums"),  # 9: no buffer: w is None, W = 0
+        )
+    )
+
+
+def test_run_reference_matches_a_hand_derived_trace() -> None:
+    """Every step's error, counters, buffers and finish results equal values derived by hand."""
+    trace = run_reference(_hand_scenario())
+    errors = [outcome.error for outcome in trace]
+    assert errors == [None] * 3 + ["RecordError"] + [None] * 3 + [
+        "ZeroTotalWeightError",
+        "InvalidWeightError",
+        None,
+    ]
+    counters = [(o.state.issued, o.state.zero_weight, o.state.total_weight) for o in trace]
+    in_window = [(1, 0, 1.0)] + [(2, 0, 8.0)] * 4 + [(3, 1, 8.0)]
+    assert counters == in_window + [(0, 0, 0.0)] * 4
+    for index in (1, 2, 3, 4, 5):
+        pending = dict(trace.outcomes[index].state.pending)
+        assert_array_bits(pending["w"], [4.0, 0.0], f"step {index} pending")
+    checkpoint_record = trace.outcomes[2].record
+    assert checkpoint_record is not None and checkpoint_record.issued == 2
+    mean = trace.outcomes[6].result
+    assert mean is not None and mean.normalized and mean.weight == 8.0 and mean.issued == 3
+    assert_array_bits(dict(mean.grads)["w"], [0.25, 0.0], "finish_mean")
+    sums = trace.outcomes[9].result
+    assert sums is not None and not sums.normalized and sums.weight == 0.0
+    assert dict(sums.grads) == {"w": None}
+    assert trace.outcomes[6].state.param_names == ("w",)  # the tracked set stays bound
+    assert trace_violations(trace) == []
+
+
+def test_run_reference_mean_uses_the_converted_weight() -> None:
+    """bfloat16 mean: weight 1001 counts as 1000 in W and in the product (SPEC §6)."""
+    scenario = make_scenario(
+        (Accumulate.of("mean", 1001.0, {"w": [1.0, 0.5]}), Finish("mean")),
+        work_dtype="bfloat16",
+        grad_dtype="bfloat16",
+        loss_scale=1.0,
+    )
+    trace = run_reference(scenario)
+    assert trace.outcomes[0].state.total_weight == 1000.0
+    assert_array_bits(dict(trace.outcomes[0].state.pending)["w"], [1000.0, 500.0], "pending")
+    result = trace.outcomes[1].result
+    assert result is not None
+    assert_array_bits(dict(result.grads)["w"], [1.0, 0.5], "finish_mean")
+
+
+def test_run_reference_follows_the_fused_variant() -> None:
+    """float32 fused mean: buf = -1, c = w_D = 1 + 2**-12 gives 2**-11 + 2**-24 with an FMA but
+    2**-11 with the two-step order (c * w_D = 1 + 2**-11 + 2**-24 ties to even at 1 + 2**-11)."""
+    weight = 1.0 + 2.0**-12
+    steps = (
+        Accumulate.of("mean", 1.0, {"w": [-1.0, 0.0]}),
+        Accumulate.of("mean", weight, {"w": [weight, 0.0]}),
+        Finish("sums"),
+    )
+    fma_value, two_step_value = 2.0**-11 + 2.0**-24, 2.0**-11
+    for fused, variant, expected in (
+        (True, "fma", fma_value),
+        (True, "op_rounded", fma_value),  # op(float32) is float32: the same single rounding
+        (True, "two_step", two_step_value),
+        (False, "fma", two_step_value),  # not fused: the variant is not used
+    ):
+        trace = run_reference(
+            make_scenario(steps, fused=fused, loss_scale=1.0), fused_variant=variant
+        )
+        result = trace.outcomes[2].result
+        assert result is not None
+        assert_array_bits(dict(result.grads)["w"], [expected, 0.0], f"{fused=} {variant}")
+
+
+def test_run_reference_exact_mode_gives_the_real_result_rounded_once() -> None:
+    """exact mode: finish_mean equals (Σ g)/S/W of the unconverted gradients, rounded once."""
+    g1, g2 = 1.0 + 2.0**-30, 3.0  # float64 gradients: the exact mode uses them unconverted
+    scenario = make_scenario(
+        (
+            Accumulate.of("sum", 1.0, {"w": [g1, 1.0]}),
+            Accumulate.of("sum", 2.0, {"w": [g2, 1.0]}),
+            Checkpoint(),
+            Restore(),
+            Finish("mean"),
+        ),
+        grad_dtype="float64",
+        work_dtype="bfloat16",
+        loss_scale=1.0,
+    )
+    trace = run_reference(scenario, mode="exact")
+    result = trace.outcomes[4].result
+    assert result is not None
+    expected = [
+        formats.round_to((Fraction(g1) + Fraction(g2)) / 3, "float64"),
+        formats.round_to(Fraction(2, 3), "float64"),
+    ]
+    assert_array_bits(dict(result.grads)["w"], expected, "exact finish_mean")
+    assert trace_violations(trace) == []
+
+
+def test_mid_window_restore_is_bit_identical_to_the_uninterrupted_run() -> None:
+    """Checkpoint + restore in the middle of a window changes no finish result (SPEC §9)."""
+    tiny = formats.get_format("float16").min_subnormal
+    steps = (
+        Accumulate.of("mean", 3.0, {"w": [tiny, -1.5]}),
+        Checkpoint(),
+        RestoreCorrupted("total_weight_nan"),
+        Restore(),
+        Accumulate.of("mean", 7.0, {"w": [-tiny, 2.0**-3]}),
+        Checkpoint(asynchronous=True),
+        Restore(),
+        Finish("mean"),
+    )
+    interrupted = make_scenario(steps, work_dtype="float16", grad_dtype="float16", loss_scale=8.0)
+    plain = without_interruptions(interrupted)
+    assert [s.op for s in plain.steps] == ["accumulate_mean", "accumulate_mean", "finish_mean"]
+    got = [o.result for o in run_reference(interrupted) if o.result is not None]
+    want = [o.result for o in run_reference(plain) if o.result is not None]
+    assert len(got) == len(want) == 1
+    assert got[0].differences(want[0], what="finish_mean") == []
+
+
+def test_run_reference_is_deterministic() -> None:
+    """Two runs of the same scenario give identical traces (keys equal, no differences)."""
+    first, second = run_reference(special_scenario()), run_reference(special_scenario())
+    assert first.key() == second.key()
+    assert trace_differences(first, second) == []
+    assert trace_violations(first) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Trace comparison and invariants
+# --------------------------------------------------------------------------------------------
+
+
+def _replace_result_grad(
+    trace: ScenarioTrace, index: int, name: str, values: list[float]
+) -> ScenarioTrace:
+    outcomes = list(trace.outcomes)
+    old = outcomes[index]
+    assert old.result is not None
+    grads = tuple(
+        (n, np.array(values).reshape(g.shape) if n == name and g is not None else g)
+        for n, g in old.result.grads
+    )
+    result = FinishOutcome(
+        grads=grads,
+        weight=old.result.weight,
+        loss_scale=old.result.loss_scale,
+        issued=old.result.issued,
+        zero_weight=old.result.zero_weight,
+        normalized=old.result.normalized,
+    )
+    outcomes[index] = StepOutcome(
+        index=old.index,
+        op=old.op,
+        error=old.error,
+        skipped=old.skipped,
+        state=old.state,
+        result=result,
+        record=old.record,
+    )
+    return ScenarioTrace(outcomes=tuple(outcomes))
+
+
+def test_trace_differences_sees_a_sign_of_zero_but_not_a_nan_payload() -> None:
+    """A -0.0 where +0.0 was expected is a difference (shown in hex); NaN vs NaN is not."""
+    trace = run_reference(_hand_scenario())
+    flipped = _replace_result_grad(trace, 6, "w", [0.25, -0.0])
+    lines = trace_differences(trace, flipped)
+    assert len(lines) == 1 and "step 6 (finish_mean)" in lines[0] and "-0x0.0p+0" in lines[0]
+    nan_scenario = make_scenario(
+        (Accumulate.of("sum", 1.0, {"w": [math.nan, 1.0]}), Finish("sums"))
+    )
+    nan_trace = run_reference(nan_scenario)
+    negative_nan = _replace_result_grad(nan_trace, 1, "w", [-math.nan, 1.0])
+    assert trace_differences(nan_trace, negative_nan) == []
+
+
+def test_trace_differences_sees_error_and_length_mismatches() -> None:
+    """A different error class or a missing step is reported."""
+    trace = run_reference(_hand_scenario())
+    shorter = ScenarioTrace(outcomes=trace.outcomes[:-1])
+    assert any("trace length" in line for line in trace_differences(trace, shorter))
+    outcomes = list(trace.outcomes)
+    old = outcomes[7]
+    outcomes[7] = StepOutcome(
+        index=old.index, op=old.op, error=None, skipped=False, state=old.state, result=None
+    )
+    lines = trace_differences(trace, ScenarioTrace(outcomes=tuple(outcomes)))
+    assert lines == ["step 7 (finish_mean): error expected ZeroTotalWeightError, got None"]
+
+
+def test_trace_violations_catches_a_raise_that_changed_state() -> None:
+    """trace_violations reports an erroring step whose state differs from the one before it, and
+    a corrupted restore that did not raise RecordError."""
+    trace = run_reference(_hand_scenario())
+    outcomes = list(trace.outcomes)
+    raised = outcomes[7]  # ZeroTotalWeightError; give it the state of step 5 (a different window)
+    outcomes[7] = StepOutcome(
+        index=raised.index,
+        op=raised.op,
+        error=raised.error,
+        skipped=False,
+        state=outcomes[5].state,
+    )
+    corrupted = outcomes[3]
+    outcomes[3] = StepOutcome(
+        index=corrupted.index, op=corrupted.op, error=None, skipped=False, state=corrupted.state
+    )
+    lines = trace_violations(ScenarioTrace(outcomes=tuple(outcomes)))
+    assert any(line.startswith("step 7 (finish_mean) raised but changed state") for line in lines)
+    assert "step 3 (restore_corrupted): expected RecordError, got None" in lines
+
+
+# --------------------------------------------------------------------------------------------
+# The step-local oracle
+# --------------------------------------------------------------------------------------------
+
+
+def _fp16_fused_scenario() -> Scenario:
+    """fp16 fused mean: buf = 62, then c = -62 with w_D = 1057.  Exactly, buf + c*w_D = 62 - 65534
+    = -65472 = -2046 * 32, a float16 value; but round_16(c*w_D) = round_16(-65534) overflows
+    (|x| >= 65520), so the two-step result is -inf while FMA and op-rounded give -65472."""
+    return make_scenario(
+        (
+            Accumulate.of("mean", 1.0, {"w": [62.0, 1.0]}),
+            Accumulate.of("mean", 1057.0, {"w": [-62.0, 0.0]}),
+            Finish("sums"),
+        ),
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+        fused=True,
+    )
+
+
+def test_stepwise_oracle_accepts_each_allowed_fused_result() -> None:
+    """Traces following the op-rounded and the two-step fused results differ from each other,
+    but each passes the stepwise oracle (SPEC §6 allows both)."""
+    scenario = _fp16_fused_scenario()
+    op_rounded = run_reference(scenario, fused_variant="op_rounded")
+    two_step = run_reference(scenario, fused_variant="two_step")
+    assert_array_bits(dict(op_rounded.outcomes[1].state.pending)["w"], [-65472.0, 1.0], "op")
+    assert_array_bits(dict(two_step.outcomes[1].state.pending)["w"], [-math.inf, 1.0], "two")
+    assert trace_differences(op_rounded, two_step) != []
+    for trace in (op_rounded, two_step, run_reference(scenario, fused_variant="fma")):
+        assert stepwise_differences(scenario, trace) == [], trace.implementation
+
+
+def _replace_state_pending(
+    trace: ScenarioTrace, index: int, name: str, values: list[float]
+) -> ScenarioTrace:
+    outcomes = list(trace.outcomes)
+    old = outcomes[index]
+    pending = tuple(
+        (n, np.array(values).reshape(a.shape) if n == name else a) for n, a in old.state.pending
+    )
+    state = dataclasses.replace(old.state, pending=pending)
+    outcomes[index] = dataclasses.replace(old, state=state)
+    return ScenarioTrace(outcomes=tuple(outcomes))
+
+
+def test_stepwise_oracle_refuses_a_fused_result_outside_the_allowed_set() -> None:
+    """A fused mean element that is none of the three SPEC §6 results is reported with the
+    allowed values; the next step is judged from the actual (tampered) state."""
+    scenario = _fp16_fused_scenario()
+    tampered = _replace_state_pending(run_reference(scenario), 1, "w", [-65440.0, 1.0])
+    lines = stepwise_differences(scenario, tampered)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 1 (accumulate_mean) state.pending['w'][flat 0]: got ")
+    assert "-0x1.ff80000000000p+15" in lines[0] and "'-inf'" in lines[0], lines[0]
+    # finish_sums is judged from the tampered buffer, which the actual trace did not hand over.
+    assert lines[1].startswith("step 2 (finish_sums) result.grads['w'][flat 0]: expected -0x1.ff4")
+
+
+def test_stepwise_oracle_reports_a_fused_buffer_of_the_wrong_shape_at_its_step() -> None:
+    """A fused mean step whose buffer holds allowed values in another shape (same element count)
+    is reported at that step, as a shape difference."""
+    scenario = _fp16_fused_scenario()
+    trace = run_reference(scenario)
+    outcomes = list(trace.outcomes)
+    state = outcomes[1].state
+    reshaped = tuple((name, array.reshape(1, -1)) for name, array in state.pending)
+    outcomes[1] = dataclasses.replace(
+        outcomes[1], state=dataclasses.replace(state, pending=reshaped)
+    )
+    lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
+    assert lines and lines[0] == "step 1 (accumulate_mean) state.pending['w']: shape (2,) != (1, 2)"
+
+
+def test_stepwise_oracle_is_exact_and_local_outside_fused_steps() -> None:
+    """In a non-fused scenario a -0.0 where the reference has +0.0 is reported at that step, and
+    the next step is judged from the actual state (not from the reference's own run)."""
+    scenario = _hand_scenario()
+    trace = run_reference(scenario)
+    assert stepwise_differences(scenario, trace) == []
+    tampered = _replace_state_pending(trace, 0, "w", [1.0, -0.0])
+    lines = stepwise_differences(scenario, tampered)
+    assert lines == [
+        "step 0 (accumulate_sum) state.pending['w'][flat 1]: expected 0x0.0p+0, got -0x0.0p+0",
+        # judged from the actual -0.0: -0.0 + -0.0 is -0.0, but the trace says +0.0
+        "step 1 (accumulate_sum) state.pending['w'][flat 1]: expected -0x0.0p+0, got 0x0.0p+0",
+    ]
+
+
+def test_stepwise_oracle_checks_async_checkpoint_records() -> None:
+    """A checkpoint whose record (resolved later) differs from the state at the call is reported."""
+    scenario = _hand_scenario()
+    trace = run_reference(scenario)
+    outcomes = list(trace.outcomes)
+    checkpoint = outcomes[2]
+    assert checkpoint.record is not None
+    drifted = dataclasses.replace(checkpoint.record, issued=3)
+    outcomes[2] = dataclasses.replace(checkpoint, record=drifted)
+    lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
+    assert lines[0] == "step 2 (checkpoint) record.issued: expected 2, got 3"

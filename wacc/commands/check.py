@@ -1,0 +1,144 @@
+"""Run generated scenarios and the stateful machine against IMPL; judge them with the oracles.
+
+Every strategy family (windows of unequal microbatches with zero weights and overflow-prone
+loss scales, invalid weights, checkpoint interruptions with corrupted restores, NaN/inf
+gradients) and the stateful machine run on each work dtype; every scenario is compared with the
+reference step by step. A divergence is shrunk, written as JSON under --out, and a one-line
+`wacc replay` command is printed.
+
+examples:
+  wacc check                                   # wacc_torch, all four work dtypes, ci profile
+  wacc check mypkg.acc:make --dtype bfloat16   # your accumulator, one dtype
+  wacc check path/to/my_acc.py:make --oracle bound --allow-missing async_records
+  wacc check wacc.baselines:pixparse_loop --out divergences/
+
+exit codes: 0 = every oracle holds, 1 = a divergence (or an unsupported feature that was not
+allowed), 2 = usage or environment error
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from wacc.commands._common import (
+    add_impl_arguments,
+    check_device,
+    implementation_from,
+    oracles_from,
+)
+from wacc.engine import CheckConfig, CheckReport, family_names, run_check
+from wacc.errors import UsageError
+from wacc.profiles import PROFILES
+from wacc.tables import format_metric, render_table
+from wacc_ref import formats
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``wacc check``."""
+    add_impl_arguments(parser, positional=True)
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=formats.WORK_DTYPES,
+        metavar="D",
+        help=f"work dtype to check ({', '.join(formats.WORK_DTYPES)}); repeatable (default: all)",
+    )
+    parser.add_argument(
+        "--profile", default="ci", choices=PROFILES, help="Hypothesis profile (default: ci)"
+    )
+    parser.add_argument("--seed", type=int, help="Hypothesis seed: the same seed, the same run")
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=family_names(),
+        help="strategy family to run; repeatable (default: all, and the stateful machine)",
+    )
+    parser.add_argument(
+        "--examples", type=int, help="examples per dtype and family (default: the profile's)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("wacc-check"),
+        help="where shrunk divergences go (default: ./wacc-check)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _print_report(report: CheckReport, impl: str) -> None:
+    rows = [
+        [
+            dtype,
+            str(summary.scenarios),
+            str(summary.failed),
+            format_metric(summary.max_ulps),
+            format_metric(summary.max_rel_error),
+            format_metric(summary.max_ratio),
+        ]
+        for dtype, summary in report.summaries.items()
+    ]
+    print(f"wacc check {impl}: oracles {', '.join(report.oracles)}; {report.seconds:.1f} s")
+    print(
+        render_table(
+            ["dtype", "scenarios", "failed", "max ulps", "max rel err", "max err/bound"], rows
+        )
+    )
+    for feature in report.unsupported:
+        print(f"unsupported: {feature}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``wacc check``; see the module docstring."""
+    device = check_device(args.device)
+    if args.examples is not None and args.examples < 1:
+        raise UsageError(f"--examples must be >= 1, got {args.examples}")
+    implementation = implementation_from(args)
+    unsupported = tuple(f for f in implementation.missing if f not in args.allow_missing)
+    config = CheckConfig(
+        dtypes=tuple(args.dtype or formats.WORK_DTYPES),
+        device=device,
+        profile=args.profile,
+        seed=args.seed,
+        oracles=oracles_from(args),
+        families=tuple(args.family or family_names()),
+        examples=args.examples,
+    )
+    total = len(config.dtypes) * len(config.families)
+    quiet = args.quiet or not sys.stderr.isatty()
+    with tqdm(total=total, disable=quiet, file=sys.stderr, unit="family", leave=False) as bar:
+        started: list[str] = []
+
+        def progress(dtype: str, family: str) -> None:
+            if started:
+                bar.update(1)
+            started.append(family)
+            bar.set_description(f"{dtype} {family}")
+
+        report = run_check(implementation, config, out=args.out, progress=progress)
+        bar.update(1)
+    report.unsupported = unsupported
+    _print_report(report, args.impl)
+    for finding in report.findings:
+        verdict = finding.verdict
+        print(
+            f"\nDIVERGENCE {finding.dtype}/{finding.family} [{', '.join(verdict.failed_oracles)}]: "
+            f"{sum(1 for s in verdict.scenario.steps if s.op.startswith('accumulate'))} accumulate "
+            f"step(s) in the shrunk scenario"
+        )
+        for line in verdict.describe(limit=6):
+            print(f"  {line}")
+        if finding.path is not None:
+            command = ["wacc", "replay", str(finding.path), "--impl", args.impl]
+            if device != "cpu":
+                command += ["--device", device]
+            print(f"  replay: {shlex.join(command)}")
+    if unsupported:
+        print("(allow with --allow-missing " + " --allow-missing ".join(unsupported) + ")")
+    return 1 if report.findings or unsupported else 0

@@ -1,0 +1,139 @@
+"""Replay one scenario file (wacc_ref scenario JSON) on IMPL and print every step, judged.
+
+The table shows, per step: the op, its weight, the error class of the reference and of the
+implementation, max ulps in the work dtype against the bit-exact emulation, max relative error
+and max error/bound against the exact result, and the verdict (which oracles failed).
+
+examples:
+  wacc replay wacc-check/divergence-01-float16-windows.json
+  wacc replay scenario.json --impl mypkg.acc:make --device cuda
+
+exit codes: 0 = every step agrees, 1 = a step diverges, 2 = usage error (unreadable, malformed
+or oversized file, bad IMPL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from wacc.commands._common import (
+    add_impl_arguments,
+    check_device,
+    implementation_from,
+    oracles_from,
+)
+from wacc.errors import UsageError
+from wacc.tables import format_metric, render_table
+from wacc.verdict import ScenarioVerdict, judge
+from wacc_ref.scenario import Scenario, ScenarioError, from_json
+
+__all__ = [
+    "MAX_FILE_BYTES",
+    "MAX_STEPS",
+    "MAX_TOTAL_ELEMENTS",
+    "add_arguments",
+    "load_scenario_file",
+    "run",
+]
+
+# A replay file is a small test case: anything larger is refused before it is parsed or run.
+MAX_FILE_BYTES = 4 * 2**20
+MAX_STEPS = 10_000
+MAX_TOTAL_ELEMENTS = 2**20  # over all parameters: what one module allocates
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``wacc replay``."""
+    parser.add_argument("file", type=Path, metavar="FILE", help="a scenario JSON file")
+    add_impl_arguments(parser, positional=False)
+
+
+def load_scenario_file(path: Path) -> Scenario:
+    """The scenario in ``path``; :class:`UsageError` naming the problem for anything else."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UsageError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    if size > MAX_FILE_BYTES:
+        raise UsageError(
+            f"{str(path)!r} has {size} bytes; a scenario file has at most {MAX_FILE_BYTES}"
+        )
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {str(path)!r} as UTF-8 text: {exc}") from None
+    try:
+        scenario = from_json(text)
+    except ScenarioError as exc:
+        raise UsageError(f"{str(path)!r} is not a valid scenario: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{str(path)!r} is nested too deeply to be a scenario") from None
+    except (ValueError, TypeError) as exc:  # e.g. an integer with more digits than Python reads
+        raise UsageError(f"{str(path)!r} is not a valid scenario: {exc}") from None
+    elements = sum(math.prod(shape) for _, shape in scenario.parameters)
+    if elements > MAX_TOTAL_ELEMENTS:
+        raise UsageError(
+            f"{str(path)!r} declares {elements} parameter elements; at most {MAX_TOTAL_ELEMENTS}"
+        )
+    if len(scenario.steps) > MAX_STEPS:
+        raise UsageError(f"{str(path)!r} has {len(scenario.steps)} steps; at most {MAX_STEPS}")
+    return scenario
+
+
+def _table(verdict: ScenarioVerdict) -> str:
+    rows = []
+    for step in verdict.steps:
+        rows.append(
+            [
+                str(step.index),
+                step.op,
+                "" if step.weight is None else repr(step.weight),
+                step.expected_error or "-",
+                step.actual_error or "-",
+                format_metric(step.max_ulps),
+                format_metric(step.max_rel_error),
+                format_metric(step.max_ratio),
+                "FAIL " + ",".join(step.failed) if step.failed else "ok",
+            ]
+        )
+    header = [
+        "step",
+        "op",
+        "weight",
+        "error ref",
+        "error impl",
+        "max ulps",
+        "max rel err",
+        "err/bound",
+        "verdict",
+    ]
+    return render_table(header, rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``wacc replay``; see the module docstring."""
+    device = check_device(args.device)
+    scenario = load_scenario_file(args.file)
+    implementation = implementation_from(args)
+    if implementation.fused != scenario.fused:
+        raise UsageError(
+            f"the scenario has fused={scenario.fused}, but {args.impl} declares "
+            f"state.fused={implementation.fused}"
+        )
+    verdict = judge(implementation, scenario, device=device, oracles=oracles_from(args))
+    print(
+        f"wacc replay {args.file} on {args.impl} ({device}): D={scenario.work_dtype}, "
+        f"G={scenario.grad_dtype}, S={scenario.loss_scale!r}; oracles {', '.join(verdict.oracles)}"
+    )
+    print(_table(verdict))
+    for line in verdict.describe(limit=20):
+        print(line)
+    for index, message in sorted(verdict.messages.items()):
+        print(f"step {index} raised {message}")
+    for step in verdict.steps:
+        for note in step.notes:
+            print(f"note: {note}")
+    print("DIVERGES" if verdict.failed else "agrees with the reference")
+    return 1 if verdict.failed else 0

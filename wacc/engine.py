@@ -1,0 +1,266 @@
+"""The check engine behind ``wacc check`` and the pytest plugin.
+
+For each work dtype it runs every strategy family of :data:`FAMILIES` (generated scenarios,
+:func:`wacc_ref.strategies.scenarios`) and the stateful machine of :mod:`wacc.machine` against
+an implementation, applying the chosen oracles to every scenario (:func:`wacc.verdict.judge`).
+Hypothesis shrinks a failing scenario; the engine keeps the shrunk one (Hypothesis replays the
+minimal failing example last) and writes it as ``wacc_ref`` scenario JSON, replayable with
+``wacc replay``. ``hypothesis.target`` steers the search towards large error/bound ratios and
+ulps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings, target
+from hypothesis.errors import HypothesisException
+
+from wacc.implementation import Implementation
+from wacc.profiles import profile_settings
+from wacc.shrink import shrink_scenario
+from wacc.verdict import ORACLES, ScenarioVerdict, judge
+from wacc_ref import formats
+from wacc_ref.scenario import Scenario, to_json
+from wacc_ref.strategies import scenarios
+
+__all__ = [
+    "FAMILIES",
+    "CheckConfig",
+    "CheckReport",
+    "DtypeSummary",
+    "Finding",
+    "observe_metrics",
+    "run_check",
+    "write_finding",
+    "run_family",
+]
+
+# family -> keyword arguments of wacc_ref.strategies.scenarios (besides dtype and fused)
+FAMILIES: Mapping[str, Mapping[str, Any]] = {
+    # unequal microbatches, zero-weight batches, overflow-prone loss scales, cancellation
+    "windows": {"invalid_weights": False, "max_interruptions": 0},
+    # the same with invalid weights (negative, NaN, inf): InvalidWeightError at the same step
+    "invalid_weights": {"invalid_weights": True, "max_interruptions": 0},
+    # checkpoints (sync and async), restores into fresh instances, corrupted restores
+    "interruptions": {"invalid_weights": False},
+    # NaN and ±inf gradients
+    "non_finite": {"allow_nan": True, "allow_infinity": True, "max_interruptions": 1},
+}
+MACHINE = "stateful"
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """What ``wacc check`` runs (keyword-only options, all with defaults)."""
+
+    dtypes: tuple[str, ...] = formats.WORK_DTYPES
+    device: str = "cpu"
+    profile: str = "ci"
+    seed: int | None = None
+    oracles: tuple[str, ...] = ORACLES
+    families: tuple[str, ...] = (*FAMILIES, MACHINE)
+    examples: int | None = None  # per dtype and family; None: the profile's max_examples
+    shrink_seconds: float = 30.0  # per failure: the time wacc.shrink may take
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A divergence: the shrunk scenario's verdict, and where its JSON was written."""
+
+    dtype: str
+    family: str
+    verdict: ScenarioVerdict
+    path: Path | None = None
+
+
+@dataclass
+class DtypeSummary:
+    """Per work dtype: scenarios judged and the worst metrics seen."""
+
+    scenarios: int = 0
+    failed: int = 0
+    max_ulps: float = 0.0
+    max_rel_error: float = 0.0
+    max_ratio: float = 0.0
+
+    def add(self, verdict: ScenarioVerdict) -> None:
+        """Count ``verdict`` and keep the worst of its metrics."""
+        self.scenarios += 1
+        self.failed += verdict.failed
+        self.max_ulps = max(self.max_ulps, verdict.maximum("max_ulps"))
+        self.max_rel_error = max(self.max_rel_error, verdict.maximum("max_rel_error"))
+        self.max_ratio = max(self.max_ratio, verdict.maximum("max_ratio"))
+
+
+@dataclass
+class CheckReport:
+    """The outcome of a whole check."""
+
+    implementation: str
+    oracles: tuple[str, ...]
+    findings: list[Finding] = field(default_factory=list)
+    summaries: dict[str, DtypeSummary] = field(default_factory=dict)
+    unsupported: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """No divergence (unsupported features are the caller's to judge)."""
+        return not self.findings
+
+
+def _settings(config: CheckConfig, examples: int) -> settings:
+    base = profile_settings(config.profile)
+    derandomize = base.derandomize and config.seed is None
+    return settings(
+        base,
+        max_examples=examples,
+        derandomize=derandomize,
+        # Hypothesis finds; wacc.shrink shrinks (a strategy draw per candidate is too slow).
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
+        report_multiple_bugs=False,
+        suppress_health_check=[*base.suppress_health_check, HealthCheck.filter_too_much],
+    )
+
+
+def observe_metrics(verdict: ScenarioVerdict) -> None:
+    # Climb towards the worst case: Hypothesis maximizes each labelled target.
+    ratio = verdict.maximum("max_ratio")
+    ulps = verdict.maximum("max_ulps")
+    target(ratio if math.isfinite(ratio) else 1e300, label="error/bound")
+    target(ulps if math.isfinite(ulps) else 1e300, label="ulps")
+
+
+def run_family(
+    implementation: Implementation,
+    dtype: str,
+    family: str,
+    config: CheckConfig,
+    *,
+    on_verdict: Callable[[ScenarioVerdict], None] = lambda verdict: None,
+) -> ScenarioVerdict | None:
+    """Run one family on one dtype; return the shrunk failing verdict, or None."""
+    examples = config.examples or profile_settings(config.profile).max_examples
+    failures: list[ScenarioVerdict] = []
+    device = torch.device(config.device)
+
+    def check_verdict(verdict: ScenarioVerdict, *, observe: bool = True) -> None:
+        on_verdict(verdict)
+        if observe:
+            observe_metrics(verdict)
+        if verdict.failed:
+            failures.append(verdict)
+            raise AssertionError("\n".join(verdict.describe()))
+
+    if family == MACHINE:
+        from wacc.machine import run_machine
+
+        try:
+            run_machine(
+                implementation,
+                dtype,
+                device=device,
+                oracles=config.oracles,
+                settings=_settings(config, max(1, examples // 4)),
+                seed=config.seed,
+                on_verdict=lambda verdict: check_verdict(verdict, observe=False),
+            )
+        except (AssertionError, HypothesisException):
+            if not failures:
+                raise
+        return _shrunk(implementation, failures, config, device)
+
+    options = dict(FAMILIES[family])
+    if not implementation.supports("records"):
+        options["max_interruptions"] = 0
+
+    @given(scenarios(work_dtypes=(dtype,), fused=implementation.fused, **options))
+    def property_test(scenario: Scenario) -> None:
+        check_verdict(judge(implementation, scenario, device=device, oracles=config.oracles))
+
+    test = _settings(config, examples)(property_test)
+    if config.seed is not None:
+        test = seed(config.seed)(test)
+    try:
+        test()
+    except (AssertionError, HypothesisException):
+        if not failures:
+            raise
+    return _shrunk(implementation, failures, config, device)
+
+
+def _shrunk(
+    implementation: Implementation,
+    failures: list[ScenarioVerdict],
+    config: CheckConfig,
+    device: torch.device,
+) -> ScenarioVerdict | None:
+    """The first failure, shrunk by :func:`wacc.shrink.shrink_scenario`, judged again."""
+    if not failures:
+        return None
+    first = failures[0]
+    oracles = set(first.failed_oracles)
+
+    def still_fails(candidate: Scenario) -> bool:
+        verdict = judge(implementation, candidate, device=device, oracles=config.oracles)
+        return bool(oracles & set(verdict.failed_oracles))
+
+    smallest = shrink_scenario(first.scenario, still_fails, seconds=config.shrink_seconds)
+    return judge(implementation, smallest, device=device, oracles=config.oracles)
+
+
+def write_finding(finding: Finding, out: Path, number: int | None = None) -> Path:
+    """Write the finding's scenario JSON under ``out`` (created) and return its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    if number is None:
+        number = len(list(out.glob("divergence-*.json"))) + 1
+    path = out / f"divergence-{number:02d}-{finding.dtype}-{finding.family}.json"
+    path.write_text(to_json(finding.verdict.scenario, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def run_check(
+    implementation: Implementation,
+    config: CheckConfig,
+    *,
+    out: Path | None = None,
+    progress: Callable[[str, str], None] = lambda dtype, family: None,
+    on_verdict: Callable[[ScenarioVerdict], None] = lambda verdict: None,
+) -> CheckReport:
+    """Every family on every dtype of ``config``; failing scenarios are written under ``out``."""
+    started = time.perf_counter()
+    report = CheckReport(implementation=implementation.spec, oracles=config.oracles)
+    for dtype in config.dtypes:
+        summary = report.summaries.setdefault(dtype, DtypeSummary())
+        for family in config.families:
+            progress(dtype, family)
+
+            def seen(verdict: ScenarioVerdict, summary: DtypeSummary = summary) -> None:
+                summary.add(verdict)
+                on_verdict(verdict)
+
+            shrunk = run_family(implementation, dtype, family, config, on_verdict=seen)
+            if shrunk is not None:
+                finding = Finding(dtype=dtype, family=family, verdict=shrunk)
+                if out is not None:
+                    finding = Finding(
+                        dtype=dtype,
+                        family=family,
+                        verdict=shrunk,
+                        path=write_finding(finding, out, len(report.findings) + 1),
+                    )
+                report.findings.append(finding)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def family_names() -> Sequence[str]:
+    """Every family ``--family`` accepts."""
+    return (*FAMILIES, MACHINE)

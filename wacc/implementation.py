@@ -1,0 +1,203 @@
+"""The implementation protocol: what the judge needs from an accumulator under test.
+
+An implementation is named by a factory spec, ``module:attr`` (an import path; the working
+directory is importable, as with ``python -m``) or ``path/to/file.py:attr``. The factory is
+called as ``make(dtype, loss_scale)`` with a ``torch.dtype`` work dtype and a float loss scale
+and returns a fresh accumulator with ``wacc_torch``'s public API (:class:`Accumulator`).
+``state.fused`` declares the evaluation order the implementation claims: ``False`` is the
+reproducible order (judged bit for bit), ``True`` the opt-in one-pass mode of the semantics' §6
+(judged per element against the accepted set).
+
+Optional features, each reported as ``unsupported: <feature>`` when missing (a failure unless
+allowed with ``--allow-missing FEATURE``):
+
+* ``records``: ``state_dict()`` and ``load_state_dict(record, module)`` (checkpoint and resume);
+* ``async_records``: ``state_dict_async()`` returning an object with ``.result()``.
+
+Errors are judged by class: an exception counts as the SPEC error ``RecordError`` (etc.) when it
+is that ``wacc_torch`` class or a subclass, or when a class of that name is in its MRO, so an
+implementation need not import ``wacc_torch`` to raise the right error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+import wacc_torch
+from wacc.errors import UsageError
+
+__all__ = [
+    "CORE_METHODS",
+    "DEFAULT_IMPL",
+    "FEATURES",
+    "SPEC_ERRORS",
+    "Accumulator",
+    "Factory",
+    "Implementation",
+    "error_class",
+    "load_implementation",
+    "wacc_torch_fused",
+    "wacc_torch_reproducible",
+]
+
+DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
+
+CORE_METHODS: tuple[str, ...] = ("accumulate_sum", "accumulate_mean", "finish_sums", "finish_mean")
+# feature -> the methods it needs
+FEATURES: Mapping[str, tuple[str, ...]] = {
+    "records": ("state_dict", "load_state_dict"),
+    "async_records": ("state_dict_async",),
+}
+# The SPEC's error classes, most specific first (the base class last).
+SPEC_ERRORS: tuple[str, ...] = (
+    "InvalidLossScaleError",
+    "InvalidWeightError",
+    "ParameterMismatchError",
+    "ZeroTotalWeightError",
+    "RecordError",
+    "WeightedAccumulationError",
+)
+
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """``wacc_torch.WeightedGradientsAccumulator``'s public API, as the judge calls it."""
+
+    def accumulate_sum(
+        self, module: nn.Module, weight: float, *, grads: Mapping[str, Any] | None = None
+    ) -> None: ...
+
+    def accumulate_mean(
+        self, module: nn.Module, weight: float, *, grads: Mapping[str, Any] | None = None
+    ) -> None: ...
+
+    def finish_sums(self) -> Any: ...
+
+    def finish_mean(self) -> Any: ...
+
+    @property
+    def state(self) -> Any: ...
+
+
+Factory = Callable[[torch.dtype, float], Any]
+
+
+def wacc_torch_reproducible(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``wacc_torch`` in its default, reproducible order (the judge's default implementation)."""
+    return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+
+def wacc_torch_fused(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``wacc_torch`` with ``fused=True`` (the declared one-pass mode for means)."""
+    return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale, fused=True)
+
+
+def error_class(exc: BaseException) -> str | None:
+    """The SPEC error class name ``exc`` counts as, or None when it is not a SPEC error."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    for name in SPEC_ERRORS:
+        if name in names:
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A loaded implementation: its spec, its factory, and what the probe instance showed."""
+
+    spec: str
+    factory: Factory
+    fused: bool
+    missing: tuple[str, ...]  # features the probe instance lacks
+
+    def make(self, dtype: torch.dtype, loss_scale: float) -> Any:
+        """A fresh accumulator (the factory's exceptions propagate)."""
+        return self.factory(dtype, loss_scale)
+
+    def supports(self, feature: str) -> bool:
+        """Whether the implementation has every method ``feature`` needs."""
+        return feature not in self.missing
+
+
+def _import_target(spec: str) -> Any:
+    if spec.count(":") != 1:
+        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
+    location, attr = spec.split(":")
+    if not location or not attr:
+        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
+    if location.endswith(".py"):
+        path = Path(location)
+        if not path.is_file():
+            raise UsageError(f"implementation file {location!r} does not exist")
+        name = f"_wacc_impl_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise UsageError(f"cannot load {location!r} as a Python file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file: any failure is an environment error
+            del sys.modules[name]
+            raise UsageError(
+                f"importing {location!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
+    else:
+        # Like ``python -m``: a module in the working directory is importable by name.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(location)
+        except Exception as exc:
+            raise UsageError(
+                f"cannot import module {location!r}: {type(exc).__name__}: {exc}"
+            ) from None
+    try:
+        target = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{location!r} has no attribute {attr!r}") from None
+    if not callable(target):
+        raise UsageError(f"{spec!r} is not callable (a factory make(dtype, loss_scale))")
+    return target
+
+
+def load_implementation(spec: str) -> Implementation:
+    """Import the factory ``spec`` and probe one instance (float32, loss scale 1).
+
+    Raises :class:`UsageError` (exit 2) for a bad path, a factory that raises, or an object that
+    lacks a core method or a ``state``.
+    """
+    factory = _import_target(spec)
+    try:
+        probe = factory(torch.float32, 1.0)
+    except Exception as exc:
+        raise UsageError(
+            f"factory {spec!r} raised for (torch.float32, 1.0): {type(exc).__name__}: {exc}"
+        ) from None
+    lacking = [name for name in CORE_METHODS if not callable(getattr(probe, name, None))]
+    if lacking:
+        raise UsageError(f"{spec!r} made an object without {', '.join(lacking)}")
+    try:
+        fused = probe.state.fused
+    except Exception as exc:
+        raise UsageError(
+            f"{spec!r}: reading state.fused failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(fused, bool):
+        raise UsageError(f"{spec!r}: state.fused must be a bool, got {fused!r}")
+    missing = tuple(
+        feature
+        for feature, methods in FEATURES.items()
+        if not all(callable(getattr(probe, name, None)) for name in methods)
+    )
+    return Implementation(spec=spec, factory=factory, fused=fused, missing=missing)

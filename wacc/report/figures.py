@@ -1,0 +1,176 @@
+"""The report's figures (matplotlib, Agg): one idea per figure, labelled axes with units.
+
+Each function takes the data it plots and a path, writes a PNG and returns the path. Sizes and
+fonts are chosen to be readable at 100 % in a markdown viewer (about 1000 px wide).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never a display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from wacc.report.rows import Row  # noqa: E402
+from wacc.report.sweeps import (  # noqa: E402
+    OVERFLOW_CATEGORIES,
+    DoubleRounding,
+    OverflowMap,
+    SkewPoint,
+)
+from wacc_ref import formats  # noqa: E402
+
+__all__ = [
+    "device_differences_figure",
+    "double_rounding_figure",
+    "error_bound_figure",
+    "overflow_map_figure",
+    "skew_figure",
+]
+
+_DPI = 100
+plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "figure.dpi": _DPI})
+_COLORS = {"wacc_torch": "#1f77b4", "wacc_torch_fused": "#2ca02c", "pixparse_loop": "#d62728"}
+
+
+def _save(figure: plt.Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=_DPI, bbox_inches="tight", pil_kwargs={"optimize": True})
+    plt.close(figure)
+    return path
+
+
+def error_bound_figure(rows: Sequence[Row], path: Path) -> Path:
+    """Max error/bound per scenario vs its longest window, per work dtype (wacc_torch only)."""
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, sharey=True)
+    rng = np.random.default_rng(0)  # jitter only, so overlapping points stay visible
+    for axis, dtype in zip(axes.flat, formats.WORK_DTYPES, strict=True):
+        for name, offset in (("wacc_torch", -0.15), ("wacc_torch_fused", 0.15)):
+            chosen = [
+                r
+                for r in rows
+                if r.implementation == name and r.work_dtype == dtype and math.isfinite(r.max_ratio)
+            ]
+            x = np.array([r.window_length for r in chosen], dtype=float)
+            y = np.array([r.max_ratio for r in chosen])
+            axis.scatter(
+                x + offset + rng.uniform(-0.08, 0.08, x.size), y, s=10, alpha=0.5,
+                color=_COLORS[name], label=name.replace("_", " "),
+            )  # fmt: skip
+        axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        axis.text(0.01, 1.02, "bound", fontsize=9, transform=axis.get_yaxis_transform())
+        axis.set_title(f"work dtype {dtype}")
+        axis.set_ylim(-0.03, 1.12)
+        axis.grid(alpha=0.3)
+    for axis in axes[1]:
+        axis.set_xlabel("microbatches in the longest window of the scenario")
+    for axis in axes[:, 0]:
+        axis.set_ylabel("max |error| / derived bound")
+    axes[0, 0].legend(loc="lower right", fontsize=9)
+    figure.suptitle("Error against the exact result stays within the derived bound (≤ 1)")
+    return _save(figure, path)
+
+
+def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
+    """Relative error vs the window's weight skew: wacc_torch against the pixparse loop."""
+    figure, axis = plt.subplots(figsize=(9, 5.5))
+    floor = 1e-10  # exact results (error 0) are drawn here, on a log axis
+    for name in sorted({p.implementation for p in points}):
+        for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+            chosen = [p for p in points if p.implementation == name and p.work_dtype == dtype]
+            if not chosen:
+                continue
+            skews = sorted({p.skew for p in chosen})
+            worst = [max(p.max_rel_error for p in chosen if p.skew == s) for s in skews]
+            axis.plot(
+                skews, [max(w, floor) for w in worst], style, marker="o",
+                color=_COLORS.get(name, "gray"), label=f"{name.replace('_', ' ')}, D = {dtype}",
+            )  # fmt: skip
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.axhline(floor, color="gray", linewidth=0.5)
+    axis.text(1.05, floor * 1.6, "exact", fontsize=9, color="gray")
+    axis.set_xlabel(
+        "weight skew: largest / smallest token count in the window (tokens 1, 3, 7, skew)"
+    )
+    axis.set_ylabel("max relative error vs the exact mean (over 4 draws)")
+    axis.set_title(
+        "`loss /= accum_steps` grows with the skew; token weighting stays at rounding level"
+    )
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=9)
+    return _save(figure, path)
+
+
+_MAP_COLORS = ("#c7e9c0", "#fdae6b", "#9ecae1", "#de2d26", "#bdbdbd", "#54278f")
+
+
+def overflow_map_figure(maps: Mapping[str, OverflowMap], path: Path) -> Path:
+    """The overflow map of every work dtype (categories over log2 S x log2 W)."""
+    figure, axes = plt.subplots(2, 2, figsize=(11, 9.5))
+    cmap = ListedColormap(_MAP_COLORS)
+    present: set[int] = set()
+    for axis, dtype in zip(axes.flat, formats.WORK_DTYPES, strict=True):
+        data = maps[dtype]
+        present |= set(np.unique(data.categories).tolist())
+        s, w = data.scale_exponents, data.weight_exponents
+        axis.imshow(
+            data.categories, origin="lower", aspect="auto", cmap=cmap,
+            vmin=-0.5, vmax=len(_MAP_COLORS) - 0.5,
+            extent=(s[0] - 0.5 * (s[1] - s[0]), s[-1] + 0.5 * (s[1] - s[0]),
+                    w[0] - 0.5 * (w[1] - w[0]), w[-1] + 0.5 * (w[1] - w[0])),
+        )  # fmt: skip
+        axis.set_title(f"work dtype {dtype} (max ≈ 2^{formats.get_format(dtype).emax + 1})")
+        axis.set_xlabel("log2 loss scale S")
+        axis.set_ylabel("log2 total weight W (tokens)")
+    handles = [Patch(color=_MAP_COLORS[i], label=OVERFLOW_CATEGORIES[i]) for i in sorted(present)]
+    figure.legend(handles=handles, loc="lower center", ncol=1, fontsize=9, frameon=False)
+    mean = next(iter(maps.values())).mean_exponent
+    figure.suptitle(
+        f"Where S·W overflows and sequential division does not (true mean gradient t = 2^{mean})"
+    )
+    figure.tight_layout(rect=(0, 0.15, 1, 0.97))
+    return _save(figure, path)
+
+
+def double_rounding_figure(sweeps: Sequence[DoubleRounding], path: Path) -> Path:
+    """Share of values near a D midpoint where PyTorch's float64 -> D differs from round_D."""
+    figure, axis = plt.subplots(figsize=(9, 5))
+    for sweep, marker in zip(sweeps, ("o", "s"), strict=False):
+        axis.plot(
+            [math.log2(o) for o in sweep.offsets], [100 * f for f in sweep.fraction_differing],
+            marker=marker, label=f"float64 → {sweep.work_dtype}",
+        )  # fmt: skip
+    axis.axvline(-1, color="gray", linestyle=":", linewidth=1)
+    axis.text(-0.8, 52, "half a float32 ulp", fontsize=9, color="gray")
+    axis.set_xlabel("log2 distance of x from a midpoint of D, in float32 ulps")
+    axis.set_ylabel("conv_D(x) ≠ round_D(x)  [% of samples]")
+    axis.set_ylim(-3, 60)
+    axis.set_title("PyTorch rounds float64 → fp16/bf16 twice (via float32): wrong within ½ ulp₃₂")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    return _save(figure, path)
+
+
+def device_differences_figure(counts: Mapping[tuple[str, str], int], path: Path) -> Path:
+    """Scenarios whose CPU and CUDA traces differ, per work dtype and implementation."""
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    names = sorted({name for _, name in counts})
+    width = 0.8 / max(1, len(names))
+    for offset, name in enumerate(names):
+        values = [counts.get((dtype, name), 0) for dtype in formats.WORK_DTYPES]
+        positions = np.arange(len(formats.WORK_DTYPES)) + offset * width
+        axis.bar(positions, values, width, label=name.replace("_", " "))
+    axis.set_xticks(np.arange(len(formats.WORK_DTYPES)) + width * (len(names) - 1) / 2)
+    axis.set_xticklabels(formats.WORK_DTYPES)
+    axis.set_ylabel("scenarios with CPU ≠ CUDA bits")
+    axis.set_title("CPU vs CUDA: the reproducible order agrees bit for bit; fused may not")
+    axis.legend()
+    return _save(figure, path)

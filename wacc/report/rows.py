@@ -1,0 +1,120 @@
+"""One judged row per scenario x implementation x device (the report's ``divergence.csv``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from wacc.implementation import Implementation, load_implementation
+from wacc.report.corpus import CorpusEntry
+from wacc.verdict import ORACLES, ScenarioVerdict, judge
+from wacc_ref.scenario import Accumulate, Finish, Scenario
+
+__all__ = ["IMPLEMENTATIONS", "Row", "judge_corpus", "window_length", "weight_skew"]
+
+# report name -> factory spec, in the order of the headline table
+IMPLEMENTATIONS: Mapping[str, str] = {
+    "wacc_torch": "wacc.implementation:wacc_torch_reproducible",
+    "wacc_torch_fused": "wacc.implementation:wacc_torch_fused",
+    "pixparse_loop": "wacc.baselines:pixparse_loop",
+    "scale_times_weight": "wacc.baselines:scale_times_weight",
+    "fused_undeclared": "wacc.baselines:fused_undeclared",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of ``divergence.csv``."""
+
+    scenario_id: str
+    family: str
+    implementation: str
+    device: str
+    work_dtype: str
+    grad_dtype: str
+    window_length: int
+    weight_skew: float
+    loss_scale: float
+    max_ulps: float
+    max_rel_error: float
+    max_ratio: float
+    verdict: str  # "pass" or "fail: <oracles>"
+    replay: str  # the replay file (relative to the report) for a failing row, else ""
+
+
+def _windows(scenario: Scenario) -> list[list[Accumulate]]:
+    windows: list[list[Accumulate]] = [[]]
+    for step in scenario.steps:
+        if isinstance(step, Accumulate):
+            windows[-1].append(step)
+        elif isinstance(step, Finish):
+            windows.append([])
+    return [window for window in windows if window]
+
+
+def window_length(scenario: Scenario) -> int:
+    """The most microbatches any window of the scenario accumulates."""
+    return max((len(window) for window in _windows(scenario)), default=0)
+
+
+def weight_skew(scenario: Scenario) -> float:
+    """The largest ratio of the largest to the smallest positive finite weight in a window."""
+    skews = [1.0]
+    for window in _windows(scenario):
+        weights = [s.weight for s in window if math.isfinite(s.weight) and s.weight > 0]
+        if weights:
+            skews.append(max(weights) / min(weights))
+    return max(skews)
+
+
+def _row(entry: CorpusEntry, name: str, device: str, verdict: ScenarioVerdict) -> Row:
+    scenario = entry.scenario
+    failed = verdict.failed_oracles
+    return Row(
+        scenario_id=entry.scenario_id,
+        family=entry.family,
+        implementation=name,
+        device=device,
+        work_dtype=scenario.work_dtype,
+        grad_dtype=scenario.grad_dtype,
+        window_length=window_length(scenario),
+        weight_skew=weight_skew(scenario),
+        loss_scale=scenario.loss_scale,
+        max_ulps=verdict.maximum("max_ulps"),
+        max_rel_error=verdict.maximum("max_rel_error"),
+        max_ratio=verdict.maximum("max_ratio"),
+        verdict="fail: " + ",".join(failed) if failed else "pass",
+        replay=f"scenarios/{entry.scenario_id}.json" if failed else "",
+    )
+
+
+def judge_corpus(
+    corpus: Sequence[CorpusEntry],
+    *,
+    implementations: Mapping[str, str] = IMPLEMENTATIONS,
+    devices: Sequence[str] = ("cpu",),
+    progress: Callable[[], None] = lambda: None,
+) -> tuple[list[Row], dict[tuple[str, str, str], ScenarioVerdict]]:
+    """Judge every entry on every implementation and device with all three oracles.
+
+    Returns the rows and the verdicts keyed by (scenario id, implementation, device). A fused
+    implementation runs each scenario with ``fused=True`` (what it declares).
+    """
+    loaded: dict[str, Implementation] = {
+        name: load_implementation(spec) for name, spec in implementations.items()
+    }
+    rows: list[Row] = []
+    verdicts: dict[tuple[str, str, str], ScenarioVerdict] = {}
+    for entry in corpus:
+        for name, implementation in loaded.items():
+            scenario = dataclasses.replace(entry.scenario, fused=implementation.fused)
+            for device in devices:
+                verdict = judge(implementation, scenario, device=device, oracles=ORACLES)
+                rows.append(
+                    _row(dataclasses.replace(entry, scenario=scenario), name, device, verdict)
+                )
+                verdicts[(entry.scenario_id, name, device)] = verdict
+                progress()
+    return rows, verdicts

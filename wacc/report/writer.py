@@ -1,0 +1,179 @@
+"""The report's files: ``index.md`` (headline table, figures inline), ``divergence.csv``, and
+``scenarios/`` with the replay file of every failing row."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from wacc.report.corpus import CorpusEntry
+from wacc.report.provenance import Provenance
+from wacc.report.rows import IMPLEMENTATIONS, Row
+from wacc.tables import format_metric
+from wacc_ref import formats
+from wacc_ref.scenario import to_json
+
+__all__ = ["CSV_COLUMNS", "Headline", "headline", "write_csv", "write_index", "write_scenarios"]
+
+CSV_COLUMNS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Row))
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One line of the headline table: a work dtype x implementation (x device)."""
+
+    work_dtype: str
+    implementation: str
+    device: str
+    scenarios: int
+    failing: int
+    failed_oracles: tuple[str, ...]
+    max_ulps: float
+    max_rel_error: float
+    max_ratio: float
+
+    @property
+    def verdict(self) -> str:
+        """``pass`` or ``FAIL`` with the failing count and oracles."""
+        if not self.failing:
+            return "pass"
+        return f"FAIL {self.failing}/{self.scenarios} ({', '.join(self.failed_oracles)})"
+
+
+def headline(rows: Sequence[Row]) -> list[Headline]:
+    """Aggregate ``rows`` per work dtype x implementation x device, in table order."""
+    order = {name: position for position, name in enumerate(IMPLEMENTATIONS)}
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.work_dtype, row.implementation, row.device), []).append(row)
+    lines = []
+    for (dtype, name, device), group in groups.items():
+        oracles = Counter(
+            oracle
+            for row in group
+            if row.verdict != "pass"
+            for oracle in row.verdict.removeprefix("fail: ").split(",")
+        )
+        lines.append(
+            Headline(
+                work_dtype=dtype,
+                implementation=name,
+                device=device,
+                scenarios=len(group),
+                failing=sum(row.verdict != "pass" for row in group),
+                failed_oracles=tuple(sorted(oracles)),
+                max_ulps=max(row.max_ulps for row in group),
+                max_rel_error=max(row.max_rel_error for row in group),
+                max_ratio=max(row.max_ratio for row in group),
+            )
+        )
+    dtypes = {dtype: position for position, dtype in enumerate(formats.WORK_DTYPES)}
+    lines.sort(key=lambda h: (dtypes[h.work_dtype], order.get(h.implementation, 99), h.device))
+    return lines
+
+
+def headline_markdown(lines: Sequence[Headline]) -> str:
+    """The headline table in markdown."""
+    out = [
+        "| work dtype | implementation | device | scenarios | max ulps vs emulation | "
+        "max rel. error | max error/bound | verdict |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for h in lines:
+        out.append(
+            f"| {h.work_dtype} | `{h.implementation}` | {h.device} | {h.scenarios} | "
+            f"{format_metric(h.max_ulps)} | {format_metric(h.max_rel_error)} | "
+            f"{format_metric(h.max_ratio)} | {h.verdict} |"
+        )
+    return "\n".join(out)
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> Path:
+    """``divergence.csv``: one row per scenario x implementation x device (floats as repr)."""
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for row in rows:
+            writer.writerow([getattr(row, column) for column in CSV_COLUMNS])
+    return path
+
+
+def write_scenarios(rows: Sequence[Row], corpus: Sequence[CorpusEntry], out: Path) -> int:
+    """The replay file of every scenario a failing row names; returns how many were written."""
+    by_id = {entry.scenario_id: entry.scenario for entry in corpus}
+    needed = sorted({row.replay for row in rows if row.replay})
+    for name in needed:
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scenario_id = Path(name).stem
+        path.write_text(to_json(by_id[scenario_id], indent=1) + "\n", encoding="utf-8")
+    return len(needed)
+
+
+def write_index(
+    out: Path,
+    *,
+    provenance: Provenance,
+    rows: Sequence[Row],
+    figures: Mapping[str, tuple[Path, str]],
+    variants: Mapping[str, Mapping[str, Counter[str]]],
+    replay_files: int,
+) -> Path:
+    """``index.md``: provenance, the headline table, each figure with what it shows."""
+    parts = ["# wacc report", "", *provenance.lines(), ""]
+    parts += [
+        "## Headline",
+        "",
+        "Every scenario of the corpus judged on every implementation with the three oracles "
+        "(emulation bit for bit, error within the derived bound, semantics). `max ulps` is the "
+        "distance to the reproducible order's emulation in units of the work dtype (a fused mode "
+        "may legitimately differ); `max rel. error` is against the exact result over elements "
+        "whose exact value is nonzero; `max error/bound` <= 1 means the bound held.",
+        "",
+        headline_markdown(headline(rows)),
+        "",
+    ]
+    for title, (path, caption) in figures.items():
+        parts += [
+            f"## {title}",
+            "",
+            caption,
+            "",
+            f"![{title}]({path.relative_to(out).as_posix()})",
+            "",
+        ]
+    if variants:
+        parts += [
+            "## Fused mode: the §6 variant each device took",
+            "",
+            "Scenarios with a mean step, run with `fused=True`; each counted under the variants "
+            "of the reference whose whole trace it equals (`mixed`: none alone, as when PyTorch's "
+            "CPU half-precision kernels round the vectorized body and the scalar tail "
+            "differently; `any`: the variants coincide).",
+            "",
+            "| device | work dtype | variants matched (scenarios) |",
+            "|---|---|---|",
+        ]
+        for device, per_dtype in variants.items():
+            for dtype in formats.WORK_DTYPES:
+                counts = per_dtype.get(dtype)
+                if counts:
+                    shown = ", ".join(f"{label}: {n}" for label, n in sorted(counts.items()))
+                    parts.append(f"| {device} | {dtype} | {shown} |")
+        parts.append("")
+    parts += [
+        "## Files",
+        "",
+        f"- `divergence.csv`: {len(rows)} rows (scenario x implementation x device): "
+        + ", ".join(CSV_COLUMNS),
+        f"- `scenarios/`: {replay_files} replay files, one per scenario that a row fails "
+        "(`wacc replay scenarios/<file> --impl <factory>`)",
+        "",
+    ]
+    path = out / "index.md"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path

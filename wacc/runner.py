@@ -1,0 +1,362 @@
+"""Run a :class:`wacc_ref.scenario.Scenario` on any implementation and trace it like the reference.
+
+:class:`ImplementationRun` executes a scenario one step at a time on a real ``nn.Module``
+(parameters registered under the scenario's dotted names) and returns each step's
+:class:`~wacc_ref.traces.StepOutcome`, built with the same snapshot functions as the reference
+run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
+
+* Records are the implementation's own. Every restore round-trips the latest record through a
+  real file (``torch.save`` -> ``torch.load(weights_only=True)``) into a fresh instance and a
+  fresh module. Asynchronous checkpoints are resolved (``.result()``) only when used or at the
+  end, so that accumulation continuing before ``.result()`` is exercised.
+* A record that follows ``wacc_torch``'s documented schema (every key of
+  :data:`wacc_ref.records.RECORD_KEYS`, tensors as pending buffers) is snapshotted after every
+  step (pending buffers compared) and corrupted with the 20 schema kinds of
+  :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
+  (``state``), and a corrupted restore applies a format-agnostic corruption
+  (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the SPEC family.
+* An exception that is not a SPEC error is recorded as ``"unexpected <Class>"`` (its message in
+  :attr:`ImplementationRun.messages`), and a checkpoint or restore step on an implementation
+  without records as ``"unsupported: records"``: neither matches the reference, so each is a
+  divergence, never a crash of the judge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from wacc.implementation import Implementation, error_class
+from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
+from wacc_ref.records import RECORD_KEYS
+from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, Scenario
+from wacc_ref.traces import (
+    FinishOutcome,
+    RecordSnapshot,
+    ScenarioTrace,
+    StepOutcome,
+    finish_outcome,
+    snapshot_record,
+)
+
+__all__ = [
+    "AGNOSTIC_CORRUPTIONS",
+    "TORCH_DTYPES",
+    "ImplementationRun",
+    "build_module",
+    "counters_snapshot",
+    "follows_schema",
+    "in_module_order",
+    "run_implementation",
+]
+
+TORCH_DTYPES: Mapping[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+# Corruptions for records of an unknown layout; scenario kind i maps to entry i mod len.
+AGNOSTIC_CORRUPTIONS: tuple[str, ...] = (
+    "missing_key",
+    "extra_key",
+    "wrong_type",
+    "truncated_file",
+    "flipped_byte_file",
+)
+_EXTRA_KEY = "__wacc_unknown_key__"
+
+
+def build_module(parameters: Mapping[str, tuple[int, ...]], *, device: torch.device) -> nn.Module:
+    """A module whose ``named_parameters()`` are exactly ``parameters`` (dotted names nest)."""
+    root = nn.Module()
+    for name, shape in parameters.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        owner.register_parameter(leaf, nn.Parameter(torch.zeros(shape, device=device)))
+    return root
+
+
+def in_module_order(scenario: Scenario) -> Scenario:
+    """``scenario`` with its parameters listed in the order ``nn.Module`` registers them.
+
+    A module lists its own parameters before its children's, so ``("a.w", "b")`` comes out as
+    ``("b", "a.w")``; the record schema keeps registration order, so the reference must see the
+    same order to compare records field by field.
+    """
+    shapes = scenario.params
+    module = build_module(shapes, device=torch.device("meta"))
+    ordered = tuple((name, shapes[name]) for name, _ in module.named_parameters())
+    return dataclasses.replace(scenario, parameters=ordered)
+
+
+def follows_schema(record: object) -> bool:
+    """Whether ``record`` has ``wacc_torch``'s documented layout (its keys, tensor buffers)."""
+    if not isinstance(record, Mapping) or not set(RECORD_KEYS) <= set(record):
+        return False
+    pending = record["pending"]
+    return isinstance(pending, Mapping) and all(
+        isinstance(buffer, torch.Tensor) for buffer in pending.values()
+    )
+
+
+def counters_snapshot(state: Any, work_dtype: str) -> RecordSnapshot:
+    """The counters of ``state`` as a snapshot with no parameters and no pending buffers."""
+    return RecordSnapshot(
+        format_version=None,
+        dtype=work_dtype,
+        loss_scale=float(state.loss_scale),
+        fused=state.fused,
+        issued=state.issued,
+        zero_weight=state.zero_weight,
+        total_weight=float(state.total_weight),
+        param_names=(),
+        param_shapes=(),
+        pending=(),
+    )
+
+
+def _gradient_tensor(values: np.ndarray, grad_dtype: str, device: torch.device) -> torch.Tensor:
+    # float64 holds every value of every format exactly and the scenario guarantees the values
+    # are representable in G, so this conversion is exact whatever PyTorch's rounding path.
+    return torch.tensor(values, dtype=torch.float64).to(TORCH_DTYPES[grad_dtype]).to(device)
+
+
+def _same_record(first: object, second: object) -> bool:
+    """Deep equality of two records (tensors bit for bit, NaN positions included)."""
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        return (
+            first.dtype == second.dtype
+            and first.shape == second.shape
+            and torch.equal(
+                first.cpu().reshape(-1).view(torch.uint8),
+                second.cpu().reshape(-1).view(torch.uint8),
+            )
+        )
+    if isinstance(first, Mapping) and isinstance(second, Mapping):
+        return first.keys() == second.keys() and all(
+            _same_record(first[key], second[key]) for key in first
+        )
+    if isinstance(first, list | tuple) and isinstance(second, list | tuple):
+        return len(first) == len(second) and all(
+            _same_record(a, b) for a, b in zip(first, second, strict=True)
+        )
+    return type(first) is type(second) and (first == second or first != first)
+
+
+def _wrong_type(value: object) -> object:
+    """A value of another type than ``value`` (a str for numbers, a number for the rest)."""
+    if isinstance(value, str):
+        return 7
+    if isinstance(value, bool | int | float):
+        return "not a number"
+    return 3.5
+
+
+class _Unsupported(Exception):
+    """A step that needs a feature the implementation lacks (recorded, never raised out)."""
+
+
+class ImplementationRun:
+    """One scenario executed step by step on an implementation (see the module docstring)."""
+
+    def __init__(
+        self,
+        implementation: Implementation,
+        scenario: Scenario,
+        *,
+        device: torch.device,
+        scratch: Path,
+    ) -> None:
+        self.implementation = implementation
+        self.scenario = scenario
+        self.device = device
+        self._scratch = scratch
+        self._dtype = TORCH_DTYPES[scenario.work_dtype]
+        self.accumulator, self.module = self._fresh()
+        self._latest: Any = None  # a record, or an async handle not resolved yet
+        self._unresolved: dict[int, tuple[Any, RecordSnapshot]] = {}  # handle, its moment
+        self._records: dict[int, RecordSnapshot] = {}
+        self.outcomes: list[StepOutcome] = []
+        self.messages: dict[int, str] = {}  # step index -> the exception's message
+        self.schema = False  # set by the first record taken
+
+    def _fresh(self) -> tuple[Any, nn.Module]:
+        accumulator = self.implementation.make(self._dtype, self.scenario.loss_scale)
+        return accumulator, build_module(self.scenario.params, device=self.device)
+
+    def _resolve_latest(self) -> Any:
+        if not isinstance(self._latest, Mapping) and hasattr(self._latest, "result"):
+            self._latest = self._latest.result()
+        return self._latest
+
+    def _snapshot(self, record: Any, *, counters: RecordSnapshot | None = None) -> RecordSnapshot:
+        # An opaque record is represented by the counters of the moment it was taken.
+        if follows_schema(record):
+            return snapshot_record(record)
+        if counters is not None:
+            return counters
+        return counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
+
+    def _state(self) -> RecordSnapshot:
+        if self.implementation.supports("records"):
+            record = self.accumulator.state_dict()
+            self.schema = follows_schema(record)
+            return self._snapshot(record)
+        return counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
+
+    def _round_trip(self, record: Any, *, damage: str | None = None) -> Any:
+        """``record`` through a real file; ``damage`` truncates it or flips a byte first."""
+        path = self._scratch / "record.pt"
+        torch.save(record, path)
+        if damage is not None:
+            data = bytearray(path.read_bytes())
+            if damage == "truncated_file":
+                data = data[: len(data) // 2]
+            else:
+                data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        return torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+
+    def _agnostic_corruption(self, record: Mapping[str, Any], kind: str) -> tuple[Any, bool]:
+        """(the corrupted record, skipped); skipped when the damage never reaches the impl."""
+        agnostic = AGNOSTIC_CORRUPTIONS[CORRUPTION_KINDS.index(kind) % len(AGNOSTIC_CORRUPTIONS)]
+        keys = sorted(record, key=str)
+        key = keys[CORRUPTION_KINDS.index(kind) % len(keys)] if keys else None
+        corrupted = dict(record)
+        if agnostic == "missing_key" and key is not None:
+            del corrupted[key]
+        elif agnostic == "extra_key":
+            corrupted[_EXTRA_KEY] = 0
+        elif agnostic == "wrong_type" and key is not None:
+            corrupted[key] = _wrong_type(record[key])
+        elif agnostic in ("truncated_file", "flipped_byte_file"):
+            try:
+                loaded = self._round_trip(record, damage=agnostic)
+            except Exception:  # refused before the implementation saw it: nothing to judge
+                return None, True
+            if _same_record(loaded, record):
+                return None, True  # the flipped byte changed nothing that loads
+            return loaded, False
+        else:
+            return None, True
+        return corrupted, False
+
+    def step(self, index: int) -> StepOutcome:
+        """Run step ``index`` and return (and keep) its outcome."""
+        step = self.scenario.steps[index]
+        error: str | None = None
+        skipped = False
+        result: FinishOutcome | None = None
+        try:
+            if not isinstance(step, Accumulate | Finish) and not self.implementation.supports(
+                "records"
+            ):
+                raise _Unsupported("records")
+            if isinstance(step, Accumulate):
+                grads = {
+                    name: None
+                    if values is None
+                    else _gradient_tensor(values, self.scenario.grad_dtype, self.device)
+                    for name, values in self.scenario.grad_arrays(step).items()
+                }
+                method = (
+                    self.accumulator.accumulate_sum
+                    if step.kind == "sum"
+                    else self.accumulator.accumulate_mean
+                )
+                method(self.module, step.weight, grads=grads)
+            elif isinstance(step, Finish):
+                finished = (
+                    self.accumulator.finish_sums()
+                    if step.kind == "sums"
+                    else self.accumulator.finish_mean()
+                )
+                result = finish_outcome(finished, list(self.scenario.params))
+            elif isinstance(step, Checkpoint):
+                if step.asynchronous and self.implementation.supports("async_records"):
+                    moment = counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
+                    self._latest = self.accumulator.state_dict_async()
+                    self._unresolved[index] = (self._latest, moment)
+                else:
+                    self._latest = self.accumulator.state_dict()
+                    self._records[index] = self._snapshot(self._latest)
+            elif isinstance(step, Restore):
+                record = self._round_trip(self._resolve_latest())
+                self.accumulator, self.module = self._fresh()
+                self.accumulator.load_state_dict(record, self.module)
+            else:
+                record = self._resolve_latest()
+                if follows_schema(record):
+                    if step.kind in applicable_corruptions(record):
+                        self.accumulator.load_state_dict(
+                            corrupt_record(record, step.kind), self.module
+                        )
+                    else:
+                        skipped = True
+                else:
+                    corrupted, skipped = self._agnostic_corruption(record, step.kind)
+                    if not skipped:
+                        self.accumulator.load_state_dict(corrupted, self.module)
+        except _Unsupported as exc:
+            error = f"unsupported: {exc}"
+            self.messages[index] = f"the implementation has no {exc} (state_dict / load_state_dict)"
+        except Exception as exc:  # an implementation under test may raise anything
+            spec_error = error_class(exc)
+            error = spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"
+            self.messages[index] = f"{type(exc).__name__}: {exc}"
+        outcome = StepOutcome(
+            index=index,
+            op=step.op,
+            error=error,
+            skipped=skipped,
+            state=self._state(),
+            result=result,
+        )
+        self.outcomes.append(outcome)
+        return outcome
+
+    def trace(self) -> ScenarioTrace:
+        """The outcomes so far, with every async checkpoint resolved into its record."""
+        for index, (handle, moment) in list(self._unresolved.items()):
+            self._records[index] = self._snapshot(handle.result(), counters=moment)
+            del self._unresolved[index]
+        outcomes = tuple(
+            dataclasses.replace(outcome, record=self._records.get(outcome.index))
+            if outcome.op == "checkpoint" and outcome.error is None
+            else outcome
+            for outcome in self.outcomes
+        )
+        return ScenarioTrace(
+            outcomes=outcomes, implementation=f"{self.implementation.spec}/{self.device}"
+        )
+
+
+def run_implementation(
+    implementation: Implementation, scenario: Scenario, *, device: torch.device | str = "cpu"
+) -> tuple[ScenarioTrace, ImplementationRun]:
+    """Run every step of ``scenario`` (in module order) and return the trace and the run."""
+    with tempfile.TemporaryDirectory(prefix="wacc-judge-") as scratch:
+        run = ImplementationRun(
+            implementation, scenario, device=torch.device(device), scratch=Path(scratch)
+        )
+        for index in range(len(scenario.steps)):
+            run.step(index)
+        return run.trace(), run
