@@ -116,3 +116,29 @@ def test_comm_hook_example_runs_on_one_gloo_rank(
         assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
     finally:
         dist.destroy_process_group()
+
+
+def test_quickstart_is_two_commands_install_and_report_then_the_tests() -> None:
+    """The Quickstart block is exactly two commands: install + ``wacc report``, then pytest."""
+    text = README.read_text(encoding="utf-8")
+    quickstart = text.split("## Quickstart", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", quickstart, flags=re.S)
+    assert block is not None
+    commands = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
+    commands = [c for c in commands if c]
+    assert len(commands) == 2
+    assert commands[0].startswith("pip install torch==2.13.0 && ") and commands[0].endswith(
+        "&& wacc report"
+    )
+    assert commands[1] == "python -m pytest"
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\npython -m pytest\n" in ci and "wacc gate" in ci
+
+
+def test_readme_points_nowhere_outside_the_repository() -> None:
+    """Every relative link of the README names a file of the repository."""
+    text = README.read_text(encoding="utf-8")
+    assert "../shared" not in text
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+        if "://" not in target:
+            assert (README.parent / target).exists(), target

@@ -7,7 +7,7 @@ Each baseline is a factory ``make(dtype, loss_scale)`` (the protocol of
 * :func:`scale_times_weight`: one division by ``S * W`` formed in the work dtype;
 * :func:`fused_undeclared`: a one-pass ``add_(g, alpha=w)`` while claiming the reproducible order.
 
-They are built on :class:`SpecAccumulator`, the semantics (SPEC §3-§9) written plainly and
+They are built on :class:`SpecAccumulator`, the semantics (§3-§9) written plainly and
 independently of ``wacc_torch``'s internals (it uses only ``wacc_torch``'s public API: the error
 classes, :func:`wacc_torch.normalize_sums`, the result and state types). Its protected hooks are
 what a baseline (or a planted bug in the test suite) overrides: the weight check, the weight
@@ -91,7 +91,7 @@ class _Snapshot:
 
 
 class SpecAccumulator:
-    """The semantics written plainly: the baselines' common base (SPEC §3-§9, reproducible order).
+    """The semantics written plainly: the baselines' common base (§3-§9, reproducible order).
 
     ``accumulate_sum`` adds ``conv_D(g)``, ``accumulate_mean`` adds ``round_D(conv_D(g) * w_D)``
     (two roundings), W is the float64 running sum of the counted weights, a zero-weight batch
@@ -160,7 +160,7 @@ class SpecAccumulator:
         self.zero_weight += 1
 
     def normalize(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-        """Divide the sums by S, then by W, in place (SPEC §8)."""
+        """Divide the sums by S, then by W, in place (semantics §8)."""
         return normalize_sums(
             grads, loss_scale=self.loss_scale, total_weight=self.total_weight, in_place=True
         )
@@ -187,13 +187,13 @@ class SpecAccumulator:
     def accumulate_sum(
         self, module: nn.Module, weight: object, *, grads: Mapping[str, Any] | None = None
     ) -> None:
-        """Add a loss-SUM microbatch of token count ``weight`` (SPEC §5)."""
+        """Add a loss-SUM microbatch of token count ``weight`` (semantics §5)."""
         self._accumulate(module, weight, grads, mean=False)
 
     def accumulate_mean(
         self, module: nn.Module, weight: object, *, grads: Mapping[str, Any] | None = None
     ) -> None:
-        """Add a loss-MEAN microbatch, times its converted weight ``w_D`` (SPEC §6)."""
+        """Add a loss-MEAN microbatch, times its converted weight ``w_D`` (semantics §6)."""
         self._accumulate(module, weight, grads, mean=True)
 
     def _tracked(self, module: nn.Module) -> dict[str, nn.Parameter]:
@@ -268,7 +268,7 @@ class SpecAccumulator:
         )
 
     def finish_sums(self) -> Any:
-        """The scaled sums and W, undivided; a new window starts (SPEC §7)."""
+        """The scaled sums and W, undivided; a new window starts (semantics §7)."""
         result = self._result({n: self.pending.get(n) for n in self.names}, normalized=False)
         self.reset_window()
         return result
@@ -379,7 +379,7 @@ class PixparseLoop(SpecAccumulator):
     """``loss /= accum_steps`` then ``scaler(loss)`` (pixparse's cruller fine-tuning tasks).
 
     Every microbatch's mean gradient (a loss-sum microbatch's gradient divided by its own token
-    count) weighs the same, whatever its token count (SPEC §1): it is summed into a float32
+    count) weighs the same, whatever its token count (semantics §1): it is summed into a float32
     ``.grad`` (autograd's accumulation in the parameter dtype), the sum is unscaled once at the
     end like ``GradScaler.unscale_`` (a multiplication by ``1/S`` in float32), then divided by
     the number of positive-weight microbatches (``accum_steps``; pixparse divides each loss by
@@ -439,7 +439,7 @@ class FusedUndeclared(SpecAccumulator):
     The one-pass update of most hand-written accumulators (and of ``torch._foreach_add_`` with
     ``alpha``), shipped as if it were the reproducible order. On CPU, float32 contracts it into
     an FMA (one rounding instead of two); float16/bfloat16 round once through float32 in the
-    vectorized body of the kernel but twice, like the SPEC, in its scalar tail, so on the
+    vectorized body of the kernel but twice, like the semantics, in its scalar tail, so on the
     judge's short tensors it shows in float32 (and on longer tensors in float16/bfloat16).
     """
 

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("wacc.commands.check", "judge an implementation on generated scenarios"),
     "replay": ("wacc.commands.replay", "replay one scenario file step by step"),
     "report": ("wacc.commands.report", "the dtype error report: corpus, tables, plots"),
+    "gate": ("wacc.commands.gate", "the CI numerical regression gate against a baseline"),
 }
 
 

@@ -14,7 +14,7 @@ allowed with ``--allow-missing FEATURE``):
 * ``records``: ``state_dict()`` and ``load_state_dict(record, module)`` (checkpoint and resume);
 * ``async_records``: ``state_dict_async()`` returning an object with ``.result()``.
 
-Errors are judged by class: an exception counts as the SPEC error ``RecordError`` (etc.) when it
+Errors are judged by class: an exception counts as the §11 error ``RecordError`` (etc.) when it
 is that ``wacc_torch`` class or a subclass, or when a class of that name is in its MRO, so an
 implementation need not import ``wacc_torch`` to raise the right error.
 """
@@ -40,7 +40,7 @@ __all__ = [
     "CORE_METHODS",
     "DEFAULT_IMPL",
     "FEATURES",
-    "SPEC_ERRORS",
+    "SEMANTICS_ERRORS",
     "Accumulator",
     "Factory",
     "Implementation",
@@ -58,8 +58,8 @@ FEATURES: Mapping[str, tuple[str, ...]] = {
     "records": ("state_dict", "load_state_dict"),
     "async_records": ("state_dict_async",),
 }
-# The SPEC's error classes, most specific first (the base class last).
-SPEC_ERRORS: tuple[str, ...] = (
+# The semantics' error classes, most specific first (the base class last).
+SEMANTICS_ERRORS: tuple[str, ...] = (
     "InvalidLossScaleError",
     "InvalidWeightError",
     "ParameterMismatchError",
@@ -103,9 +103,9 @@ def wacc_torch_fused(dtype: torch.dtype, loss_scale: float) -> Any:
 
 
 def error_class(exc: BaseException) -> str | None:
-    """The SPEC error class name ``exc`` counts as, or None when it is not a SPEC error."""
+    """The §11 error class name ``exc`` counts as, or None when it is not an error of §11."""
     names = {cls.__name__ for cls in type(exc).__mro__}
-    for name in SPEC_ERRORS:
+    for name in SEMANTICS_ERRORS:
         if name in names:
             return name
     return None

@@ -14,8 +14,8 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   step (pending buffers compared) and corrupted with the 20 schema kinds of
   :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
   (``state``), and a corrupted restore applies a format-agnostic corruption
-  (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the SPEC family.
-* An exception that is not a SPEC error is recorded as ``"unexpected <Class>"`` (its message in
+  (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the §11 family.
+* An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message in
   :attr:`ImplementationRun.messages`), and a checkpoint or restore step on an implementation
   without records as ``"unsupported: records"``: neither matches the reference, so each is a
   divergence, never a crash of the judge.

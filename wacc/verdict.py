@@ -30,7 +30,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from wacc.implementation import SPEC_ERRORS, Implementation
+from wacc.implementation import SEMANTICS_ERRORS, Implementation
 from wacc.runner import in_module_order, run_implementation
 from wacc_ref import formats
 from wacc_ref.bits import array_differences, array_key
@@ -312,12 +312,12 @@ def _by_step(lines: Sequence[str], count: int) -> list[list[str]]:
 def _agnostic_expectations(
     scenario: Scenario, expected: ScenarioTrace, actual: ScenarioTrace
 ) -> ScenarioTrace:
-    """For opaque records, a format-agnostic corruption must be refused with any SPEC error,
+    """For opaque records, a format-agnostic corruption must be refused with any §11 error,
     or be detected before the implementation sees it (the damaged file does not load)."""
     outcomes = []
     for step, exp, act in zip(scenario.steps, expected.outcomes, actual.outcomes, strict=True):
         if isinstance(step, RestoreCorrupted):
-            refused = act.error in SPEC_ERRORS
+            refused = act.error in SEMANTICS_ERRORS
             exp = replace(
                 exp,
                 skipped=act.skipped,

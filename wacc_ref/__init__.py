@@ -4,10 +4,10 @@ The thin public API; the layers underneath are pure functions with explicit prec
 
 * :mod:`wacc_ref.formats` — IEEE formats as data (``FORMATS``), ``round_to`` (exact
   round-to-nearest-even with subnormals and overflow) and ``conv_to`` (PyTorch's conversion).
-* :mod:`wacc_ref.arith` — correctly rounded elementwise operations and the SPEC §6 fused set.
-* :mod:`wacc_ref.accumulator` — ``ReferenceAccumulator``, SPEC §3–§9 step by step, in
+* :mod:`wacc_ref.arith` — correctly rounded elementwise operations and the semantics §6 fused set.
+* :mod:`wacc_ref.accumulator` — ``ReferenceAccumulator``, semantics §3–§9 step by step, in
   ``emulated`` or ``exact`` mode; :mod:`wacc_ref.records` validates records.
-* :mod:`wacc_ref.bounds` — the tolerance table keyed by dtype and the SPEC §12.2 error bound.
+* :mod:`wacc_ref.bounds` — the tolerance table keyed by dtype and the semantics §12.2 error bound.
 * :mod:`wacc_ref.fastpath` — a float64 numpy path with its own proved bound, for large tensors.
 * :mod:`wacc_ref.scenario` and :mod:`wacc_ref.strategies` — replayable scenarios, traces and
   Hypothesis strategies (imported on demand: they pull in Hypothesis).

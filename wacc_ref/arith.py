@@ -2,7 +2,7 @@
 
 Every function here returns, for each element, the exact result of one real operation rounded
 *once* into a format ``F`` (round to nearest, ties to even, gradual underflow, overflow to ±inf)
-— the ``round_F`` of SPEC §2 — with IEEE 754 results for NaN, ±inf and signed zeros.  Values
+— the ``round_F`` of semantics §2 — with IEEE 754 results for NaN, ±inf and signed zeros.  Values
 travel as numpy float64 arrays: every value of every format here is exactly a float64.
 
 Three engines compute the same thing; the tests check that they agree bit for bit:
@@ -147,7 +147,7 @@ def round_array(values: npt.ArrayLike, fmt: str | Format) -> FloatArray:
 
 
 def conv_array(values: npt.ArrayLike, dtype: str | Format) -> FloatArray:
-    """SPEC ``conv_D`` of every element of a float64 array (see :func:`wacc_ref.formats.conv_to`).
+    """``conv_D`` (semantics §2) of every element of a float64 array (see ``formats.conv_to``).
 
     float64 and float32 targets round once; float16 and bfloat16 round through float32 first,
     as PyTorch's float64 -> float16/bfloat16 conversion does.
@@ -503,7 +503,7 @@ def fma_rounded(
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC §6 fused mean step: the set of admissible per-element results
+# semantics §6 fused mean step: the set of admissible per-element results
 # --------------------------------------------------------------------------------------------
 
 
@@ -537,7 +537,7 @@ class BitwiseFloat(float):
 
 
 def fused_mean_step_candidates(buf: float, c: float, w_d: float, dtype: str) -> frozenset[float]:
-    """Every result SPEC §6 allows for one element of a fused mean step in work dtype ``dtype``.
+    """Every result §6 allows for one element of a fused mean step in work dtype ``dtype``.
 
     ``buf`` is the pending value, ``c = conv_D(g)`` the converted gradient, ``w_d = conv_D(w)``
     the converted weight (all three must be values of ``dtype``).  The set holds

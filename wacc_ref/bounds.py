@@ -1,11 +1,11 @@
-r"""Error bounds for a finished window (SPEC §12.2) and the suite's tolerance table.
+r"""Error bounds for a finished window (semantics §12.2) and the suite's tolerance table.
 
 For a window of microbatches the exact result is ``X / S / W`` with ``X = Σ_k c_k`` — all arithmetic
 exact, on the gradients *as handed in* (before any conversion): ``c_k = g_k`` for
 ``accumulate_sum``, ``c_k = g_k · w_D,k`` for ``accumulate_mean`` (``w_D = conv_D(w)``), ``W`` the
 exact sum of the weights that §5/§6 count (``w`` for sums, ``w_D`` for means; zero weights count
 nothing and their gradients are never read).  :func:`window_error_bound` returns, per element, a
-bound ``B`` with ``|result - exact| <= B`` for *every* implementation in the SPEC's accepted set:
+bound ``B`` with ``|result - exact| <= B`` for *every* implementation in the accepted set:
 the reproducible two-step order (§5, §6, §8) and the fused variants of §6, where each step of each
 element may be any of them independently (the derivation takes, per step, the worst of them).
 
@@ -45,7 +45,7 @@ Step 1 — conversion ``conv_D(g)`` (per element)
 
 Step 2 — the step that adds contribution ``j`` (of the element's ``K``) into ``buf``
 -----------------------------------------------------------------------------------
-Zero-weight batches are skipped (SPEC §5), zero contributions are no steps (E5): ``j = 1..K``
+Zero-weight batches are skipped (semantics §5), zero contributions are no steps (E5): ``j = 1..K``
 numbers an element's nonzero contributions of positive-weight batches, in issue order.
 ``m_j = w_D,j`` for means and ``1`` for sums (no product), so ``c_j = g_j m_j`` and
 ``conv·m = c_j φ_c + ε_c m_j``.  The product ``conv·m`` of the two-step order is rounded with
@@ -85,7 +85,7 @@ underflow terms.
 
 Step 3 — the weight sum and the two divisions (``normalized=True``)
 ------------------------------------------------------------------
-``Ŵ`` is the float64 running sum of SPEC §3 and ``W_op = round_op(Ŵ)``; both are fixed by the SPEC
+``Ŵ`` is the float64 running sum of §3 and ``W_op = round_op(Ŵ)``; both are fixed by the semantics
 (no implementation freedom), so their combined relative error is used exactly:
 ``ψ = W / W_op`` (a rational, computed exactly).  Then, with ``Δ = (1 + δ_1)(1 + δ_2)(1 + δ_3)``::
 
@@ -186,7 +186,7 @@ class BoundArgumentError(ValueError):
 
 @dataclass(frozen=True)
 class DtypeTolerance:
-    """Rounding constants of one work dtype ``D`` and of ``op(D)`` (SPEC §2), exactly.
+    """Rounding constants of one work dtype ``D`` and of ``op(D)`` (semantics §2), exactly.
 
     Every tolerance in the suite is built from these fields; nothing types ``2**-11`` by hand.
     """
@@ -540,7 +540,7 @@ def _normalized_scalars(
 ) -> _NormalizedScalars | None:
     """Ŵ, W_op, ψ and the division constants; None when Ŵ or W_op is not finite and positive."""
     running = 0.0
-    for weight in counted_weights:  # SPEC §3: W <- round_64(W + w_eff), in issue order
+    for weight in counted_weights:  # semantics §3: W <- round_64(W + w_eff), in issue order
         if isinstance(weight, float):
             running = running + weight  # IEEE addition of two float64: exactly round_64(W + w)
         else:
@@ -629,7 +629,7 @@ def window_error_bound(
     loss_scale: float,
     normalized: bool = True,
 ) -> NDArray[np.float64]:
-    """Per-element bound on ``|result - exact|`` for one finished window (SPEC §12.2).
+    """Per-element bound on ``|result - exact|`` for one finished window (semantics §12.2).
 
     ``grads[k]`` and ``weights[k]`` are microbatch ``k`` in issue order: the gradient values as
     handed in (any float dtype; read exactly as float64) and the weight ``w``.  A ``None`` gradient
@@ -638,7 +638,7 @@ def window_error_bound(
     mix ``accumulate_sum`` and ``accumulate_mean``: the derivation is per term, and a sum term is
     the mean term with no product).  ``normalized=True`` bounds ``finish_mean()`` against
     ``Σ c_k / S / W``; ``normalized=False`` bounds the ``finish_sums()`` buffer against ``Σ c_k``.
-    The bound holds for the two-step order and every fused variant of SPEC §6 (the derivation is
+    The bound holds for the two-step order and every fused variant of §6 (the derivation is
     the module docstring).  Elements where an intermediate may overflow, or whose gradient is
     NaN/±inf in a positive-weight batch, get ``+inf`` (no bound).
 

@@ -1,4 +1,4 @@
-"""Corrupted copies of accumulator records (SPEC §9): what a restore must refuse.
+"""Corrupted copies of accumulator records (semantics §9): what a restore must refuse.
 
 the buffers are shared with the input, never written).  Each kind in :data:`CORRUPTION_KINDS` is
 listed in :data:`CORRUPTION_FIELDS` with the field that the ``RecordError`` message must name;

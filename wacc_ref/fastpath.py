@@ -1,4 +1,4 @@
-r"""A float64 numpy fast path for the exact result of SPEC §12.2, with a proved error bound.
+r"""A float64 numpy fast path for the exact result of semantics §12.2, with a proved error bound.
 
 :class:`Float64Accumulator` computes what the ``exact`` mode of
 :class:`~wacc_ref.accumulator.ReferenceAccumulator` computes — contributions ``c_k = g_k`` (sums)

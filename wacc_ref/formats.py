@@ -1,6 +1,6 @@
 """Binary floating-point formats and exact round-to-nearest-even into them.
 
-This module is the ground truth of the reference model: every ``round_F`` of SPEC §2 is
+This module is the ground truth of the reference model: every ``round_F`` of semantics §2 is
 :func:`round_to`, and every ``conv_D`` is :func:`conv_to`.  It never imports torch.
 
 Exact-rounding algorithm
@@ -220,7 +220,7 @@ FORMATS: Mapping[str, Format] = MappingProxyType(
 """The six formats, keyed by their torch spelling."""
 
 WORK_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
-"""The work dtypes D of SPEC §2 (the dtypes a pending buffer may have)."""
+"""The work dtypes D of semantics §2 (the dtypes a pending buffer may have)."""
 
 # Storage width in bits of each format (sign + exponent field + p - 1 fraction bits).
 _STORAGE_BITS: Mapping[str, int] = MappingProxyType(
@@ -358,7 +358,7 @@ def _params(fmt: str | Format) -> _RoundingParams:
 
 
 def op_format(fmt: str | Format) -> Format:
-    """SPEC ``op(D)``: the format PyTorch computes elementwise ops of ``fmt`` in.
+    """the semantics ``op(D)``: the format PyTorch computes elementwise ops of ``fmt`` in.
 
     float64 for float64, float32 for every narrower format.
     """
@@ -468,7 +468,7 @@ ExactReal: TypeAlias = float | int | Fraction | mpmath.mpf
 
 
 def round_to(x: ExactReal, fmt: str | Format) -> float:
-    """SPEC ``round_F(x)``: round the exact value of ``x`` to nearest-even in ``fmt``.
+    """the semantics ``round_F(x)``: round the exact value of ``x`` to nearest-even in ``fmt``.
 
     ``x`` may be a Python ``float`` (numpy floats of at most 64 bits included), an ``int``, a
     :class:`fractions.Fraction` or an :class:`mpmath.mpf`; its value is read exactly.  Gradual
@@ -502,13 +502,13 @@ def round_to(x: ExactReal, fmt: str | Format) -> float:
 
 
 def conv_to(x: ExactReal, fmt: str | Format) -> float:
-    """SPEC ``conv_D(x)``: PyTorch's conversion of the float64 value ``x`` into work dtype ``fmt``.
+    """``conv_D(x)`` (semantics §2): PyTorch's conversion of a float64 ``x`` into ``fmt``.
 
     float64 and float32 targets: ``round_to(x, fmt)``.  float16 and bfloat16: PyTorch rounds a
     float64 through float32 first, so ``round_to(round_to(x, "float32"), fmt)``.  A non-float input
     is first rounded to float64 (this models ``torch.tensor(float(x), dtype=D)``).  float8 targets
     raise :class:`UnsupportedConversionError`: float8 is never a work dtype, and PyTorch's
-    float8_e4m3fn conversion saturates (500 -> 448) where SPEC's ``round_F`` gives NaN.
+    float8_e4m3fn conversion saturates (500 -> 448) where semantics' ``round_F`` gives NaN.
     """
     target = get_format(fmt)
     if target.name not in WORK_DTYPES:

@@ -5,18 +5,18 @@ class (or both None), same ``skipped``, and every number identical as a float64 
 ``+0.0`` differs from ``-0.0`` — except that every NaN equals every NaN (sign and payload are not
 compared, positions are); counters and flags with ``==``; pending buffers keyed by name, so the
 order in which an implementation allocated them does not matter.  An empty list means the traces
-are identical.  :func:`trace_violations` checks the SPEC's invariants within a single trace (a
+are identical.  :func:`trace_violations` checks the semantics' invariants within a single trace (a
 raising step changes nothing, a corrupted restore raises ``RecordError``, a restore reproduces the
 checkpoint, a checkpoint changes nothing).
 
 :func:`stepwise_differences` is the step-local form of the same comparison: before each step the
 reference loads the state the *actual* trace recorded after the previous step, runs the step, and
 compares.  It localizes a divergence to one step, and it is the oracle for fused scenarios: with
-``fused=True`` a mean step may legitimately give any of three results per element (SPEC §6), and
+``fused=True`` a mean step may legitimately give any of three results per element (§6), and
 PyTorch's CPU float16 ``add_(c, alpha=w)`` mixes two of them within one tensor (vectorized chunks
 round in float32, the scalar tail rounds the product to float16 first), so no single
 ``fused_variant`` of :func:`run_reference` matches it; the stepwise oracle accepts, per element,
-exactly the SPEC's set.  For float32/float64 on CPU the fused result is the FMA
+exactly the semantics' set.  For float32/float64 on CPU the fused result is the FMA
 (``fused_variant="fma"``) and a whole-trace comparison works as well.
 
 """
@@ -76,12 +76,12 @@ def trace_differences(
 
 
 def trace_violations(trace: ScenarioTrace) -> list[str]:
-    """The SPEC invariants a single trace breaks (empty: none).
+    """The invariants of the semantics a single trace breaks (empty: none).
 
-    * a step that raised left the state exactly as it was (SPEC §11);
-    * a checkpoint does not change the state, and its record equals the state (SPEC §9);
+    * a step that raised left the state exactly as it was (semantics §11);
+    * a checkpoint does not change the state, and its record equals the state (semantics §9);
     * a restore that did not raise gives exactly the state of the checkpoint it loaded;
-    * a corrupted restore that was not skipped raised ``RecordError`` (SPEC §9).
+    * a corrupted restore that was not skipped raised ``RecordError`` (semantics §9).
     The state before the first step is not in the trace, so step 0 is never compared with a
     previous state (a checkpoint's record is still compared with its state).
     """
@@ -187,7 +187,7 @@ def run_reference(
 ) -> ScenarioTrace:
     """Run ``scenario`` step by step on the reference accumulator and return its trace.
 
-    Only the SPEC's errors (``wacc_ref.errors.WeightedAccumulationError`` and subclasses) are
+    Only the semantics' errors (``wacc_ref.errors.WeightedAccumulationError`` and subclasses) are
     caught and recorded; anything else propagates.  ``mode`` (``"emulated"`` or ``"exact"``),
     ``fused_variant`` (``"fma"``, ``"op_rounded"`` or ``"two_step"``, used only when the scenario
     is fused) and ``precision`` go to :class:`~wacc_ref.accumulator.ReferenceAccumulator`, which
@@ -235,7 +235,7 @@ def _fused_mean_differences(
     *,
     what: str,
 ) -> list[str]:
-    """A fused mean step: counters and structure exact, each touched element in the SPEC §6 set."""
+    """A fused mean step: counters and structure exact, each touched element in the §6 set."""
     work = scenario.work_dtype
     w_d = formats.conv_to(step.weight, work)
     touched = {name: values for name, values in step.grads if values is not None}
@@ -285,7 +285,7 @@ def stepwise_differences(
     Before step ``i`` the reference loads the state ``actual`` recorded after step ``i - 1``
     (restores load the record ``actual`` reported for the latest checkpoint), runs the step in
     ``emulated`` mode and compares like :func:`trace_differences`.  One exception makes this the
-    oracle for fused scenarios: in a fused mean step each touched element may be ANY result SPEC
+    oracle for fused scenarios: in a fused mean step each touched element may be ANY result
     §6 allows (``wacc_ref.arith.fused_mean_step_candidates`` of the actual buffer before the step,
     ``conv_D(g)`` and ``w_D``); counters, errors and every other value stay exact.  (PyTorch's
     CPU ``add_(c, alpha=w)`` on float16 gives the op-rounded result in its vectorized chunks and

@@ -7,10 +7,10 @@ parameters (ordered names and shapes) and a sequence of steps:
 ========================  =============================================================
 step                      meaning
 ========================  =============================================================
-``Accumulate("sum")``     ``accumulate_sum(params, weight, grads=...)`` (SPEC §5)
-``Accumulate("mean")``    ``accumulate_mean(params, weight, grads=...)`` (SPEC §6)
-``Finish("sums")``        ``finish_sums()`` (SPEC §7)
-``Finish("mean")``        ``finish_mean()`` (SPEC §8)
+``Accumulate("sum")``     ``accumulate_sum(params, weight, grads=...)`` (semantics §5)
+``Accumulate("mean")``    ``accumulate_mean(params, weight, grads=...)`` (semantics §6)
+``Finish("sums")``        ``finish_sums()`` (semantics §7)
+``Finish("mean")``        ``finish_mean()`` (semantics §8)
 ``Checkpoint(async)``     take a record: ``state_dict()`` or ``state_dict_async()`` (§9)
 ``Restore()``             load the most recent checkpoint into a FRESH accumulator (same
                           dtype, loss scale and fused flag) and continue with that one;
@@ -21,7 +21,7 @@ step                      meaning
 
 Gradient values are stored flat, in row-major order, one tuple of Python floats per parameter,
 each exactly a value of ``G`` (checked when the scenario is built).  A parameter absent from a
-step's ``grads``, or mapped to ``None``, is a zero contribution (SPEC §5).  Weights are arbitrary
+step's ``grads``, or mapped to ``None``, is a zero contribution (§5).  Weights are arbitrary
 Python floats, so that invalid weights (negative, NaN, inf) can be scenario steps too.
 
 Scenarios serialize losslessly to JSON (:func:`to_json`, :func:`from_json`): every float is written
@@ -517,7 +517,7 @@ def without_interruptions(scenario: Scenario) -> Scenario:
     """The scenario with every checkpoint, restore and corrupted restore removed.
 
     When every restore comes right after the checkpoint it loads (only checkpoints and corrupted
-    restores in between), resume is exact (SPEC §9) and the finish results of both scenarios must
+    restores in between), resume is exact (§9) and the finish results of both scenarios must
     be identical.
     """
     return Scenario(

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for accumulation scenarios (the edge cases SPEC §1–§9 are about).
+"""Hypothesis strategies for accumulation scenarios (the edge cases semantics §1–§9 are about).
 
 Each strategy is small and named after the family of inputs it reaches:
 
@@ -282,7 +282,7 @@ def unequal_microbatches(
 ) -> list[int]:
     """Token counts of one window: ints in [1, max_count], largest/smallest <= max_skew.
 
-    The smallest count is drawn first (the SPEC's 1, 7, 200, 3 example among the favourites),
+    The smallest count is drawn first (the semantics' 1, 7, 200, 3 example among the favourites),
     then every count lies in [smallest, min(max_count, smallest * max_skew)], with both ends
     drawn explicitly so that the full skew is reached.
     """

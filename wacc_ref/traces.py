@@ -3,7 +3,7 @@
 :func:`run_reference` runs a scenario on :class:`wacc_ref.accumulator.ReferenceAccumulator` and
 returns a :class:`ScenarioTrace`: one :class:`StepOutcome` per step, holding
 
-* ``error``: the class name of the SPEC error the step raised (``"RecordError"``, ...), or None;
+* ``error``: the class name of the §11 error the step raised (``"RecordError"``, ...), or None;
 * ``skipped``: True only for a ``RestoreCorrupted`` whose corruption kind does not apply to the
   latest record (see :func:`applicable_corruptions`), which is then not loaded at all;
 * ``state``: a :class:`RecordSnapshot` of ``state_dict()`` taken after the step (all counters,

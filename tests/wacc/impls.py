@@ -149,5 +149,5 @@ class _RaisesOnMean(_Delegating):
 
 
 def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
-    """Raises a non-SPEC exception from every accumulate_mean."""
+    """Raises an exception outside §11 from every accumulate_mean."""
     return _RaisesOnMean(dtype, loss_scale)

@@ -41,7 +41,7 @@ def test_spec_accumulator_passes_every_family_in_every_work_dtype() -> None:
 
 
 def test_baselines_declare_the_reproducible_order() -> None:
-    """Every baseline claims ``state.fused = False``, so the judge holds it to the SPEC's bits."""
+    """Every baseline claims ``state.fused = False``, so the judge holds it to every bit."""
     for factory in (spec_accumulator, pixparse_loop, scale_times_weight, fused_undeclared):
         implementation = _load(factory)
         assert not implementation.fused
@@ -74,7 +74,7 @@ def test_pixparse_loop_is_flagged_within_three_microbatches() -> None:
 
 
 def _spec_window(counts: tuple[int, ...]) -> Scenario:
-    # SPEC §1's window: mean-loss microbatches, one gradient element each.
+    # semantics §1's window: mean-loss microbatches, one gradient element each.
     return Scenario(
         work_dtype="float32",
         grad_dtype="float32",
@@ -117,7 +117,7 @@ def test_fused_undeclared_is_flagged_in_float32() -> None:
     """A one-pass ``add_(g, alpha=w)`` claiming the reproducible order fails the emulation.
 
     float32: PyTorch's CPU kernel contracts it into an FMA. In float16/bfloat16 the judge's tiny
-    tensors take the kernel's scalar tail, which rounds twice like the SPEC, so it shows there
+    tensors take the kernel's scalar tail, which rounds twice like the semantics, so it shows there
     only on longer tensors.
     """
     verdict = run_family(

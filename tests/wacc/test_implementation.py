@@ -59,7 +59,7 @@ def test_bad_specs_raise_a_usage_error_naming_the_problem(spec: str, fragment: s
 
 
 def test_errors_count_by_class_or_by_name() -> None:
-    """A subclass of a SPEC error, or a foreign class with a SPEC name, counts as that error."""
+    """A subclass of an error of §11, or a foreign class with a §11 name, counts as that error."""
 
     class RecordError(Exception):  # an implementation that does not import wacc_torch
         pass

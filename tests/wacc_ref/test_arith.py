@@ -130,7 +130,7 @@ def test_conv_array_matches_conv_to(name: str) -> None:
     rng = np.random.default_rng(SEED + 1)
     inputs = [float(x) for x in rng.standard_normal(3000) * np.exp2(rng.integers(-140, 130, 3000))]
     inputs += random_values(rng, FORMATS["float64"], 500) + specials(FORMATS["float32"])
-    inputs.append(1 + 2**-8 + 2**-30)  # SPEC §2: the float32 detour gives 1.0 in bfloat16
+    inputs.append(1 + 2**-8 + 2**-30)  # semantics §2: the float32 detour gives 1.0 in bfloat16
     got = arith.conv_array(np.array(inputs), name)
     for x, g in zip(inputs, got.tolist(), strict=True):
         check_equal(g, conv_to(x, name), f"conv_array({x.hex()}, {name})")
@@ -379,7 +379,7 @@ def test_gradual_underflow_check_detects_flush_to_zero() -> None:
     arith.check_gradual_underflow()
 
 
-# --- SPEC §6 fused candidates ---------------------------------------------------------------
+# --- semantics §6 fused candidates ---------------------------------------------------------------
 
 
 def test_fused_candidates_bfloat16_fma_differs_from_two_step() -> None:

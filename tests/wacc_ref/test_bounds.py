@@ -1,4 +1,4 @@
-"""Tests of wacc_ref.bounds: the window error bound of SPEC §12.2 and the tolerance table.
+"""Tests of wacc_ref.bounds: the window error bound of semantics §12.2 and the tolerance table.
 
 The judge is the reference accumulator: its ``emulated`` mode (every accepted order) must stay
 within :func:`window_error_bound` of its ``exact`` mode on random windows; constructed windows
@@ -52,7 +52,7 @@ MAX_MICROBATCHES = 8
 # Fixed seeds, one per work dtype: every random window is reproducible from (seed, index).
 SEEDS = {"float64": 0xB0D64, "float32": 0xB0D32, "float16": 0xB0D16, "bfloat16": 0xB0DBF}
 GRADIENT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-# The emulated step orders: (fused, fused_variant); sums ignore the variant (SPEC §5).
+# The emulated step orders: (fused, fused_variant); sums ignore the variant (semantics §5).
 VARIANTS = ((False, "two_step"), (True, "fma"), (True, "op_rounded"), (True, "two_step"))
 FINISHES = ("sums", "mean")
 # exact-mode precision: a sum of <= 8 products g * w_D (each <= 53 + 53 significant bits, its
@@ -209,7 +209,7 @@ def _random_window(rng: np.random.Generator, dtype: str) -> tuple[Window, int]:
     grads: list[np.ndarray | None] = []
     previous: np.ndarray | None = None
     for weight in weights:
-        if weight == 0:  # never read (SPEC §5): NaN proves it
+        if weight == 0:  # never read (semantics §5): NaN proves it
             grads.append(np.full(size, math.nan))
             continue
         if rng.integers(10) == 0:
@@ -327,7 +327,7 @@ def _second_rounding(dtype: str) -> tuple[Fraction, Fraction]:
 
 
 def _variants_of(window: Window) -> tuple[tuple[bool, str], ...]:
-    """Every accepted step order for the window (sums have only one, SPEC §5)."""
+    """Every accepted step order for the window (sums have only one, semantics §5)."""
     return VARIANTS if window.kind == "mean" else VARIANTS[:1]
 
 
@@ -546,7 +546,7 @@ def test_rounded_weight_sum_is_the_whole_error_and_the_whole_bound(dtype: str) -
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_double_conversion_nearly_attains_the_bound(dtype: str) -> None:
-    """float64 1 + u + 2**-22 u rounds through float32 to the tie 1 + u, then to 1 (SPEC §2)."""
+    """float64 1 + u + 2**-22 u rounds through float32 to the tie 1 + u, then to 1 (§2)."""
     u = _u(dtype)
     g = 1.0 + float(u) + float(u) * math.ldexp(1.0, -22)
     assert not is_representable(g, "float32")
@@ -706,7 +706,7 @@ def test_weight_sum_kept_in_bfloat16_exceeds_the_bound() -> None:
 
 
 def test_scale_times_weight_formed_in_float16_exceeds_the_bound() -> None:
-    """S * W = 2**15 * 4096 overflows float16 to inf, so buf / (S W) = 0 (SPEC §8)."""
+    """S * W = 2**15 * 4096 overflows float16 to inf, so buf / (S W) = 0 (semantics §8)."""
     window = Window(
         dtype="float16",
         kind="sum",

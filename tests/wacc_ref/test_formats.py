@@ -262,7 +262,7 @@ def test_round_to_rejects_non_reals() -> None:
 
 
 def test_spec_conv_example() -> None:
-    """SPEC §2: conv_bf16(1 + 2**-8 + 2**-30) is 1.0, the correctly rounded value 1.0078125."""
+    """semantics §2: conv_bf16(1 + 2**-8 + 2**-30) is 1.0, the correctly rounded value 1.0078125."""
     x = 1 + 2**-8 + 2**-30
     assert conv_to(x, "bfloat16") == 1.0
     assert round_to(x, "bfloat16") == 1.0078125

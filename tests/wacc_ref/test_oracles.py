@@ -86,7 +86,7 @@ def test_run_reference_matches_a_hand_derived_trace() -> None:
 
 
 def test_run_reference_mean_uses_the_converted_weight() -> None:
-    """bfloat16 mean: weight 1001 counts as 1000 in W and in the product (SPEC §6)."""
+    """bfloat16 mean: weight 1001 counts as 1000 in W and in the product (semantics §6)."""
     scenario = make_scenario(
         (Accumulate.of("mean", 1001.0, {"w": [1.0, 0.5]}), Finish("mean")),
         work_dtype="bfloat16",
@@ -152,7 +152,7 @@ def test_run_reference_exact_mode_gives_the_real_result_rounded_once() -> None:
 
 
 def test_mid_window_restore_is_bit_identical_to_the_uninterrupted_run() -> None:
-    """Checkpoint + restore in the middle of a window changes no finish result (SPEC §9)."""
+    """Checkpoint + restore in the middle of a window changes no finish result (semantics §9)."""
     tiny = formats.get_format("float16").min_subnormal
     steps = (
         Accumulate.of("mean", 3.0, {"w": [tiny, -1.5]}),
@@ -290,7 +290,7 @@ def _fp16_fused_scenario() -> Scenario:
 
 def test_stepwise_oracle_accepts_each_allowed_fused_result() -> None:
     """Traces following the op-rounded and the two-step fused results differ from each other,
-    but each passes the stepwise oracle (SPEC §6 allows both)."""
+    but each passes the stepwise oracle (semantics §6 allows both)."""
     scenario = _fp16_fused_scenario()
     op_rounded = run_reference(scenario, fused_variant="op_rounded")
     two_step = run_reference(scenario, fused_variant="two_step")
@@ -315,7 +315,7 @@ def _replace_state_pending(
 
 
 def test_stepwise_oracle_refuses_a_fused_result_outside_the_allowed_set() -> None:
-    """A fused mean element that is none of the three SPEC §6 results is reported with the
+    """A fused mean element that is none of the three semantics §6 results is reported with the
     allowed values; the next step is judged from the actual (tampered) state."""
     scenario = _fp16_fused_scenario()
     tampered = _replace_state_pending(run_reference(scenario), 1, "w", [-65440.0, 1.0])

@@ -235,7 +235,7 @@ def test_overflow_prone_scales_make_s_times_w_overflow(dtype: str) -> None:
 
 
 def test_float16_spec_example_is_an_overflow_prone_case() -> None:
-    """The SPEC's fp16 case S = 2**15, W = 4096 is reachable from overflow_prone_scales."""
+    """The semantics' fp16 case S = 2**15, W = 4096 is reachable from overflow_prone_scales."""
     assert _find(overflow_prone_scales("float16"), lambda s: s == 2.0**15) == 2.0**15
 
 
@@ -382,8 +382,8 @@ def _run_twice(scenario: Scenario, **options: Any) -> ScenarioTrace:
 def test_run_reference_raises_only_spec_errors_and_is_deterministic(
     scenario: Scenario, fused_variant: str
 ) -> None:
-    """run_reference of a generated scenario records only SPEC error classes, gives the same trace
-    twice (also after a JSON round trip), and keeps every SPEC invariant of a trace."""
+    """run_reference of a generated scenario records only §11 error classes, gives the same trace
+    twice (also after a JSON round trip), and keeps every invariant of the semantics of a trace."""
     trace = _run_twice(scenario, fused_variant=fused_variant)
     assert len(trace) == len(scenario.steps)
     for outcome in trace:
@@ -400,7 +400,7 @@ def test_stepwise_oracle_accepts_the_reference_in_every_variant(
     scenario: Scenario, fused_variant: str
 ) -> None:
     """The reference following any one fused variant passes the stepwise oracle of its own
-    scenario (the oracle accepts the SPEC §6 set, and is exact everywhere else)."""
+    scenario (the oracle accepts the semantics §6 set, and is exact everywhere else)."""
     trace = run_reference(scenario, fused_variant=fused_variant)
     assert stepwise_differences(scenario, trace) == [], to_json(scenario)
 
@@ -408,7 +408,7 @@ def test_stepwise_oracle_accepts_the_reference_in_every_variant(
 @settings(max_examples=25, deadline=None, database=None)
 @given(scenarios(max_interruptions=0, allow_nan=True, allow_infinity=True))
 def test_run_reference_exact_mode_raises_only_spec_errors(scenario: Scenario) -> None:
-    """The exact mode runs generated scenarios too: only SPEC errors (ExactModeError for
+    """The exact mode runs generated scenarios too: only §11 errors (ExactModeError for
     non-finite gradients), deterministic traces."""
     trace = _run_twice(scenario, mode="exact")
     for outcome in trace:
@@ -419,7 +419,7 @@ def test_run_reference_exact_mode_raises_only_spec_errors(scenario: Scenario) ->
 @given(scenarios(max_interruptions=0), st.data())
 def test_immediate_resume_is_bit_identical(scenario: Scenario, data: st.DataObject) -> None:
     """Checkpoint (sync or async) + restore inserted at any position leaves every finish result
-    and every later state bit-identical to the uninterrupted run (SPEC §9)."""
+    and every later state bit-identical to the uninterrupted run (semantics §9)."""
     position = data.draw(st.integers(0, len(scenario.steps)), label="position")
     asynchronous = data.draw(st.booleans(), label="asynchronous")
     interrupted = Scenario(

@@ -12,7 +12,9 @@ from wacc.report.corpus import CorpusEntry
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 
-__all__ = ["IMPLEMENTATIONS", "Row", "judge_corpus", "window_length", "weight_skew"]
+__all__ = ["FUSED_SUFFIX", "IMPLEMENTATIONS", "Row", "judge_corpus", "window_length", "weight_skew"]
+
+FUSED_SUFFIX = "-fused"  # replay files of the fused=True twin of a corpus scenario
 
 # report name -> factory spec, in the order of the headline table
 IMPLEMENTATIONS: Mapping[str, str] = {
@@ -70,8 +72,10 @@ def weight_skew(scenario: Scenario) -> float:
 
 
 def _row(entry: CorpusEntry, name: str, device: str, verdict: ScenarioVerdict) -> Row:
-    scenario = entry.scenario
+    scenario = verdict.scenario
     failed = verdict.failed_oracles
+    # The corpus scenario, or its fused=True twin for an implementation that declares fused.
+    replay = f"scenarios/{entry.scenario_id}{FUSED_SUFFIX if scenario.fused else ''}.json"
     return Row(
         scenario_id=entry.scenario_id,
         family=entry.family,
@@ -86,7 +90,7 @@ def _row(entry: CorpusEntry, name: str, device: str, verdict: ScenarioVerdict) -
         max_rel_error=verdict.maximum("max_rel_error"),
         max_ratio=verdict.maximum("max_ratio"),
         verdict="fail: " + ",".join(failed) if failed else "pass",
-        replay=f"scenarios/{entry.scenario_id}.json" if failed else "",
+        replay=replay if failed else "",
     )
 
 
@@ -112,9 +116,7 @@ def judge_corpus(
             scenario = dataclasses.replace(entry.scenario, fused=implementation.fused)
             for device in devices:
                 verdict = judge(implementation, scenario, device=device, oracles=ORACLES)
-                rows.append(
-                    _row(dataclasses.replace(entry, scenario=scenario), name, device, verdict)
-                )
+                rows.append(_row(entry, name, device, verdict))
                 verdicts[(entry.scenario_id, name, device)] = verdict
                 progress()
     return rows, verdicts

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from wacc.report.corpus import CorpusEntry
 from wacc.report.provenance import Provenance
-from wacc.report.rows import IMPLEMENTATIONS, Row
+from wacc.report.rows import FUSED_SUFFIX, IMPLEMENTATIONS, Row
 from wacc.tables import format_metric
 from wacc_ref import formats
 from wacc_ref.scenario import to_json
@@ -109,8 +109,11 @@ def write_scenarios(rows: Sequence[Row], corpus: Sequence[CorpusEntry], out: Pat
     for name in needed:
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        scenario_id = Path(name).stem
-        path.write_text(to_json(by_id[scenario_id], indent=1) + "\n", encoding="utf-8")
+        stem = Path(name).stem
+        fused = stem.endswith(FUSED_SUFFIX)
+        scenario = by_id[stem.removesuffix(FUSED_SUFFIX)]
+        scenario = dataclasses.replace(scenario, fused=True) if fused else scenario
+        path.write_text(to_json(scenario, indent=1) + "\n", encoding="utf-8")
     return len(needed)
 
 

@@ -1,0 +1,161 @@
+"""``wacc gate``: the verdict rules, and real runs through subprocesses (shards, baselines)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wacc.gate.compare import ULPS_HEADROOM, compare, headroom
+from wacc.gate.measure import Metrics, Shard, merge_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``python -m wacc gate ARGS``."""
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", "gate", "--quiet", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+
+
+def test_headroom_is_exact_for_ulps_and_one_rounding_for_ratios() -> None:
+    """ulps allow nothing above the baseline; a ratio allows exactly one float64 step up."""
+    assert headroom("max_ulps", 3.0) == 3.0 + ULPS_HEADROOM == 3.0
+    assert headroom("max_ratio", 0.5) == 0.5 + 2.0**-53
+    assert headroom("max_ratio", float("inf")) == float("inf")
+
+
+def test_compare_separates_failures_regressions_and_improvements() -> None:
+    """A failing key is a failure, a worse metric a regression, a better one an improvement."""
+    base = {k: Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5) for k in ("a", "b", "c", "d")}
+    run = {
+        "a": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5),
+        "b": Metrics(scenarios=4, failing=1, max_ratio=7.0, findings=["step 1: boom"]),
+        "c": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5 + 2.0**-40),
+        "d": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.25),
+    }
+    result = compare(run, base)
+    assert [row[3] for row in result.rows] == ["ok", "FAIL", "REGRESSION", "improved"]
+    assert len(result.failures) == 1 and "boom" in result.failures[0]
+    assert not result.passed
+
+
+def test_shards_partition_the_units_and_merging_is_order_free() -> None:
+    """Shards K/N take disjoint slices covering all units; merging sums counts, keeps maxima."""
+    shards = [Shard(k, 3) for k in (1, 2, 3)]
+    assert all(sum(s.takes(i) for s in shards) == 1 for i in range(50))
+    parts = [
+        {"k": Metrics(scenarios=2, max_ratio=0.1)},
+        {"k": Metrics(scenarios=3, failing=1, max_ulps=4.0)},
+    ]
+    merged = merge_metrics(parts)["k"]
+    assert (merged.scenarios, merged.failing, merged.max_ulps, merged.max_ratio) == (5, 1, 4.0, 0.1)
+    with pytest.raises(ValueError, match="'3/2'"):
+        Shard.parse("3/2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One unsharded baseline and two shard results of wacc_torch, made by the real command."""
+    folder = tmp_path_factory.mktemp("gate")
+    made = gate("--update-baseline", "--baseline", str(folder / "baseline.json"))
+    assert made.returncode == 0, made.stdout + made.stderr
+    for index in (1, 2):
+        shard = gate(
+            "--shard", f"{index}/2", "--results", str(folder / "shards" / f"s{index}.json")
+        )
+        assert shard.returncode == 0, shard.stdout + shard.stderr
+    return folder
+
+
+def _entries(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text(encoding="utf-8"))["entries"]
+
+
+@pytest.mark.slow  # one whole gate run and two shards (~2 x 40 s on 2 cores)
+def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
+    """Merging the two shards gives exactly the unsharded run's entries, and passes against it."""
+    merged = gate(
+        "--merge", str(runs / "shards"), "--update-baseline", "--baseline", str(runs / "m.json")
+    )
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert _entries(runs / "m.json") == _entries(runs / "baseline.json")
+    verdict = gate(
+        "--merge", str(runs / "shards"), "--baseline", str(runs / "baseline.json"),
+        "--junit-xml", str(runs / "gate.xml"), "--summary-md", str(runs / "gate.md"),
+    )  # fmt: skip
+    assert verdict.returncode == 0, verdict.stdout + verdict.stderr
+    assert "wacc gate passed" in verdict.stdout
+    xml = (runs / "gate.xml").read_text(encoding="utf-8")
+    assert "<testcase" in xml and "<failure" not in xml
+    assert "### wacc gate passed" in (runs / "gate.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) -> None:
+    """Lowering one recorded max error/bound below what the run measures is exit 1, REGRESSION."""
+    document = json.loads((runs / "baseline.json").read_text(encoding="utf-8"))
+    key = next(k for k, e in document["entries"].items() if float.fromhex(e["max_ratio"]) > 0)
+    document["entries"][key]["max_ratio"] = (
+        float.fromhex(document["entries"][key]["max_ratio"]) * 0.9
+    ).hex()
+    stricter = runs / "stricter.json"
+    stricter.write_text(json.dumps(document), encoding="utf-8")
+    result = gate(
+        "--merge",
+        str(runs / "shards"),
+        "--baseline",
+        str(stricter),
+        "--junit-xml",
+        str(runs / "s.xml"),
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"REGRESSION: {key}: max_ratio" in result.stdout
+    assert "<failure" in (runs / "s.xml").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_planted_regression_fails_the_gate(runs: Path) -> None:
+    """An implementation dividing once by S·W formed in D fails against wacc_torch's baseline."""
+    result = gate(
+        "--impl", "wacc.baselines:scale_times_weight", "--baseline", str(runs / "baseline.json")
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILURE:" in result.stdout and "wacc gate FAILED" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (None, "no gate file"),
+        ("{not json", "not a readable JSON gate file"),
+        (json.dumps({"format": "something-else", "version": 1}), "expected 'wacc-gate-baseline'"),
+        (json.dumps({"format": "wacc-gate-baseline", "version": 1}), "field 'implementation'"),
+    ],
+)
+def test_a_missing_corrupt_or_foreign_baseline_is_exit_2(
+    tmp_path: Path, content: str | None, fragment: str
+) -> None:
+    """A baseline that cannot be used is one line on stderr and exit 2, never a traceback."""
+    baseline = tmp_path / "baseline.json"
+    if content is not None:
+        baseline.write_text(content, encoding="utf-8")
+    shards = tmp_path / "none"
+    shards.mkdir()
+    (shards / "s1.json").write_text(
+        json.dumps({"format": "wacc-gate-results", "version": 1, "implementation": "x",
+                    "corpus": {"seed": 0, "size": "default"}, "hypothesis": "0", "entries": {},
+                    "provenance": {}, "shard": "1/1"}), encoding="utf-8")  # fmt: skip
+    result = gate("--merge", str(shards), "--baseline", str(baseline))
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_usage_errors_are_exit_2() -> None:
+    """A bad shard or contradictory options are refused with exit 2."""
+    assert "--shard" in gate("--shard", "0/3").stderr
+    assert gate("--shard", "1/2", "--update-baseline").returncode == 2

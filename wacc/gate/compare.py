@@ -1,0 +1,94 @@
+"""The gate's verdict: hard failures, regressions beyond the headroom, improvements.
+
+Headroom (the one place it is derived): every measured metric is a deterministic function of
+results that the semantics fix bit for bit (the reproducible order is identical on every CPU,
+and the corpus and the ``ci`` profile are derandomized), computed once more from those bits:
+``max_ulps`` is an exact count of spacings (``|a - e| / ulp`` with both powers-of-two-scaled
+floats: exact), so its headroom is 0; ``max_ratio`` is an exact rational rounded *up* once to a
+float64 (:func:`wacc_ref.bounds.error_ratio`), so a recomputation can differ by at most that one
+rounding: its headroom is one float64 ulp (relative ``2**-52``). A metric beyond
+``baseline + headroom`` is a regression; below the baseline, an improvement. A fused mode is not
+fixed bit for bit across CPUs (§6 allows three results per element), so a baseline recorded on
+one CPU may not transfer; record one per runner type if you gate a fused implementation.
+
+Hard failures: any oracle violation (a failing scenario in any key). A key in the baseline that
+the run lacks, or a run key that the baseline lacks, or a different scenario count in a key
+without failures (a failing check family stops at its first failure), means the baseline is
+foreign to this run (another corpus, profile or Hypothesis version): exit 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from wacc.errors import UsageError
+from wacc.gate.measure import Metrics
+
+__all__ = ["RATIO_HEADROOM_ULPS", "ULPS_HEADROOM", "Comparison", "compare", "headroom"]
+
+ULPS_HEADROOM = 0.0  # spacings: an exact count
+RATIO_HEADROOM_ULPS = 1  # float64 ulps: the one rounding up of an exact rational
+
+
+def headroom(metric: str, baseline: float) -> float:
+    """The largest value of ``metric`` that is not a regression against ``baseline``."""
+    if metric == "max_ulps":
+        return baseline + ULPS_HEADROOM
+    limit = baseline
+    for _ in range(RATIO_HEADROOM_ULPS):
+        limit = math.nextafter(limit, math.inf)
+    return limit
+
+
+@dataclass
+class Comparison:
+    """The outcome per key and overall."""
+
+    failures: list[str] = field(default_factory=list)
+    regressions: list[str] = field(default_factory=list)
+    improvements: list[str] = field(default_factory=list)
+    rows: list[tuple[str, Metrics, Metrics, str]] = field(
+        default_factory=list
+    )  # key, now, base, status
+
+    @property
+    def passed(self) -> bool:
+        """No hard failure and no regression."""
+        return not self.failures and not self.regressions
+
+
+def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comparison:
+    """Judge ``run`` against ``baseline`` (see the module docstring)."""
+    missing, extra = sorted(baseline.keys() - run.keys()), sorted(run.keys() - baseline.keys())
+    if missing or extra:
+        raise UsageError(
+            f"the baseline does not fit this run: keys only in the baseline {missing[:3]}, only "
+            f"in the run {extra[:3]} (update it with `wacc gate --update-baseline`)"
+        )
+    result = Comparison()
+    for key in sorted(run):
+        now, base = run[key], baseline[key]
+        # A failing check stops at its first failure, so only a clean key must match the count.
+        if not now.failing and now.scenarios != base.scenarios:
+            raise UsageError(
+                f"the baseline does not fit this run: {key} judged {now.scenarios} scenarios, "
+                f"the baseline {base.scenarios} (another corpus, profile or Hypothesis version)"
+            )
+        status = "ok"
+        if now.failing:
+            status = "FAIL"
+            result.failures.append(
+                f"{key}: {now.failing} failing scenario(s): " + " | ".join(now.findings)
+            )
+        for metric in ("max_ulps", "max_ratio"):
+            value, reference = getattr(now, metric), getattr(base, metric)
+            if value > headroom(metric, reference):
+                result.regressions.append(f"{key}: {metric} {value!r} > baseline {reference!r}")
+                status = "FAIL" if status == "FAIL" else "REGRESSION"
+            elif value < reference:
+                result.improvements.append(f"{key}: {metric} {value!r} < baseline {reference!r}")
+                status = "improved" if status == "ok" else status
+        result.rows.append((key, now, base, status))
+    return result
