@@ -28,8 +28,14 @@ def _block(marker: str) -> str:
 
 def test_readme_has_the_usage_examples() -> None:
     """The README shows a training loop, a data-parallel block, an accumulator of your own for
-    ``wacc check`` and a reference block, each exactly once."""
-    for marker in ("save_record(", "no_sync", "def make(dtype", "ReferenceAccumulator("):
+    ``wacc check``, a reference block and the DDP communication-hook block, each exactly once."""
+    for marker in (
+        "save_record(",
+        "all_reduce_mean(",
+        "def make(dtype",
+        "ReferenceAccumulator(",
+        "WeightedAllReduceHook(",
+    ):
         _block(marker)
 
 
@@ -57,7 +63,7 @@ def test_data_parallel_example_runs_on_one_gloo_rank(
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         namespace["ddp_model"] = torch.nn.parallel.DistributedDataParallel(namespace["model"])
-        exec(compile(_block("no_sync"), str(README), "exec"), namespace)
+        exec(compile(_block("all_reduce_mean("), str(README), "exec"), namespace)
         result = namespace["global_mean"]
         assert result.normalized and result.weight == 1.0 + 50.0  # rank 0: 1 + 50 tokens
         assert all(torch.isfinite(g).all() for g in result.grads.values() if g is not None)
@@ -89,6 +95,27 @@ def test_check_your_own_accumulator_example_passes_as_written(tmp_path: Path) ->
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_comm_hook_example_runs_on_one_gloo_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a one-rank gloo group the comm-hook block leaves a finite mean gradient in every .grad
+    and reports the window's weight (3 + 40 + 9 tokens) and its three microbatches."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(compile(_block("save_record("), str(README), "exec"), namespace)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        namespace["ddp_model"] = torch.nn.parallel.DistributedDataParallel(namespace["model"])
+        exec(compile(_block("WeightedAllReduceHook("), str(README), "exec"), namespace)
+        result = namespace["hook"].result
+        assert result.normalized and result.weight == 3.0 + 40.0 + 9.0 and result.issued == 3
+        grads = [p.grad for p in namespace["model"].parameters()]
+        assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_quickstart_is_two_commands_install_and_report_then_the_tests() -> None:

@@ -23,6 +23,10 @@ With two ranks every element is ``round_D(a + b)``; with more ranks the associat
 backend's.  All of a rank's buffers must live on one device (the common data-parallel layout).
 With NCCL, call ``torch.cuda.set_device`` on every rank first: the metadata exchange and the zeros
 of a rank without buffers use the current CUDA device, as ``torch.distributed`` itself does.
+
+:mod:`wacc_torch.ddp_hook` does the same reduction inside DDP's bucketed all-reduce of the last
+microbatch (overlapped with its backward); :mod:`wacc_torch.fsdp` does it for FSDP2.  A rank that
+never joins makes the others raise after the process group's ``timeout``.
 """
 
 from __future__ import annotations
@@ -141,21 +145,13 @@ def _all_reduce(
     normalize: bool,
 ) -> AccumulatedGradients:
     world_size = _membership(group, caller=caller)
-    report = _local_report(sums, caller=caller)
-    reports: list[_RankReport | None] = [None] * world_size
-    dist.all_gather_object(reports, report, group=group)
-    gathered = [_checked_report(r, rank=i) for i, r in enumerate(reports)]
-    layout = _agree(gathered, caller=caller, world_size=world_size)
-    if normalize and layout.weight == 0.0:
-        raise ZeroTotalWeightError(
-            f"{caller}: the global weight is 0 (weights per rank: "
-            f"{[r.weight for r in gathered]}); nothing to normalize"
-        )
-    if normalize and not math.isfinite(layout.weight):
-        raise InvalidWeightError(
-            f"{caller}: the global weight overflows float64 (weights per rank: "
-            f"{[r.weight for r in gathered]})"
-        )
+    layout = _exchange(
+        _local_report(sums, caller=caller),
+        group=group,
+        world_size=world_size,
+        caller=caller,
+        normalize=normalize,
+    )
     # From here on the input is known to be a valid AccumulatedGradients on every rank.
     reduced = _reduce_buffers(sums.grads, layout=layout, group=group)
     grads: dict[str, torch.Tensor | None] = {name: reduced.get(name) for name in sums.grads}
@@ -173,6 +169,33 @@ def _all_reduce(
         zero_weight=layout.zero_weight,
         normalized=normalize,
     )
+
+
+def _exchange(
+    report: _RankReport,
+    *,
+    group: ProcessGroup | None,
+    world_size: int,
+    caller: str,
+    normalize: bool,
+) -> _GlobalLayout:
+    """The one metadata exchange (``all_gather_object``) and the verdict every rank reaches on
+    the same gathered data: the agreed layout, or the same exception on every rank."""
+    reports: list[_RankReport | None] = [None] * world_size
+    dist.all_gather_object(reports, report, group=group)
+    gathered = [_checked_report(r, rank=i) for i, r in enumerate(reports)]
+    layout = _agree(gathered, caller=caller, world_size=world_size)
+    if normalize and layout.weight == 0.0:
+        raise ZeroTotalWeightError(
+            f"{caller}: the global weight is 0 (weights per rank: "
+            f"{[r.weight for r in gathered]}); nothing to normalize"
+        )
+    if normalize and not math.isfinite(layout.weight):
+        raise InvalidWeightError(
+            f"{caller}: the global weight overflows float64 (weights per rank: "
+            f"{[r.weight for r in gathered]})"
+        )
+    return layout
 
 
 def _membership(group: ProcessGroup | None, *, caller: str) -> int:

@@ -1,21 +1,21 @@
-"""wacc_torch.distributed against real torch.distributed: gloo on CPU, two spawned ranks.
+"""wacc_torch.distributed against real torch.distributed: gloo on CPU, two and four spawned ranks.
 
-One spawned job (two processes, one process group) runs every scenario in turn and saves what each
+One spawned job per world size (one process group) runs every scenario in turn and saves what each
 rank saw; the tests below judge those results in this process, against one accumulator fed all the
-microbatches of both ranks and against the reference model.  Rank 0 gets the microbatches with
-counts 1 and 7, rank 1 those with counts 200 and 3 (SPEC §1's example).
+microbatches of every rank and against the reference model.  With two ranks, rank 0 gets the
+microbatches with counts 1 and 7, rank 1 those with counts 200 and 3 (SPEC §1's example); with
+four ranks the ranks hold different numbers of microbatches (``RANK_COUNTS``).  With two ranks
+every reduced element is one rounding ``round_D(a + b)``; with four the association order is
+the backend's, so those results are judged against the error bound, and every rank against rank 0
+bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
@@ -40,13 +40,17 @@ from wacc_torch.distributed import (
     all_reduce_sums,
 )
 
-WORLD_SIZE = 2
-# Token counts of the microbatches each rank accumulates (SPEC §1's example, split unevenly).
-RANK_COUNTS: Mapping[int, tuple[int, ...]] = {0: (1, 7), 1: (200, 3)}
-ALL_COUNTS = RANK_COUNTS[0] + RANK_COUNTS[1]
-# A hung collective fails the job instead of blocking CI; the whole job has its own deadline.
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-JOB_DEADLINE_S = 240.0
+from .distributed.bounds import reduced_mean_bound
+from .distributed.spawn import COLLECTIVE_TIMEOUT, init_rank, load_results, run_job, save_result
+
+WORLD_SIZES = (2, 4)
+# Per world size, the token counts of the microbatches each rank accumulates (SPEC §1's example,
+# split unevenly; with four ranks also unequal microbatch counts per rank).
+RANK_COUNTS: Mapping[int, Mapping[int, tuple[int, ...]]] = {
+    2: {0: (1, 7), 1: (200, 3)},
+    4: {0: (1, 7), 1: (200,), 2: (3, 1), 3: (7,)},
+}
+CUDA_WORLD_SIZE = 2
 # Power-of-two loss scales (exact in every work dtype); small enough that 200 loss-scaled
 # cross-entropy gradients stay finite in float16.
 EXACT_LOSS_SCALE = 2.0**10
@@ -76,7 +80,7 @@ def _shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 def _exact_sum_grads(
     shapes: Mapping[str, tuple[int, ...]], generator: torch.Generator
 ) -> dict[str, torch.Tensor | None]:
-    """Multiples of 1/4 in [-4, 4]: any sum of four has at most 7 significant bits, so every
+    """Multiples of 1/4 in [-4, 4]: any sum of up to six has at most 7 significant bits, so every
     partial sum is exact in every work dtype (bfloat16 has 8) and the association order of the
     reduction cannot matter."""
     return {
@@ -89,8 +93,9 @@ def _exact_mean_grads(
     shapes: Mapping[str, tuple[int, ...]], count: int, generator: torch.Generator
 ) -> dict[str, torch.Tensor | None]:
     """Values in {-1, 0, 1} * 2**-e with e chosen so that g * count is 0 or ± one of 1, 7/8,
-    25/32, 3/4 (multiples of 1/32): the products and all their partial sums (below 4 in
-    magnitude) have at most 7 significant bits, so they are exact in every work dtype."""
+    25/32, 3/4 (multiples of 1/32): the products and all their partial sums (at most six terms,
+    below 8 in magnitude) have at most 8 significant bits, so they are exact in every work
+    dtype (bfloat16 has 8)."""
     exponent = {1: 0, 7: 3, 200: 8, 3: 2}[count]
     return {
         name: torch.randint(-1, 2, shape, generator=generator).to(torch.float32) * 2.0**-exponent
@@ -114,10 +119,11 @@ def _rounding_values(dtype: torch.dtype, count: int, generator: torch.Generator)
     return torch.where(special_here, specials[picks], values)
 
 
-def _build_inputs() -> dict[str, Any]:
+def _build_inputs(world_size: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(20240611)
     linear_shapes = _shapes(_linear())
-    inputs: dict[str, Any] = {}
+    counts_of = RANK_COUNTS[world_size]
+    inputs: dict[str, Any] = {"world_size": world_size, "counts": dict(counts_of)}
     for mode in MODES:
         inputs[f"exact/{mode}"] = {
             rank: [
@@ -129,7 +135,7 @@ def _build_inputs() -> dict[str, Any]:
                 )
                 for count in counts
             ]
-            for rank, counts in RANK_COUNTS.items()
+            for rank, counts in counts_of.items()
         }
     # Real cross-entropy batches: features and class targets, one batch per count.
     inputs["model/init"] = {k: v.detach().clone() for k, v in _linear().state_dict().items()}
@@ -141,7 +147,7 @@ def _build_inputs() -> dict[str, Any]:
             )
             for count in counts
         ]
-        for rank, counts in RANK_COUNTS.items()
+        for rank, counts in counts_of.items()
     }
     wide_shapes = {"weight": (8, 8), "bias": (8,)}
     inputs["rounding"] = {
@@ -150,14 +156,14 @@ def _build_inputs() -> dict[str, Any]:
                 pname: _rounding_values(dtype, math.prod(shape), generator).reshape(shape)
                 for pname, shape in wide_shapes.items()
             }
-            for rank in RANK_COUNTS
+            for rank in counts_of
         }
         for name, dtype in DTYPES.items()
     }
-    # Presence: "0.weight" everywhere, "0.bias" on rank 1 only, "1.weight" on rank 0 only,
+    # Presence: "0.weight" on every rank, "0.bias" on rank 1 only, "1.weight" on rank 0 only,
     # "1.bias" nowhere.
     two_shapes = _shapes(_two_layers())
-    present_on = {"0.weight": {0, 1}, "0.bias": {1}, "1.weight": {0}, "1.bias": set()}
+    present_on = {"0.weight": set(counts_of), "0.bias": {1}, "1.weight": {0}, "1.bias": set()}
     inputs["presence"] = {
         rank: [
             (
@@ -169,7 +175,7 @@ def _build_inputs() -> dict[str, Any]:
             )
             for count in counts
         ]
-        for rank, counts in RANK_COUNTS.items()
+        for rank, counts in counts_of.items()
     }
     return inputs
 
@@ -277,12 +283,21 @@ def _scenario_errors(rank: int, inputs: Mapping[str, Any]) -> dict[str, Any]:
         doctored = dataclasses.replace(local, weight=bad_weight) if rank == 1 else local
         out[label] = _captured(partial(all_reduce_mean, doctored))
 
-    # Only zero-weight microbatches on both ranks: a mean is undefined, the sums are not.
-    zero = _accumulated(
-        _linear(), [(0.0, {})], dtype=float32, loss_scale=EXACT_LOSS_SCALE, mode="sum"
-    ).finish_sums()
+    # Only zero-weight microbatches on every rank: a mean is undefined, the sums are not.
+    module = _linear()
+    accumulator = _accumulated(
+        module, [(0.0, {})], dtype=float32, loss_scale=EXACT_LOSS_SCALE, mode="sum"
+    )
+    zero = accumulator.finish_sums()
     out["zero_global_weight/mean"] = _captured(partial(all_reduce_mean, zero))
+    out["zero_global_weight/kept"] = _pack(zero)  # what the caller still holds after the raise
     out["zero_global_weight/sums"] = _captured(partial(all_reduce_sums, zero))
+    # The next window of the same accumulator, in the same process group, works.
+    for weight, grads in one_batch:
+        accumulator.accumulate_sum(module, weight, grads=grads)
+    out["zero_global_weight/next_window"] = _captured(
+        partial(all_reduce_mean, accumulator.finish_sums())
+    )
     return out
 
 
@@ -386,20 +401,13 @@ _SCENARIOS: Mapping[str, Callable[[int, Mapping[str, Any]], dict[str, Any]]] = {
 }
 
 
-def _rank_main(rank: int, init_file: str, inputs_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, init_file: str, inputs_file: str, out_dir: str) -> None:
     """Entry point of one spawned rank."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    init_rank(rank, world_size, init_file)
     try:
         inputs = torch.load(inputs_file, weights_only=True)
         results = {name: scenario(rank, inputs) for name, scenario in _SCENARIOS.items()}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_result(out_dir, rank, results)
     finally:
         dist.destroy_process_group()
 
@@ -425,7 +433,7 @@ def _to_cpu(result: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _cuda_rank_main(
-    rank: int, world_size: int, backend: str, init_file: str, inputs_file: str, out_dir: str
+    rank: int, world_size: int, init_file: str, backend: str, inputs_file: str, out_dir: str
 ) -> None:
     """Entry point of one spawned rank of the CUDA job: NCCL with a GPU per rank, or gloo with
     both ranks on one GPU."""
@@ -464,57 +472,38 @@ def _cuda_rank_main(
             mode="sum",
         ).finish_sums()
         results["zero_weight_rank"] = _to_cpu(_captured(partial(all_reduce_mean, local)))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_result(out_dir, rank, results)
     finally:
         dist.destroy_process_group()
 
 
-def _run_job(
-    target: Callable[..., None], args: tuple[Any, ...], *, world_size: int, work_dir: Path
-) -> None:
-    """Spawn ``world_size`` ranks of ``target(rank, *args)``; fail, never hang, past a deadline."""
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=target, args=(rank, *args), name=f"wacc-rank{rank}")
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    hung = [p.name for p in processes if p.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} still running after {JOB_DEADLINE_S} s (work dir {work_dir})"
-    codes = {p.name: p.exitcode for p in processes}
-    assert all(code == 0 for code in codes.values()), f"rank exit codes {codes} (see stderr)"
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def world_size(request: pytest.FixtureRequest) -> int:
+    """How many ranks the module's job runs (each world size is one job)."""
+    size: int = request.param
+    return size
 
 
 @pytest.fixture(scope="module")
-def inputs() -> dict[str, Any]:
+def inputs(world_size: int) -> dict[str, Any]:
     """The inputs of every scenario (deterministic: built from a fixed seed)."""
-    return _build_inputs()
+    return _build_inputs(world_size)
 
 
 @pytest.fixture(scope="module")
-def rank_results(inputs: Mapping[str, Any]) -> Iterator[list[dict[str, Any]]]:
-    """Run the two-rank gloo job once for the whole module; each rank's saved results."""
+def rank_results(inputs: Mapping[str, Any], world_size: int) -> Iterator[list[dict[str, Any]]]:
+    """Run the gloo job once per world size for the whole module; each rank's saved results."""
     with tempfile.TemporaryDirectory(prefix="wacc-dist-") as tmp:
         work_dir = Path(tmp)
         inputs_file = work_dir / "inputs.pt"
         torch.save(inputs, inputs_file)
-        _run_job(
+        run_job(
             _rank_main,
-            (str(work_dir / "store"), str(inputs_file), str(work_dir)),
-            world_size=WORLD_SIZE,
+            (str(inputs_file), str(work_dir)),
+            world_size=world_size,
             work_dir=work_dir,
         )
-        yield [
-            torch.load(work_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
-        ]
+        yield load_results(work_dir, world_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,23 +636,32 @@ def _model_windows(
 
 
 def _reference_reduced_mean(
-    windows: list[list[dict[str, npt.NDArray[np.float64]]]], *, mode: str, dtype_name: str
-) -> tuple[list[dict[str, npt.NDArray[np.float64] | None]], dict[str, npt.NDArray[np.float64]]]:
+    windows: list[list[dict[str, npt.NDArray[np.float64]]]],
+    *,
+    counts: Mapping[int, tuple[int, ...]],
+    mode: str,
+    dtype_name: str,
+) -> tuple[
+    list[dict[str, npt.NDArray[np.float64] | None]], dict[str, npt.NDArray[np.float64]] | None
+]:
     """The reference model's emulation of the distributed computation: each rank's window
     (SPEC §5/§6), the two-rank SUM as one rounding round_D(buf_0 + buf_1), the global weight as the
     correctly rounded float64 sum of the rank weights, then finish_mean's division (SPEC §8).
-    Returns each rank's finish_sums buffers and the reduced mean."""
+    Returns each rank's finish_sums buffers and the reduced mean (None for more than two ranks,
+    whose association order is the backend's)."""
     params = _shapes(_linear())
     local_sums = []
     weights = []
     for rank, window in enumerate(windows):
         reference = ReferenceAccumulator(dtype=dtype_name, loss_scale=MODEL_LOSS_SCALE)
-        for count, grads in zip(RANK_COUNTS[rank], window, strict=True):
+        for count, grads in zip(counts[rank], window, strict=True):
             accumulate = reference.accumulate_sum if mode == "sum" else reference.accumulate_mean
             accumulate(params, float(count), grads=grads)
         finished = reference.finish_sums()
         local_sums.append(finished.grads)
         weights.append(finished.weight)
+    if len(windows) != 2:
+        return local_sums, None
     reduced: dict[str, npt.ArrayLike] = {}
     for name in params:
         first, second = (sums[name] for sums in local_sums)
@@ -672,7 +670,7 @@ def _reference_reduced_mean(
     state = ReferenceState(
         dtype=dtype_name,
         loss_scale=MODEL_LOSS_SCALE,
-        issued=len(ALL_COUNTS),
+        issued=sum(len(c) for c in counts.values()),
         zero_weight=0,
         total_weight=round_to(sum((Fraction(w) for w in weights), Fraction(0)), "float64"),
         fused=False,
@@ -686,13 +684,14 @@ def _reference_reduced_mean(
 @pytest.mark.parametrize("dtype_name", WORK_DTYPES)
 @pytest.mark.parametrize("mode", MODES)
 def test_model_gradients_match_reference_emulation(
-    rank_results: list[dict[str, Any]], mode: str, dtype_name: str
+    rank_results: list[dict[str, Any]], inputs: Mapping[str, Any], mode: str, dtype_name: str
 ) -> None:
-    """For real cross-entropy gradients of an nn.Linear, each rank's sums and the reduced mean
-    equal the reference model's step-by-step emulation bit for bit, on both ranks."""
+    """For real cross-entropy gradients of an nn.Linear, each rank's sums, and with two ranks the
+    reduced mean, equal the reference model's step-by-step emulation bit for bit, on every rank."""
     key = f"{mode}/{dtype_name}"
+    counts = inputs["counts"]
     local_sums, expected_mean = _reference_reduced_mean(
-        _model_windows(rank_results, key), mode=mode, dtype_name=dtype_name
+        _model_windows(rank_results, key), counts=counts, mode=mode, dtype_name=dtype_name
     )
     dtype = DTYPES[dtype_name]
     for rank, results in enumerate(rank_results):
@@ -705,8 +704,9 @@ def test_model_gradients_match_reference_emulation(
                 f"{key} rank {rank} finish_sums {name!r}",
             )
         reduced = _result(got["mean"], key)
-        assert reduced["normalized"] is True and reduced["issued"] == len(ALL_COUNTS)
-        for name, expected in expected_mean.items():
+        issued = sum(len(c) for c in counts.values())
+        assert reduced["normalized"] is True and reduced["issued"] == issued
+        for name, expected in (expected_mean or {}).items():
             _assert_bits_equal(
                 reduced["grads"][name],
                 torch.from_numpy(expected).to(dtype),
@@ -714,59 +714,20 @@ def test_model_gradients_match_reference_emulation(
             )
 
 
-def _reduced_mean_bound(
-    *,
-    exact_sum: Fraction,
-    rank_sum_bounds: list[Fraction],
-    exact_weight: Fraction,
-    weight_op: Fraction,
-    dtype_name: str,
-) -> Fraction:
-    """Bound on |out - X/(S W)| where ``out = round_D(round_op(round_D(s / S) / W_op))``,
-    ``s = round_D(buf_0 + buf_1)`` and ``|buf_r - X_r| <= B_r`` (``rank_sum_bounds``, from
-    :func:`wacc_ref.bounds.window_error_bound` with ``normalized=False``), ``X = X_0 + X_1``.
-
-    Standard model with gradual underflow (Higham §2.1), ``S`` a power of two > 1:
-    ``s = (buf_0 + buf_1)(1 + δ_s)``, ``|δ_s| <= u`` (a sum of two D values: no underflow term);
-    ``y = s / S + ε_1``, ``|ε_1| <= η`` (scaling by a power of two only underflows);
-    ``q = (y / W_op)(1 + δ_2) + ε_2``, ``|δ_2| <= u_op``, ``|ε_2| <= η_op``;
-    ``out = q (1 + δ_3) + ε_3``, ``|δ_3| <= u``, ``|ε_3| <= η`` (both 0 when op(D) = D).
-    With ``ψ = W / W_op``, ``Δ = (1 + δ_s)(1 + δ_2)(1 + δ_3) ∈ [L, U]`` and ``e = Σ buf_r - X``:
-    ``out - X/(S W) = X (ψ Δ - 1)/(S W) + e ψ Δ/(S W) + ε_1 (1 + δ_2)(1 + δ_3)/W_op
-    + ε_2 (1 + δ_3) + ε_3``, hence the bound below.  Computed exactly.
-    """
-    tolerance = TOLERANCES[dtype_name]
-    u = Fraction(tolerance.unit_roundoff)
-    eta = tolerance.underflow_unit_exact
-    u_op = Fraction(tolerance.op_unit_roundoff)
-    eta_op = tolerance.op_underflow_unit_exact
-    u_3, eta_3 = (Fraction(0), Fraction(0)) if tolerance.op_dtype == dtype_name else (u, eta)
-    scale = Fraction(MODEL_LOSS_SCALE)
-    psi = exact_weight / weight_op
-    upper = psi * (1 + u) * (1 + u_op) * (1 + u_3)
-    lower = psi * (1 - u) * (1 - u_op) * (1 - u_3)
-    return (
-        abs(exact_sum) * max(upper - 1, 1 - lower) / (scale * exact_weight)
-        + sum(rank_sum_bounds, Fraction(0)) * upper / (scale * exact_weight)
-        + eta * (1 + u_op) * (1 + u_3) / weight_op
-        + eta_op * (1 + u_3)
-        + eta_3
-    )
-
-
 @pytest.mark.parametrize("dtype_name", WORK_DTYPES)
 @pytest.mark.parametrize("mode", MODES)
 def test_model_gradients_within_error_bound(
-    rank_results: list[dict[str, Any]], mode: str, dtype_name: str
+    rank_results: list[dict[str, Any]], inputs: Mapping[str, Any], mode: str, dtype_name: str
 ) -> None:
     """For real cross-entropy gradients of an nn.Linear, the reduced mean is within the error
     bound (derived from the operation sequence) of the exact Σ_k c_k / S / W."""
     assert MODEL_LOSS_SCALE > 1 and math.log2(MODEL_LOSS_SCALE).is_integer()  # the bound's premise
     key = f"{mode}/{dtype_name}"
+    counts = inputs["counts"]
     windows = _model_windows(rank_results, key)
     effective = [
-        [Fraction(c if mode == "sum" else conv_to(float(c), dtype_name)) for c in RANK_COUNTS[r]]
-        for r in range(WORLD_SIZE)
+        [Fraction(c if mode == "sum" else conv_to(float(c), dtype_name)) for c in counts[r]]
+        for r in range(len(rank_results))
     ]
     exact_weight = sum((w for ws in effective for w in ws), Fraction(0))
     # c_k = g_k for sums, g_k * w_D for means (SPEC §12.2).
@@ -780,7 +741,7 @@ def test_model_gradients_within_error_bound(
             window_error_bound(
                 kind=mode,
                 grads=[grads[name] for grads in window],
-                weights=[float(c) for c in RANK_COUNTS[rank]],
+                weights=[float(c) for c in counts[rank]],
                 dtype=dtype_name,
                 loss_scale=MODEL_LOSS_SCALE,
                 normalized=False,
@@ -788,6 +749,10 @@ def test_model_gradients_within_error_bound(
             for rank, window in enumerate(windows)
         ]
         got = reduced["grads"][name].double().reshape(-1).tolist()
+        buffers = [
+            results["model"][key]["local"]["grads"][name].double().reshape(-1).tolist()
+            for results in rank_results
+        ]
         contributions = [
             [grads[name].reshape(-1).tolist() for grads in window] for window in windows
         ]
@@ -795,7 +760,7 @@ def test_model_gradients_within_error_bound(
             exact_sum = sum(
                 (
                     Fraction(grads[index]) * weight
-                    for rank in range(WORLD_SIZE)
+                    for rank in range(len(rank_results))
                     for grads, weight in zip(contributions[rank], multipliers[rank], strict=True)
                 ),
                 Fraction(0),
@@ -803,11 +768,13 @@ def test_model_gradients_within_error_bound(
             assert all(math.isfinite(b[index]) for b in rank_bounds), (
                 f"{key} {name}[{index}]: no bound applies {[b[index] for b in rank_bounds]}"
             )
-            bound = _reduced_mean_bound(
+            bound = reduced_mean_bound(
                 exact_sum=exact_sum,
                 rank_sum_bounds=[Fraction(float(b[index])) for b in rank_bounds],
+                rank_buffers_abs=sum((abs(Fraction(b[index])) for b in buffers), Fraction(0)),
                 exact_weight=exact_weight,
                 weight_op=weight_op,
+                loss_scale=MODEL_LOSS_SCALE,
                 dtype_name=dtype_name,
             )
             exact = exact_sum / (Fraction(MODEL_LOSS_SCALE) * exact_weight)
@@ -829,9 +796,10 @@ def _reference_sum(a: float, b: float, fmt: Format) -> float:
     return round_to(Fraction(a) + Fraction(b), fmt)
 
 
+@pytest.mark.parametrize("world_size", [2], indirect=True, ids=["world2"])
 @pytest.mark.parametrize("dtype_name", WORK_DTYPES)
 def test_two_rank_sum_is_one_rounding_in_the_work_dtype(
-    rank_results: list[dict[str, Any]], dtype_name: str
+    rank_results: list[dict[str, Any]], dtype_name: str, world_size: int
 ) -> None:
     """The reduction of two ranks' buffers is round_D(a + b) per element (reference rounding),
     specials (±0, ±inf, NaN, overflow, subnormals) included."""
@@ -884,13 +852,14 @@ def test_presence_mask(rank_results: list[dict[str, Any]], inputs: Mapping[str, 
 def test_rank_with_only_zero_weight_batches(
     rank_results: list[dict[str, Any]], inputs: Mapping[str, Any]
 ) -> None:
-    """A rank holding no buffer at all (only zero-weight microbatches) still joins: the result is
-    rank 0's window normalized by the global weight, with the zero-weight batch counted."""
-    per_rank = {0: inputs["exact/sum"][0], 1: [(0.0, {})]}
+    """Ranks holding no buffer at all (only zero-weight microbatches) still join: the result is
+    rank 0's window normalized by the global weight, with the zero-weight batches counted."""
+    others = len(rank_results) - 1
+    per_rank = {0: inputs["exact/sum"][0], **{r: [(0.0, {})] for r in range(1, others + 1)}}
     expected = _single_accumulator(
         _linear(), per_rank, dtype=torch.float32, loss_scale=EXACT_LOSS_SCALE, mode="sum"
     ).finish_mean()
-    assert expected.zero_weight == 1 and expected.issued == 3
+    assert expected.zero_weight == others and expected.issued == 2 + others
     for rank, results in enumerate(rank_results):
         got = _result(results["presence"]["zero_weight_rank"]["mean"], "zero-weight rank")
         _assert_same_result(got, expected, f"rank {rank}")
@@ -921,47 +890,106 @@ def test_bad_input_raises_on_every_rank(
         assert outcome.get("error") == error, f"rank {rank} in {scenario}: {outcome}"
         for needle in needles:
             assert needle in outcome["message"], f"rank {rank}: {needle!r} not in {outcome}"
-    assert outcomes[0]["message"] == outcomes[1]["message"]
+    assert all(outcome["message"] == outcomes[0]["message"] for outcome in outcomes)
 
 
 def test_zero_global_weight_sums_reduce(rank_results: list[dict[str, Any]]) -> None:
     """all_reduce_sums of windows with only zero-weight batches gives W = 0, all grads None and
     the summed counters (only the mean is undefined)."""
+    ranks = len(rank_results)
     for rank, results in enumerate(rank_results):
         got = _result(results["errors"]["zero_global_weight/sums"], "zero weight sums")
-        assert got["weight"] == 0.0 and got["issued"] == 2 and got["zero_weight"] == 2, got
+        assert got["weight"] == 0.0 and got["issued"] == ranks and got["zero_weight"] == ranks
         assert got["normalized"] is False
         assert set(got["grads"]) == {"weight", "bias"}, f"rank {rank}: {got}"
         assert all(g is None for g in got["grads"].values()), f"rank {rank}: {got}"
 
 
+def test_zero_global_weight_loses_nothing_and_next_window_works(
+    rank_results: list[dict[str, Any]], inputs: Mapping[str, Any]
+) -> None:
+    """After every rank raised ZeroTotalWeightError, each rank still holds its window (counters
+    and the all-None sums) and the accumulator's next window reduces to the right mean."""
+    ranks = len(rank_results)
+    expected = _single_accumulator(
+        _linear(),
+        {rank: inputs["exact/sum"][0][:1] for rank in range(ranks)},
+        dtype=torch.float32,
+        loss_scale=EXACT_LOSS_SCALE,
+        mode="sum",
+    ).finish_mean()
+    for rank, results in enumerate(rank_results):
+        errors = results["errors"]
+        assert errors["zero_global_weight/mean"].get("error") == "ZeroTotalWeightError"
+        kept = errors["zero_global_weight/kept"]
+        assert (kept["issued"], kept["zero_weight"], kept["weight"]) == (1, 1, 0.0), kept
+        assert set(kept["grads"]) == {"weight", "bias"}, kept
+        got = _result(errors["zero_global_weight/next_window"], f"rank {rank} next window")
+        _assert_same_result(got, expected, f"rank {rank} next window")
+
+
+def test_every_rank_gets_rank_zeros_result_bit_for_bit(
+    rank_results: list[dict[str, Any]],
+) -> None:
+    """Every reduced result (sums and means of every scenario) is bit-identical on every rank,
+    whatever association order the backend uses."""
+
+    def reduced(results: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        for key, entry in results["exact"].items():
+            yield f"exact {key} sums", entry["sums"]
+            yield f"exact {key} mean", entry["mean"]
+        for key, entry in results["model"].items():
+            yield f"model {key} mean", entry["mean"]
+        for key, entry in results["rounding"].items():
+            yield f"rounding {key} sums", entry["sums"]
+        for key, entry in results["presence"].items():
+            for which, outcome in entry.items():
+                yield f"presence {key} {which}", outcome
+
+    first = dict(reduced(rank_results[0]))
+    assert len(first) == 2 * len(MODES) * len(DTYPES) + len(MODES) * len(DTYPES) + len(DTYPES) + 3
+    for rank, results in enumerate(rank_results[1:], start=1):
+        for what, outcome in reduced(results):
+            got, want = _result(outcome, what), _result(first[what], what)
+            for field in ("weight", "loss_scale", "issued", "zero_weight", "normalized"):
+                assert got[field] == want[field], f"rank {rank} {what}: {field}"
+            assert list(got["grads"]) == list(want["grads"]), f"rank {rank} {what}: names"
+            for name, grad in want["grads"].items():
+                _assert_bits_equal(got["grads"][name], grad, f"rank {rank} {what} {name!r}")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_reduction_bit_for_bit(inputs: Mapping[str, Any]) -> None:
+def test_cuda_reduction_bit_for_bit() -> None:
     """On CUDA (NCCL with a GPU per rank, else gloo with both ranks on one GPU) the reduced sums
     and mean equal one CUDA accumulator's finish_sums / finish_mean bit for bit, on the GPU."""
-    backend = "nccl" if torch.cuda.device_count() >= WORLD_SIZE else "gloo"
+    inputs = _build_inputs(CUDA_WORLD_SIZE)
+    backend = "nccl" if torch.cuda.device_count() >= CUDA_WORLD_SIZE else "gloo"
     device = torch.device("cuda", 0)
     with tempfile.TemporaryDirectory(prefix="wacc-dist-cuda-") as tmp:
         work_dir = Path(tmp)
         inputs_file = work_dir / "inputs.pt"
         torch.save(inputs, inputs_file)
-        _run_job(
+        run_job(
             _cuda_rank_main,
-            (WORLD_SIZE, backend, str(work_dir / "store"), str(inputs_file), str(work_dir)),
-            world_size=WORLD_SIZE,
+            (backend, str(inputs_file), str(work_dir)),
+            world_size=CUDA_WORLD_SIZE,
             work_dir=work_dir,
         )
-        rank_results = [
-            torch.load(work_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
-        ]
+        rank_results = load_results(work_dir, CUDA_WORLD_SIZE)
     cases: list[tuple[str, Mapping[int, Any], torch.dtype, str]] = [
         (f"{mode}/{name}", inputs[f"exact/{mode}"], dtype, mode)
         for mode in MODES
         for name, dtype in DTYPES.items()
     ]
+    zero_weight_ranks = {r: [(0.0, {})] for r in range(1, CUDA_WORLD_SIZE)}
     cases.append(
-        ("zero_weight_rank", {0: inputs["exact/sum"][0], 1: [(0.0, {})]}, torch.float32, "sum")
+        (
+            "zero_weight_rank",
+            {0: inputs["exact/sum"][0], **zero_weight_ranks},
+            torch.float32,
+            "sum",
+        )
     )
     for key, per_rank, dtype, mode in cases:
         on_device = {rank: _on_device(batches, device) for rank, batches in per_rank.items()}

@@ -1,0 +1,1 @@
+"""Multi-process tests of wacc_torch across real torch.distributed process groups (gloo)."""
