@@ -1,0 +1,96 @@
+"""Hugging Face ``transformers.Trainer`` with ``gradient_accumulation_steps = K``, two models:
+
+* ``trainer-hub``: ``GPT2LMHeadModel`` built from a tiny ``GPT2Config``.  Its ``forward`` takes
+  ``**kwargs``, so ``Trainer`` prefetches the window (``get_batch_samples``), counts
+  ``num_items_in_batch`` and the model divides its loss *sum* by it.
+* ``trainer-llama``: the same with ``LlamaForCausalLM`` (its class name maps to
+  ``ForCausalLMLoss`` in ``LOSS_MAPPING``, GPT-2's ``GPT2LMHeadModel`` does not: ``Trainer`` then
+  counts *unshifted* labels while the model's loss, defaulting to ``ForCausalLMLoss``, shifts them).
+* ``trainer-plain``: a plain ``nn.Module`` whose ``forward(input_ids, labels)`` returns its own
+  mean loss and takes no ``**kwargs``: ``Trainer`` then divides each microbatch's mean by
+  ``current_gradient_accumulation_steps`` (equal weighting), silently.
+
+Code path: ``Trainer(model, TrainingArguments(gradient_accumulation_steps=K, max_steps=1,
+per_device_train_batch_size=1, train_sampling_strategy="sequential", max_grad_norm=0,
+use_cpu=True), train_dataset, optimizers=(SGD(lr=0), None)).train()``.  The gradient is read in
+``TrainerCallback.on_pre_optimizer_step`` (after clipping, which is off, right before
+``optimizer.step()``); the count the model received is read by a forward pre-hook on the
+``num_items_in_batch`` keyword.  No mid-window checkpoint exists: ``save_steps`` counts optimizer
+steps, ``resume_from_checkpoint`` restarts at a step boundary.  No fixed loss scale: ``fp16``
+uses a dynamic scaler on an accelerator device.  Checked against transformers 5.20 – 5.24
+(``train_sampling_strategy`` is a 5.x argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+
+__all__ = ["HUB", "LLAMA", "PLAIN"]
+
+
+def run(task: LoopTask) -> LoopRun:
+    """One ``Trainer.train()`` over the window (module docstring)."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    model = task.build_model()
+    counts: list[float] = []
+
+    def note_count(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if "num_items_in_batch" in kwargs:
+            counts.append(float(kwargs["num_items_in_batch"]))
+
+    model.register_forward_pre_hook(note_count, with_kwargs=True)
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            task.record_gradients(kw["model"])
+
+    options: dict[str, Any] = dict(
+        output_dir=str(task.workdir / "trainer"), per_device_train_batch_size=1,
+        gradient_accumulation_steps=task.num_microbatches, max_steps=1, learning_rate=0.0,
+        max_grad_norm=0.0, use_cpu=True, report_to="none", save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        options["train_sampling_strategy"] = "sequential"
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**options),
+        train_dataset=task.dataset,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        callbacks=[Capture()],
+    )
+    trainer.remove_callback(PrinterCallback)  # it prints the run's metrics on stdout
+    trainer.train()
+    return LoopRun(counted_tokens=counts[0] if counts else None)
+
+
+_NO_CHECKPOINT = "Trainer saves only after optimizer steps; resume restarts the window"
+_COMMON = dict(requires=("transformers", "accelerate"), checked="transformers 5.20-5.24",
+               loss_scale=False, checkpoint=_NO_CHECKPOINT, run=run)  # fmt: skip
+HUB = Adapter(
+    name="trainer-hub",
+    title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
+    model="gpt2",
+    code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    **_COMMON,  # type: ignore[arg-type]
+)
+LLAMA = Adapter(
+    name="trainer-llama",
+    title="Trainer + LlamaForCausalLM (num_items_in_batch)",
+    model="llama",
+    code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    **_COMMON,  # type: ignore[arg-type]
+)
+PLAIN = Adapter(
+    name="trainer-plain",
+    title="Trainer + plain nn.Module (own mean loss)",
+    model="plain",
+    code_path="Trainer.train: training_step -> loss / current_gradient_accumulation_steps",
+    **_COMMON,  # type: ignore[arg-type]
+)
