@@ -15,8 +15,8 @@ The model is the hub-style GPT-2 built from a config.  The gradient is read in a
 ``torch.optim`` step pre-hook on the wrapped optimizer: it runs only when accelerate really steps.
 Checkpoint: ``accelerator.save_state(dir)`` mid-window, then a fresh ``Accelerator`` + model +
 optimizer, ``accelerator.load_state(dir)`` and the remaining batches.  Checked against
-accelerate 1.10 – 1.15 on CPU (no loss scaler: accelerate's fp16 ``GradScaler`` is dynamic and
-needs a CUDA/XPU/… device, so no fixed loss scale can be set).
+accelerate 1.15.0 on CPU, the version run here.  No fixed loss scale can be set: accelerate's
+fp16 ``GradScaler`` is dynamic and needs an accelerator device.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def run_variable(task: LoopTask) -> LoopRun:
     return LoopRun(counted_tokens=float(num_items_in_batch))
 
 
-_COMMON = dict(requires=("accelerate", "transformers"), model="gpt2",
-               checked="accelerate 1.10-1.15, transformers 5.x", loss_scale=False, checkpoint=None)  # fmt: skip
+_COMMON = dict(requires=("accelerate", "transformers"), model="gpt2", loss_scale=False,
+               checked="accelerate 1.15.0 with transformers 5.24.0", checkpoint=None)  # fmt: skip
 ACCUMULATE = Adapter(
     name="accelerate",
     title="accelerate accumulate() (documented loop)",

@@ -5,10 +5,11 @@ need_update=need_update)`` with ``need_update`` true on the window's last microb
 (``NativeScaler`` = ``torch.amp.GradScaler``: ``scale(loss).backward()``, and on update
 ``step(optimizer)`` which unscales first).  ``NativeScaler`` is built for ``device="cpu"`` on a
 CPU run.  No fixed loss scale can be set: ``NativeScaler`` builds a dynamic ``GradScaler`` with its
-defaults (initial scale 2**16) and takes no scale argument.  Checkpoint: the model's and ``NativeScaler.state_dict()``.
-Checked against timm 1.0.x; timm imports torchvision, which must be a build matching the
-installed torch (the registry's torchvision for torch 2.13 is CUDA-only and fails to import on
-a CPU torch: the audit then reports timm "not importable").
+defaults (initial scale 2**16) and takes no scale argument.  Checkpoint: the model's and
+``NativeScaler.state_dict()``.  Written against timm 1.0.31 but NOT run here: timm imports
+torchvision, which must be a build matching the installed torch (the registry's torchvision for
+torch 2.13 is CUDA-only and fails to import on a CPU torch: the audit then reports timm "not
+importable").
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ ADAPTER = Adapter(
     requires=("timm", "timm.utils"),
     model="plain",
     code_path="loss /= accum_steps; timm.utils.NativeScaler(..., need_update=last)",
-    checked="timm 1.0.x",
+    checked="timm 1.0.31 (not importable here: not run)",
     loss_scale=False,
     checkpoint=None,
     run=run,

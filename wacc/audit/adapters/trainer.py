@@ -17,8 +17,9 @@ use_cpu=True), train_dataset, optimizers=(SGD(lr=0), None)).train()``.  The grad
 ``optimizer.step()``); the count the model received is read by a forward pre-hook on the
 ``num_items_in_batch`` keyword.  No mid-window checkpoint exists: ``save_steps`` counts optimizer
 steps, ``resume_from_checkpoint`` restarts at a step boundary.  No fixed loss scale: ``fp16``
-uses a dynamic scaler on an accelerator device.  Checked against transformers 5.20 – 5.24
-(``train_sampling_strategy`` is a 5.x argument).
+uses a dynamic scaler on an accelerator device.  Checked against transformers 5.24.0 with
+accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x argument, without
+it the order is random).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def run(task: LoopTask) -> LoopRun:
 
 
 _NO_CHECKPOINT = "Trainer saves only after optimizer steps; resume restarts the window"
-_COMMON = dict(requires=("transformers", "accelerate"), checked="transformers 5.20-5.24",
-               loss_scale=False, checkpoint=_NO_CHECKPOINT, run=run)  # fmt: skip
+_COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
+               checked="transformers 5.24.0 with accelerate 1.15.0",
+               checkpoint=_NO_CHECKPOINT, run=run)  # fmt: skip
 HUB = Adapter(
     name="trainer-hub",
     title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
