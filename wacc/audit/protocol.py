@@ -66,6 +66,7 @@ class LoopTask:
     workdir: Path
     loss_scale: float = 1.0
     checkpoint_after: int | None = None
+    weights_dtype: torch.dtype | None = None  # the audited dtype when ``dtype`` is its float64 run
     fetch_log: list[int] = field(default_factory=list)
     fetched_at_first_backward: int | None = None
     captured: dict[str, torch.Tensor] | None = None
@@ -82,8 +83,9 @@ class LoopTask:
         return len(self.window.microbatches)
 
     def build_model(self) -> nn.Module:
-        """A fresh model in ``dtype``; a gradient hook notes how much data was read by then."""
-        model = self.model_spec.build(self.dtype)
+        """A fresh model in ``dtype`` (with the weights rounded to ``weights_dtype`` first, when
+        given); a gradient hook notes how much data was read by then."""
+        model = self.model_spec.build(self.weights_dtype or self.dtype).to(self.dtype)
 
         def note(grad: torch.Tensor) -> None:
             if self.fetched_at_first_backward is None:
@@ -150,8 +152,11 @@ class Adapter:
 
         if not self.requires:
             return ""
+        top = self.requires[0].split(".")[0]
+        # wacc_torch ships in the wacc distribution: map the module to whatever installed it.
+        distribution = metadata.packages_distributions().get(top, [top])[0]
         try:
-            return metadata.version(self.requires[0].split(".")[0].replace("_", "-"))
+            return metadata.version(distribution)
         except metadata.PackageNotFoundError:
             return ""
 

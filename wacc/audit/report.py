@@ -160,7 +160,8 @@ def write_markdown(result: AuditResult, path: Path) -> None:
     """``audit.md``: environment, windows, both tables, how to read them, notes."""
     notes = [f"- `{f.adapter.name}`: {n}" for f in result.facts for n in dict.fromkeys(f.notes)]
     paths = [
-        f"- `{f.adapter.name}` ({f.adapter.checked}): {f.adapter.code_path}"
+        f"- `{f.adapter.name}` — {f.adapter.title} (checked: {f.adapter.checked or 'n/a'}): "
+        f"`{f.adapter.code_path}`"
         for f in result.facts
     ]
     text = "\n\n".join(

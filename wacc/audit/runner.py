@@ -145,7 +145,7 @@ class _Runner:
         workdir.mkdir()
         task = LoopTask(
             model_spec=MODEL_KINDS[adapter.model], dtype=dtype, window=window, workdir=workdir,
-            loss_scale=loss_scale, checkpoint_after=checkpoint_after,
+            loss_scale=loss_scale, checkpoint_after=checkpoint_after, weights_dtype=self.dtype,
         )  # fmt: skip
         # Every loop starts from the same global RNG state (Trainer and accelerate reseed anyway).
         with torch.random.fork_rng(devices=[]):
@@ -205,7 +205,7 @@ def _audit_cell(
     _, _, again = runner.once(adapter, window, dtype=runner.dtype)
     cell.digest = gradient_hash(observed)
     cell.deterministic = cell.digest == gradient_hash(again)
-    cell.counted = run.counted_tokens
+    cell.counted = None if run.counted_tokens is None else float(run.counted_tokens)
     cell.finite = bool(np.all(np.isfinite(observed)))
     cell.rel_l2 = relative_l2(observed, truth.gradient)
     cell.max_rel = max_relative_element(observed, truth.gradient)

@@ -73,7 +73,7 @@ def run_sum(task: LoopTask) -> LoopRun:
     return _run(task, mean=False)
 
 
-_COMMON = dict(requires=("wacc_torch",), model="plain", checked="this repository (record v1)",
+_COMMON = dict(requires=("wacc_torch",), model="plain", checked="this repository, record format 1",
                loss_scale=True, checkpoint=None)  # fmt: skip
 MEAN = Adapter(
     name="wacc_torch-mean",
