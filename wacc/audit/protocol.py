@@ -115,7 +115,8 @@ class LoopRun:
     """What a loop reports about its own run."""
 
     counted_tokens: float | None  # the window count it divided by; None: it never divides by one
-    note: str = ""  # anything the loop wants in the report (e.g. why a checkpoint is impossible)
+    note: str = ""  # anything the loop wants in the report
+    resume: str = "restore"  # "restore": resumes the pending window; "replay": recomputes it
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ A loop that is not installed, cannot be imported, or raises is a row saying so, 
 from __future__ import annotations
 
 import math
+import random
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -147,10 +148,16 @@ class _Runner:
             model_spec=MODEL_KINDS[adapter.model], dtype=dtype, window=window, workdir=workdir,
             loss_scale=loss_scale, checkpoint_after=checkpoint_after, weights_dtype=self.dtype,
         )  # fmt: skip
-        # Every loop starts from the same global RNG state (Trainer and accelerate reseed anyway).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            run = adapter.run(task)
+        # Every loop starts from the same global RNG state, and the caller's comes back (Trainer
+        # and accelerate reseed torch, numpy and random).
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                run = adapter.run(task)
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
         self.tick()
         if task.captured is None:
             raise RuntimeError("the loop never stepped its optimizer in this window")
@@ -226,12 +233,16 @@ def _audit_cell(
         fact.resume = f"n/a: {adapter.checkpoint}"
     else:
         try:
-            _, _, resumed = runner.once(
+            _, resumed_run, resumed = runner.once(
                 adapter, window, dtype=runner.dtype, checkpoint_after=k // 2
             )
             fact.resume_rel_l2 = relative_l2(resumed, truth.gradient)
             same = gradient_hash(resumed) == cell.digest
-            fact.resume = "restored (bit-identical)" if same else "pending gradient lost"
+            if resumed_run.resume == "replay":
+                how = "no mid-window checkpoint; resume replays the window"
+                fact.resume = f"{how} ({'bit-identical' if same else 'differs'})"
+            else:
+                fact.resume = "restored (bit-identical)" if same else "pending gradient lost"
         except Exception as exc:
             fact.resume = _describe_error(exc)
     if not adapter.loss_scale:

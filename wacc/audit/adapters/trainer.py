@@ -16,10 +16,13 @@ use_cpu=True), train_dataset, optimizers=(SGD(lr=0), None)).train()``.  The grad
 ``TrainerCallback.on_pre_optimizer_step`` (after clipping, which is off, right before
 ``optimizer.step()``); the count the model received is read by a forward pre-hook on the
 ``num_items_in_batch`` keyword.  No mid-window checkpoint exists: ``save_steps`` counts optimizer
-steps, ``resume_from_checkpoint`` restarts at a step boundary.  No fixed loss scale: ``fp16``
-uses a dynamic scaler on an accelerator device.  Checked against transformers 5.24.0 with
-accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x argument, without
-it the order is random).
+steps.  What is tried instead: two copies of the window, ``save_steps=1`` writes ``checkpoint-1``
+after the first, the run is dropped inside the second, and a fresh ``Trainer`` runs
+``train(resume_from_checkpoint=checkpoint-1)``: it skips the first window's batches and replays
+the whole second window (the pending gradient is recomputed, not restored).  No fixed loss
+scale: ``fp16`` uses a dynamic scaler on an accelerator device.  Checked against transformers
+5.24.0 with accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x
+argument, without it the order is random).
 """
 
 from __future__ import annotations
@@ -34,10 +37,39 @@ from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 __all__ = ["HUB", "LLAMA", "PLAIN"]
 
 
-def run(task: LoopTask) -> LoopRun:
-    """One ``Trainer.train()`` over the window (module docstring)."""
+def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool) -> Any:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if capture:
+                task.record_gradients(kw["model"])
+
+    options: dict[str, Any] = dict(
+        output_dir=str(task.workdir / "trainer"), per_device_train_batch_size=1,
+        gradient_accumulation_steps=task.num_microbatches, max_steps=steps, learning_rate=0.0,
+        max_grad_norm=0.0, use_cpu=True, report_to="none", logging_strategy="no",
+        save_strategy="steps" if task.checkpoint_after is not None else "no", save_steps=1,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        options["train_sampling_strategy"] = "sequential"
+    dataset: Any = task.dataset
+    if task.checkpoint_after is not None:  # two windows: the second is the one interrupted
+        dataset = torch.utils.data.ConcatDataset([task.dataset, task.dataset])
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**options),
+        train_dataset=dataset,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        callbacks=[Capture()],
+    )
+    trainer.remove_callback(PrinterCallback)  # it prints the run's metrics on stdout
+    return trainer
+
+
+def run(task: LoopTask) -> LoopRun:
+    """One ``Trainer.train()`` over the window (module docstring)."""
     model = task.build_model()
     counts: list[float] = []
 
@@ -46,35 +78,22 @@ def run(task: LoopTask) -> LoopRun:
             counts.append(float(kwargs["num_items_in_batch"]))
 
     model.register_forward_pre_hook(note_count, with_kwargs=True)
-
-    class Capture(TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            task.record_gradients(kw["model"])
-
-    options: dict[str, Any] = dict(
-        output_dir=str(task.workdir / "trainer"), per_device_train_batch_size=1,
-        gradient_accumulation_steps=task.num_microbatches, max_steps=1, learning_rate=0.0,
-        max_grad_norm=0.0, use_cpu=True, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
-    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
-        options["train_sampling_strategy"] = "sequential"
-    trainer = Trainer(
-        model=model,
-        args=TrainingArguments(**options),
-        train_dataset=task.dataset,
-        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
-        callbacks=[Capture()],
-    )
-    trainer.remove_callback(PrinterCallback)  # it prints the run's metrics on stdout
-    trainer.train()
-    return LoopRun(counted_tokens=counts[0] if counts else None)
+    if task.checkpoint_after is None:
+        _trainer(task, model, steps=1, capture=True).train()
+        return LoopRun(counted_tokens=counts[0] if counts else None)
+    # The first window ends with checkpoint-1 (Trainer saves only at optimizer steps); the run
+    # "stops" inside the second window, and a fresh Trainer resumes from checkpoint-1.
+    _trainer(task, model, steps=1, capture=False).train()
+    resumed = task.build_model()
+    resumed.register_forward_pre_hook(note_count, with_kwargs=True)
+    checkpoint = task.workdir / "trainer" / "checkpoint-1"
+    _trainer(task, resumed, steps=2, capture=True).train(resume_from_checkpoint=str(checkpoint))
+    return LoopRun(counted_tokens=counts[-1] if counts else None, resume="replay")
 
 
-_NO_CHECKPOINT = "Trainer saves only after optimizer steps; resume restarts the window"
 _COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
-               checked="transformers 5.24.0 with accelerate 1.15.0",
-               checkpoint=_NO_CHECKPOINT, run=run)  # fmt: skip
+               checked="transformers 5.24.0 with accelerate 1.15.0", checkpoint=None,
+               run=run)  # fmt: skip
 HUB = Adapter(
     name="trainer-hub",
     title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
