@@ -161,8 +161,8 @@ class _Runner:
         self.tick()
         if task.captured is None:
             raise RuntimeError("the loop never stepped its optimizer in this window")
-        names = tuple(n for n, _ in task.model_spec.build(torch.float64).named_parameters())
-        return task, run, flatten(task.captured, names)
+        # The truth's parameter order (same model class: a missing name is a KeyError row).
+        return task, run, flatten(task.captured, self.truth(adapter.model, window)[0].names)
 
 
 def run_audit(
