@@ -13,7 +13,9 @@ only the framework's public code path:
 4. when ``task.checkpoint_after`` is an int ``c``: after ``c`` microbatches, checkpoint with the
    framework's own call into ``task.workdir``, drop every object, rebuild them from scratch
    (``task.build_model()`` again), restore the checkpoint and run the remaining microbatches
-   (``task.dataset`` from index ``c``: the data position is the loop's);
+   (``task.dataset`` from index ``c``: the data position is the loop's).  A framework that can
+   only checkpoint at optimizer steps may instead resume from its last step checkpoint and
+   recompute the window, and say so with ``LoopRun(resume="replay")``;
 5. return :class:`LoopRun`: the token count it divided by (None when it never divides by one).
 
 A user loop is ``module:function`` with ``function(task: LoopTask) -> LoopRun``; optional function
