@@ -11,8 +11,11 @@
   ``accelerator.backward(loss)`` per batch, one ``optimizer.step()``.  The guide counts unshifted
   labels while a causal LM's loss uses the shifted ones: the count it divides by is shown.
 
-The model is the hub-style GPT-2 built from a config.  The gradient is read in a
-``torch.optim`` step pre-hook on the wrapped optimizer: it runs only when accelerate really steps.
+The model is the hub-style GPT-2 built from a config.  Batches come straight from
+``task.dataset`` (batch size 1) rather than a prepared ``DataLoader``: the window is the whole
+epoch, so the end-of-dataloader sync a prepared loader adds falls on the K-th batch anyway.
+The gradient is read in a ``torch.optim`` step pre-hook on the wrapped optimizer: it runs only
+when accelerate really steps.
 Checkpoint: ``accelerator.save_state(dir)`` mid-window, then a fresh ``Accelerator`` + model +
 optimizer, ``accelerator.load_state(dir)`` and the remaining batches.  Checked against
 accelerate 1.15.0 on CPU, the version run here.  No fixed loss scale can be set: accelerate's
