@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("wacc.commands.replay", "replay one scenario file step by step"),
     "report": ("wacc.commands.report", "the dtype error report: corpus, tables, plots"),
     "gate": ("wacc.commands.gate", "the CI numerical regression gate against a baseline"),
+    "audit": ("wacc.commands.audit", "audit training loops against the exact full-batch gradient"),
 }
 
 

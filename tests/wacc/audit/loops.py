@@ -1,0 +1,34 @@
+"""User loops (``module:function``, the protocol of ``wacc.audit.protocol``) used by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from wacc.audit.protocol import LoopRun, LoopTask
+
+
+def equal_weighting(task: LoopTask) -> LoopRun:
+    """The pixparse pattern without timm: each microbatch's mean loss / accum_steps."""
+    model = task.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    task.hook_optimizer(optimizer, model)
+    data = task.dataset
+    for index in range(len(data)):
+        batch = data[index]
+        loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])["loss"]
+        (loss / task.num_microbatches).backward()
+    optimizer.step()
+    return LoopRun(counted_tokens=None)
+
+
+def raises(task: LoopTask) -> LoopRun:
+    """A loop that fails: the audit must report it, not crash."""
+    raise RuntimeError("this loop is broken on purpose")
+
+
+def never_steps(task: LoopTask) -> LoopRun:
+    """A loop that runs backward but never steps its optimizer."""
+    model = task.build_model()
+    batch = task.dataset[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])["loss"].backward()
+    return LoopRun(counted_tokens=None)

@@ -1,0 +1,81 @@
+"""``wacc audit`` as a subprocess: exit codes, files, one-line usage errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wacc.audit.adapters import ADAPTERS
+from wacc.commands import audit as audit_command
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _wacc(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", "audit", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_passing_loops_exit_0_and_write_the_report(tmp_path: Path) -> None:
+    """Correct loops exit 0; stdout has the table, --out has audit.md, audit.csv, audit.png."""
+    out = tmp_path / "report"
+    done = _wacc("plain", "wacc_torch-mean", "--windows", "unequal", "equal", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "wacc_torch-mean" in done.stdout and "pass" in done.stdout
+    assert "FAIL" not in done.stdout
+    rows = list(csv.DictReader((out / "audit.csv").read_text().splitlines()))
+    assert [(r["loop"], r["window"], r["verdict"]) for r in rows] == [
+        ("plain", "unequal", "pass"), ("plain", "equal", "pass"),
+        ("wacc_torch-mean", "unequal", "pass"), ("wacc_torch-mean", "equal", "pass"),
+    ]  # fmt: skip
+    assert "## Per loop and window" in (out / "audit.md").read_text()
+    assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_failing_user_loop_exits_1(tmp_path: Path) -> None:
+    """A module:function loop that weighs microbatches equally is a divergence: exit 1."""
+    done = _wacc("tests.wacc.audit.loops:equal_weighting", "--windows", "unequal", "--quiet",
+                 "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "FAIL" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["no-such-framework"],
+        ["--windows", "nope"],
+        ["--dtype", "float8"],
+        ["nocolon:"],
+        ["no_such_module_xyz:run"],
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
+    """Unknown framework, window or dtype, and a bad module:function: one line, exit 2."""
+    done = _wacc(*args, "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "error" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_out_that_is_a_file_is_exit_2(tmp_path: Path) -> None:
+    """--out naming an existing file is a usage error."""
+    target = tmp_path / "file"
+    target.write_text("x")
+    done = _wacc("plain", "--out", str(target))
+    assert done.returncode == 2 and str(target) in done.stderr
+
+
+def test_help_lists_every_builtin_loop() -> None:
+    """The command's list of built-in loops is the adapter registry, in order."""
+    assert list(audit_command._BUILTIN) == list(ADAPTERS)

@@ -1,0 +1,24 @@
+"""Every built-in loop adapter, by CLI name (one module per framework)."""
+
+from __future__ import annotations
+
+from wacc.audit.adapters import accelerate, plain, timm, trainer, wacc_torch
+from wacc.audit.protocol import Adapter
+
+__all__ = ["ADAPTERS"]
+
+ADAPTERS: dict[str, Adapter] = {
+    adapter.name: adapter
+    for adapter in (
+        trainer.HUB,
+        trainer.LLAMA,
+        trainer.PLAIN,
+        accelerate.ACCUMULATE,
+        accelerate.VARIABLE,
+        timm.ADAPTER,
+        plain.ADAPTER,
+        wacc_torch.MEAN,
+        wacc_torch.SUM,
+    )
+}
+"""Built-in adapters in report order."""

@@ -1,0 +1,108 @@
+"""Hugging Face ``accelerate``, the two loops its gradient-accumulation guide documents
+("Performing gradient accumulation with Accelerate"):
+
+* ``accelerate``: ``Accelerator(gradient_accumulation_steps=K)``, ``accelerator.prepare(model,
+  optimizer, dataloader)``, then per batch ``with accelerator.accumulate(model): loss =
+  model(**batch).loss; accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()``.
+  ``backward`` divides each microbatch's *mean* loss by K: every microbatch weighs the same.
+* ``accelerate-variable``: the guide's fix for "training samples of variable size": prefetch the
+  window's K batches, ``num_items_in_batch = sum(batch["labels"].ne(-100).sum() ...)`` gathered
+  over processes, ``loss = loss_sum * K * num_processes / num_items_in_batch``,
+  ``accelerator.backward(loss)`` per batch, one ``optimizer.step()``.  The guide counts unshifted
+  labels while a causal LM's loss uses the shifted ones: the count it divides by is shown.
+
+The model is the hub-style GPT-2 built from a config.  Batches come straight from
+``task.dataset`` (batch size 1) rather than a prepared ``DataLoader``: the window is the whole
+epoch, so the end-of-dataloader sync a prepared loader adds falls on the K-th batch anyway.
+The gradient is read in a ``torch.optim`` step pre-hook on the wrapped optimizer: it runs only
+when accelerate really steps.
+Checkpoint: ``accelerator.save_state(dir)`` mid-window, then a fresh ``Accelerator`` + model +
+optimizer, ``accelerator.load_state(dir)`` and the remaining batches.  Checked against
+accelerate 1.15.0 on CPU, the version run here.  No fixed loss scale can be set: accelerate's
+fp16 ``GradScaler`` is dynamic and needs an accelerator device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wacc.audit.models import causal_lm_loss_sum, logits_of
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+
+__all__ = ["ACCUMULATE", "VARIABLE"]
+
+
+def _fresh(task: LoopTask) -> tuple[Any, torch.nn.Module, Any]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=task.num_microbatches, cpu=True)
+    model = task.build_model()
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    task.hook_optimizer(optimizer, model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def _checkpoint(task: LoopTask, accelerator: Any) -> tuple[Any, torch.nn.Module, Any]:
+    directory = task.workdir / "accelerate_state"
+    accelerator.save_state(str(directory))
+    accelerator, model, optimizer = _fresh(task)
+    accelerator.load_state(str(directory))
+    return accelerator, model, optimizer
+
+
+def run_accumulate(task: LoopTask) -> LoopRun:
+    """The documented ``accumulate()`` loop (module docstring)."""
+    accelerator, model, optimizer = _fresh(task)
+    data = task.dataset
+    for index in range(len(data)):
+        if task.checkpoint_after == index:
+            accelerator, model, optimizer = _checkpoint(task, accelerator)
+        batch = {k: v[None] for k, v in data[index].items()}
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return LoopRun(counted_tokens=None)
+
+
+def run_variable(task: LoopTask) -> LoopRun:
+    """The documented variable-size fix (module docstring)."""
+    accelerator, model, optimizer = _fresh(task)
+    data = task.dataset
+    batches = [{k: v[None] for k, v in data[i].items()} for i in range(len(data))]
+    k = task.num_microbatches
+    num_items = sum(batch["labels"].ne(-100).sum() for batch in batches)
+    num_items_in_batch = accelerator.gather(num_items).sum().item()
+    for index, batch in enumerate(batches):
+        if task.checkpoint_after == index:
+            accelerator, model, optimizer = _checkpoint(task, accelerator)
+        logits = logits_of(model(input_ids=batch["input_ids"]))
+        loss = causal_lm_loss_sum(logits, batch["labels"])
+        loss = (loss * k * accelerator.num_processes) / num_items_in_batch
+        accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return LoopRun(counted_tokens=float(num_items_in_batch))
+
+
+_COMMON = dict(requires=("accelerate", "transformers"), model="gpt2", loss_scale=False,
+               checked="accelerate 1.15.0 with transformers 5.24.0", checkpoint=None)  # fmt: skip
+ACCUMULATE = Adapter(
+    name="accelerate",
+    title="accelerate accumulate() (documented loop)",
+    code_path="Accelerator(gradient_accumulation_steps=K).accumulate(model); accelerator.backward",
+    run=run_accumulate,
+    **_COMMON,  # type: ignore[arg-type]
+)
+VARIABLE = Adapter(
+    name="accelerate-variable",
+    title="accelerate variable-size fix (num_items_in_batch)",
+    code_path="guide 'variable size': loss_sum*K*num_processes/num_items_in_batch; backward",
+    run=run_variable,
+    **_COMMON,  # type: ignore[arg-type]
+)

@@ -1,0 +1,65 @@
+"""Plain PyTorch, the correct hand-written loop: ``(S * loss_sum / known_total).backward()`` per
+microbatch, the window's true target count read before the first backward, ``p.grad /= S`` once,
+then ``optimizer.step()``.
+
+Code path: ``torch.Tensor.backward`` accumulating into ``.grad``, ``torch.optim.SGD.step``;
+checkpoint = ``torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})``
+and ``torch.load(weights_only=True)`` (what such loops save: ``.grad`` is in neither state dict).
+Checked against torch 2.13.0 (the version run here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wacc.audit.models import causal_lm_loss_sum, logits_of
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+from wacc.audit.windows import target_count
+
+__all__ = ["ADAPTER"]
+
+
+def _fresh(task: LoopTask) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = task.build_model()
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    task.hook_optimizer(optimizer, model)
+    return model, optimizer
+
+
+def run(task: LoopTask) -> LoopRun:
+    """Run the loop of the module docstring on ``task``."""
+    model, optimizer = _fresh(task)
+    data = task.dataset
+    batches = [data[i] for i in range(len(data))]  # the known total needs the whole window first
+    total = sum(target_count(b["labels"]) for b in batches)
+    scale = task.loss_scale
+    for index, batch in enumerate(batches):
+        if task.checkpoint_after == index:
+            path = task.workdir / "plain_checkpoint.pt"
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+            model, optimizer = _fresh(task)
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        logits = logits_of(model(input_ids=batch["input_ids"][None]))
+        loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+        (loss_sum * scale / total).backward()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.div_(scale)
+    optimizer.step()
+    return LoopRun(counted_tokens=float(total))
+
+
+ADAPTER = Adapter(
+    name="plain",
+    title="plain PyTorch loss_sum / known_total",
+    requires=("torch",),
+    model="plain",
+    code_path="(S*loss_sum/known_total).backward(); p.grad /= S; torch.optim.SGD.step",
+    checked="torch 2.13.0 (run here)",
+    loss_scale=True,
+    checkpoint=None,
+    run=run,
+)

@@ -1,0 +1,117 @@
+"""Hugging Face ``transformers.Trainer`` with ``gradient_accumulation_steps = K``, two models:
+
+* ``trainer-hub``: ``GPT2LMHeadModel`` built from a tiny ``GPT2Config``.  Its ``forward`` takes
+  ``**kwargs``, so ``Trainer`` prefetches the window (``get_batch_samples``), counts
+  ``num_items_in_batch`` and the model divides its loss *sum* by it.
+* ``trainer-llama``: the same with ``LlamaForCausalLM`` (its class name maps to
+  ``ForCausalLMLoss`` in ``LOSS_MAPPING``, GPT-2's ``GPT2LMHeadModel`` does not: ``Trainer`` then
+  counts *unshifted* labels while the model's loss, defaulting to ``ForCausalLMLoss``, shifts them).
+* ``trainer-plain``: a plain ``nn.Module`` whose ``forward(input_ids, labels)`` returns its own
+  mean loss and takes no ``**kwargs``: ``Trainer`` then divides each microbatch's mean by
+  ``current_gradient_accumulation_steps`` (equal weighting), silently.
+
+Code path: ``Trainer(model, TrainingArguments(gradient_accumulation_steps=K, max_steps=1,
+per_device_train_batch_size=1, train_sampling_strategy="sequential", max_grad_norm=0,
+use_cpu=True), train_dataset, optimizers=(SGD(lr=0), None)).train()``.  The gradient is read in
+``TrainerCallback.on_pre_optimizer_step`` (after clipping, which is off, right before
+``optimizer.step()``); the count the model received is read by a forward pre-hook on the
+``num_items_in_batch`` keyword.  No mid-window checkpoint exists: ``save_steps`` counts optimizer
+steps.  What is tried instead: two copies of the window, ``save_steps=1`` writes ``checkpoint-1``
+after the first, the run is dropped inside the second, and a fresh ``Trainer`` runs
+``train(resume_from_checkpoint=checkpoint-1)``: it skips the first window's batches and replays
+the whole second window (the pending gradient is recomputed, not restored).  No fixed loss
+scale: ``fp16`` uses a dynamic scaler on an accelerator device.  Checked against transformers
+5.24.0 with accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x
+argument, without it the order is random).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+
+__all__ = ["HUB", "LLAMA", "PLAIN"]
+
+
+def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool) -> Any:
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    class Capture(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if capture:
+                task.record_gradients(kw["model"])
+
+    options: dict[str, Any] = dict(
+        output_dir=str(task.workdir / "trainer"), per_device_train_batch_size=1,
+        gradient_accumulation_steps=task.num_microbatches, max_steps=steps, learning_rate=0.0,
+        max_grad_norm=0.0, use_cpu=True, report_to="none", logging_strategy="no",
+        save_strategy="steps" if task.checkpoint_after is not None else "no", save_steps=1,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        options["train_sampling_strategy"] = "sequential"
+    dataset: Any = task.dataset
+    if task.checkpoint_after is not None:  # two windows: the second is the one interrupted
+        dataset = torch.utils.data.ConcatDataset([task.dataset, task.dataset])
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**options),
+        train_dataset=dataset,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        callbacks=[Capture()],
+    )
+    trainer.remove_callback(PrinterCallback)  # it prints the run's metrics on stdout
+    return trainer
+
+
+def run(task: LoopTask) -> LoopRun:
+    """One ``Trainer.train()`` over the window (module docstring)."""
+    model = task.build_model()
+    counts: list[float] = []
+
+    def note_count(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if "num_items_in_batch" in kwargs:
+            counts.append(float(kwargs["num_items_in_batch"]))
+
+    model.register_forward_pre_hook(note_count, with_kwargs=True)
+    if task.checkpoint_after is None:
+        _trainer(task, model, steps=1, capture=True).train()
+        return LoopRun(counted_tokens=counts[0] if counts else None)
+    # The first window ends with checkpoint-1 (Trainer saves only at optimizer steps); the run
+    # "stops" inside the second window, and a fresh Trainer resumes from checkpoint-1.
+    _trainer(task, model, steps=1, capture=False).train()
+    resumed = task.build_model()
+    resumed.register_forward_pre_hook(note_count, with_kwargs=True)
+    checkpoint = task.workdir / "trainer" / "checkpoint-1"
+    _trainer(task, resumed, steps=2, capture=True).train(resume_from_checkpoint=str(checkpoint))
+    return LoopRun(counted_tokens=counts[-1] if counts else None, resume="replay")
+
+
+_COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
+               checked="transformers 5.24.0 with accelerate 1.15.0", checkpoint=None,
+               run=run)  # fmt: skip
+HUB = Adapter(
+    name="trainer-hub",
+    title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
+    model="gpt2",
+    code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    **_COMMON,  # type: ignore[arg-type]
+)
+LLAMA = Adapter(
+    name="trainer-llama",
+    title="Trainer + LlamaForCausalLM (num_items_in_batch)",
+    model="llama",
+    code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    **_COMMON,  # type: ignore[arg-type]
+)
+PLAIN = Adapter(
+    name="trainer-plain",
+    title="Trainer + plain nn.Module (own mean loss)",
+    model="plain",
+    code_path="Trainer.train: training_step -> loss / current_gradient_accumulation_steps",
+    **_COMMON,  # type: ignore[arg-type]
+)

@@ -1,0 +1,91 @@
+"""``wacc_torch.WeightedGradientsAccumulator``, buffered mode (SPEC §5–§9), two ways:
+
+* ``wacc_torch-mean``: ``(S * mean_loss).backward()`` then ``acc.accumulate_mean(model, n_k)``;
+* ``wacc_torch-sum``: ``(S * loss_sum).backward()`` then ``acc.accumulate_sum(model, n_k)``;
+
+then ``acc.finish_mean().apply_to(model)`` and ``optimizer.step()``.  Work dtype = the model's
+dtype, ``loss_scale = S``.  Checkpoint: ``wacc_torch.save_record(acc.state_dict(), path)`` plus the
+model's ``state_dict``; resume: ``acc.load_state_dict(wacc_torch.load_record(path), model)`` in a
+fresh accumulator.  ``n_k`` is the microbatch's own count: nothing about the window is needed
+before the first backward.  Checked against this repository's wacc_torch (record format 1).  The
+zero-copy mode does not exist yet; when it does it is one more adapter here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wacc.audit.models import causal_lm_loss_sum, logits_of
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+from wacc.audit.windows import target_count
+
+__all__ = ["MEAN", "SUM"]
+
+
+def _run(task: LoopTask, *, mean: bool) -> LoopRun:
+    import wacc_torch
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        model = task.build_model()
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        task.hook_optimizer(optimizer, model)
+        acc = wacc_torch.WeightedGradientsAccumulator(dtype=task.dtype, loss_scale=task.loss_scale)
+        return model, optimizer, acc
+
+    model, optimizer, acc = fresh()
+    assert isinstance(acc, wacc_torch.WeightedGradientsAccumulator)
+    data = task.dataset
+    for index in range(len(data)):
+        if task.checkpoint_after == index:
+            path = task.workdir / "wacc_torch_record.pt"
+            model_path = task.workdir / "wacc_torch_model.pt"
+            wacc_torch.save_record(acc.state_dict(), path)
+            torch.save(model.state_dict(), model_path)
+            model, optimizer, acc = fresh()
+            assert isinstance(acc, wacc_torch.WeightedGradientsAccumulator)
+            model.load_state_dict(torch.load(model_path, weights_only=True))
+            acc.load_state_dict(wacc_torch.load_record(path), model)
+        batch = data[index]
+        n = target_count(batch["labels"])
+        logits = logits_of(model(input_ids=batch["input_ids"][None]))
+        loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+        # A zero-target microbatch's mean is 0/0 = NaN: weight 0 means it is never read (§5).
+        loss = loss_sum / n if mean else loss_sum
+        (loss * task.loss_scale).backward()
+        if mean:
+            acc.accumulate_mean(model, n)
+        else:
+            acc.accumulate_sum(model, n)
+    counted = acc.state.total_weight  # W, what finish_mean divides by
+    acc.finish_mean().apply_to(model)
+    optimizer.step()
+    return LoopRun(counted_tokens=counted)
+
+
+def run_mean(task: LoopTask) -> LoopRun:
+    """``accumulate_mean`` loop of the module docstring."""
+    return _run(task, mean=True)
+
+
+def run_sum(task: LoopTask) -> LoopRun:
+    """``accumulate_sum`` loop of the module docstring."""
+    return _run(task, mean=False)
+
+
+_COMMON = dict(requires=("wacc_torch",), model="plain", checked="this repository, record format 1",
+               loss_scale=True, checkpoint=None)  # fmt: skip
+MEAN = Adapter(
+    name="wacc_torch-mean",
+    title="wacc_torch accumulate_mean + finish_mean",
+    code_path="WeightedGradientsAccumulator.accumulate_mean / finish_mean().apply_to",
+    run=run_mean,
+    **_COMMON,  # type: ignore[arg-type]
+)
+SUM = Adapter(
+    name="wacc_torch-sum",
+    title="wacc_torch accumulate_sum + finish_mean",
+    code_path="WeightedGradientsAccumulator.accumulate_sum / finish_mean().apply_to",
+    run=run_sum,
+    **_COMMON,  # type: ignore[arg-type]
+)

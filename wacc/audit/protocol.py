@@ -1,0 +1,195 @@
+"""The loop-adapter protocol: how the audit drives one training loop on one window.
+
+An adapter is an :class:`Adapter`: metadata plus ``run(task) -> LoopRun``.  ``run`` must, using
+only the framework's public code path:
+
+1. build its model with ``task.build_model()`` (fresh, identical weights every call, in
+   ``task.dtype``) and read the microbatches from ``task.dataset`` in order (a map-style
+   ``torch.utils.data.Dataset`` of dicts ``input_ids``/``labels``, shape ``[L]``; batch size 1);
+2. run one optimizer step over the whole window, the loss multiplied by ``task.loss_scale`` when
+   the loop can be given a fixed loss scale (``Adapter.loss_scale``), which it must divide out;
+3. call ``task.record_gradients(model)`` right before the optimizer changes anything (a framework
+   callback, or ``task.hook_optimizer(optimizer, model)``: a ``torch.optim`` step pre-hook);
+4. when ``task.checkpoint_after`` is an int ``c``: after ``c`` microbatches, checkpoint with the
+   framework's own call into ``task.workdir``, drop every object, rebuild them from scratch
+   (``task.build_model()`` again), restore the checkpoint and run the remaining microbatches
+   (``task.dataset`` from index ``c``: the data position is the loop's).  A framework that can
+   only checkpoint at optimizer steps may instead resume from its last step checkpoint and
+   recompute the window, and say so with ``LoopRun(resume="replay")``;
+5. return :class:`LoopRun`: the token count it divided by (None when it never divides by one).
+
+A user loop is ``module:function`` with ``function(task: LoopTask) -> LoopRun``; optional function
+attributes ``loss_scale`` / ``checkpoint`` (bool) and ``model`` (a name of
+:data:`wacc.audit.models.MODEL_KINDS`, default ``"plain"``) say what it supports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from wacc.audit.models import ModelSpec
+from wacc.audit.windows import Window
+
+__all__ = ["Adapter", "LoopRun", "LoopTask", "WindowDataset", "user_adapter"]
+
+
+class WindowDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """The window's microbatches as a map-style dataset that logs every fetch (in order)."""
+
+    def __init__(self, window: Window, log: list[int]) -> None:
+        self._window = window
+        self._log = log
+
+    def __len__(self) -> int:
+        return len(self._window.microbatches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self._log.append(index)
+        return {k: v.clone() for k, v in self._window.microbatches[index].items()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass
+class LoopTask:
+    """One run of one loop on one window (built by the runner; see the module docstring)."""
+
+    model_spec: ModelSpec
+    dtype: torch.dtype
+    window: Window
+    workdir: Path
+    loss_scale: float = 1.0
+    checkpoint_after: int | None = None
+    weights_dtype: torch.dtype | None = None  # the audited dtype when ``dtype`` is its float64 run
+    fetch_log: list[int] = field(default_factory=list)
+    fetched_at_first_backward: int | None = None
+    captured: dict[str, torch.Tensor] | None = None
+    steps_seen: int = 0
+
+    @property
+    def dataset(self) -> WindowDataset:
+        """The window's microbatches (each fetch is logged)."""
+        return WindowDataset(self.window, self.fetch_log)
+
+    @property
+    def num_microbatches(self) -> int:
+        """K, the window's microbatches (one optimizer step)."""
+        return len(self.window.microbatches)
+
+    def build_model(self) -> nn.Module:
+        """A fresh model in ``dtype`` (with the weights rounded to ``weights_dtype`` first, when
+        given); a gradient hook notes how much data was read by then."""
+        model = self.model_spec.build(self.weights_dtype or self.dtype).to(self.dtype)
+
+        def note(grad: torch.Tensor) -> None:
+            if self.fetched_at_first_backward is None:
+                self.fetched_at_first_backward = len(set(self.fetch_log))
+
+        for parameter in model.parameters():
+            parameter.register_hook(note)  # observes only: returns None, the gradient is unchanged
+        return model
+
+    def record_gradients(self, model: nn.Module) -> None:
+        """Copy every parameter's ``.grad`` now (the first optimizer step of the window only)."""
+        self.steps_seen += 1
+        if self.captured is not None:
+            return
+        self.captured = {
+            name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for name, p in model.named_parameters()
+        }
+
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Register a ``torch.optim`` step pre-hook that records the gradients."""
+        optimizer.register_step_pre_hook(lambda *_: self.record_gradients(model))
+
+
+@dataclass(frozen=True)
+class LoopRun:
+    """What a loop reports about its own run."""
+
+    counted_tokens: float | None  # the window count it divided by; None: it never divides by one
+    note: str = ""  # anything the loop wants in the report
+    resume: str = "restore"  # "restore": resumes the pending window; "replay": recomputes it
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A loop the audit can run (see the module docstring)."""
+
+    name: str  # CLI name
+    title: str  # one line for the table
+    requires: tuple[str, ...]  # importable modules it needs (distribution name first: its version)
+    model: str  # a name of MODEL_KINDS
+    code_path: str  # the exact public code path it drives
+    checked: str  # the version range it was checked against
+    loss_scale: bool  # a fixed loss scale can be set
+    checkpoint: str | None  # None: offers a mid-window checkpoint call; else why not
+    run: Callable[[LoopTask], LoopRun]
+
+    def unavailable(self) -> str | None:
+        """None when every required module imports; else "not installed" / "not importable: …"."""
+        for module in self.requires:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name is not None and module.split(".")[0] == exc.name.split(".")[0]:
+                    return "not installed"
+                return f"not importable: ModuleNotFoundError: {exc.name}"
+            except Exception as exc:  # a broken install (e.g. timm with a CUDA-only torchvision)
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                return f"not importable: {type(exc).__name__}: {first}"[:160]
+        return None
+
+    def version(self) -> str:
+        """The installed version of the first required distribution ('' when not installed)."""
+        from importlib import metadata
+
+        if not self.requires:
+            return ""
+        top = self.requires[0].split(".")[0]
+        # wacc_torch ships in the wacc distribution: map the module to whatever installed it.
+        distribution = metadata.packages_distributions().get(top, [top])[0]
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return ""
+
+
+def user_adapter(spec: str) -> Adapter:
+    """An :class:`Adapter` for ``module:function`` (``ValueError`` naming what is wrong)."""
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"user loop {spec!r} is not module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"user loop {spec!r}: cannot import {module_name!r}: {exc}") from None
+    function: Any = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"user loop {spec!r}: {module_name} has no callable {function_name!r}")
+    from wacc.audit.models import MODEL_KINDS
+
+    model = getattr(function, "model", "plain")
+    if model not in MODEL_KINDS:
+        raise ValueError(f"user loop {spec!r}: model {model!r} is not one of {sorted(MODEL_KINDS)}")
+    checkpoint = getattr(function, "checkpoint", False)
+    return Adapter(
+        name=spec,
+        title=(function.__doc__ or spec).strip().splitlines()[0][:60],
+        requires=(),
+        model=model,
+        code_path=spec,
+        checked="",
+        loss_scale=bool(getattr(function, "loss_scale", False)),
+        checkpoint=None if checkpoint else "not declared by the loop",
+        run=function,
+    )

@@ -1,0 +1,219 @@
+"""The audit's findings as text: the stdout table, ``audit.md`` and ``audit.csv``."""
+
+from __future__ import annotations
+
+import csv
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+from wacc.audit.runner import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
+
+__all__ = ["cell_rows", "fact_rows", "render_table", "write_csv", "write_markdown"]
+
+CELL_COLUMNS = (
+    "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
+    "err/bound (f64 run)", "tokens counted/true", "deterministic",
+)  # fmt: skip
+FACT_COLUMNS = (
+    "loop", "version", "model", "float64 copy", "reads window first", "zero-target window",
+    "mid-window resume", "resumed rel L2", "fixed loss scale",
+)  # fmt: skip
+
+
+def _num(value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _tokens(cell: Cell) -> str:
+    if cell.status != "ok":
+        return "-"
+    if cell.counted is None:
+        return f"per-microbatch mean/{cell.true_count}"
+    counted = f"{cell.counted:g}"
+    mark = "" if cell.counted == cell.true_count else " (!)"
+    return f"{counted}/{cell.true_count}{mark}"
+
+
+def cell_rows(result: AuditResult) -> list[dict[str, str]]:
+    """One row per loop × window, keyed by :data:`CELL_COLUMNS`."""
+    rows = []
+    for cell in result.cells:
+        ran = cell.status == "ok"
+        rows.append(
+            {
+                "loop": cell.adapter,
+                "window": cell.window,
+                "verdict": cell.verdict.split(":")[0],
+                "rel L2": _num(cell.rel_l2) if ran else "-",
+                "max rel elem": _num(cell.max_rel) if ran else "-",
+                "err/bound (D run)": _num(cell.ratio) if ran else "-",
+                "err/bound (f64 run)": _num(cell.semantic_ratio) if ran else "-",
+                "tokens counted/true": _tokens(cell),
+                "deterministic": "-" if cell.deterministic is None else
+                ("yes" if cell.deterministic else "NO"),
+            }
+        )  # fmt: skip
+    return rows
+
+
+def _float64_copy(fact: LoopFacts) -> str:
+    if fact.status != "ok":
+        return "-"
+    if not fact.truth_casts and not fact.loss_casts:
+        return "clean"
+    parts = []
+    if fact.truth_casts:
+        parts.append("forward casts to float32 (" + ", ".join(_names(fact.truth_casts)) + ")")
+    if fact.loss_casts:
+        parts.append("own loss casts to float32 (" + ", ".join(_names(fact.loss_casts)) + ")")
+    return "; ".join(parts)
+
+
+def _names(casts: tuple[str, ...], *, most: int = 4) -> list[str]:
+    names = sorted({c.split(" -> ")[0] for c in casts})
+    return names if len(names) <= most else names[:most] + [f"+{len(names) - most} more"]
+
+
+def _zero_target(result: AuditResult, fact: LoopFacts) -> str:
+    for cell in result.cells:
+        if cell.adapter == fact.adapter.name and cell.window == "zero":
+            if cell.status != "ok":
+                return cell.status
+            finite = "finite" if cell.finite else "NaN/inf gradient"
+            return f"{finite}, {cell.verdict}"
+    return "-"
+
+
+def fact_rows(result: AuditResult) -> list[dict[str, str]]:
+    """One row per loop, keyed by :data:`FACT_COLUMNS`."""
+    rows = []
+    for fact in result.facts:
+        ran = fact.status == "ok"
+        rows.append(
+            {
+                "loop": fact.adapter.name,
+                "version": fact.version or "-",
+                "model": fact.model,
+                "float64 copy": _float64_copy(fact),
+                "reads window first": fact.needs_total if ran else fact.status,
+                "zero-target window": _zero_target(result, fact) if ran else "-",
+                "mid-window resume": fact.resume if ran else "-",
+                "resumed rel L2": _num(fact.resume_rel_l2) if ran else "-",
+                "fixed loss scale": fact.loss_scale if ran else "-",
+            }
+        )
+    return rows
+
+
+def _text_table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
+    widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines.append("  ".join("-" * widths[c] for c in columns))
+    lines += ["  ".join(r[c].ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _md_table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r[c].replace("|", "\\|") for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_table(result: AuditResult) -> str:
+    """The stdout report: both tables, plain text."""
+    header = f"wacc audit — dtype {result.dtype}; windows: " + "; ".join(
+        w.describe() for w in result.windows
+    )
+    return "\n\n".join(
+        [
+            header,
+            _text_table(cell_rows(result), CELL_COLUMNS),
+            _text_table(fact_rows(result), FACT_COLUMNS),
+        ]
+    )
+
+
+_METHOD = """\
+**How to read it.** Truth: the gradient of the mean token loss over the whole window, in float64
+on a float64 copy of the same model (its own cross-entropy on the logits, shifted labels, `-100`
+ignored). `rel L2` = ‖F − T‖/‖T‖ and `max rel elem` = max |F_i − T_i|/|T_i| for the gradient F the
+loop hands its optimizer in the audited dtype. `err/bound` = ‖F − T‖/‖B‖ with B the per-element
+bound of `wacc_ref.bounds.window_error_bound` for summing the window's per-microbatch loss-sum
+gradients in the audited dtype and dividing by the true count (the D run also carries its own
+forward/backward rounding). `verdict` = pass iff the loop's run *in float64* is within that
+bound (it isolates what the loop computes from rounding) and its gradient is finite.
+`reads window first`: whether every microbatch was read before the first backward (measured).
+`mid-window resume`: checkpoint after K // 2 microbatches with the loop's own checkpoint call,
+restore into fresh objects, finish the window. `fixed loss scale`: a run with S = {scale:g}
+compared bit for bit with S = 1. `deterministic`: two runs hash the same.
+"""
+
+
+def write_markdown(result: AuditResult, path: Path) -> None:
+    """``audit.md``: environment, windows, both tables, how to read them, notes."""
+    notes = [f"- `{f.adapter.name}`: {n}" for f in result.facts for n in dict.fromkeys(f.notes)]
+    paths = [
+        f"- `{f.adapter.name}` — {f.adapter.title} (checked: {f.adapter.checked or 'n/a'}): "
+        f"`{f.adapter.code_path}`"
+        for f in result.facts
+    ]
+    text = "\n\n".join(
+        [
+            "# wacc audit",
+            f"dtype **{result.dtype}**, torch {torch.__version__}, Python "
+            f"{platform.python_version()}, {platform.machine()}.",
+            "Windows (target tokens per microbatch): "
+            + "; ".join(f"`{w.describe()}`" for w in result.windows),
+            "## Per loop and window",
+            _md_table(cell_rows(result), CELL_COLUMNS),
+            "## Per loop",
+            _md_table(fact_rows(result), FACT_COLUMNS),
+            _METHOD.format(scale=TEST_LOSS_SCALE),
+            "## Code paths driven\n\n" + "\n".join(paths),
+        ]
+        + (["## Notes\n\n" + "\n".join(notes)] if notes else [])
+    )
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def write_csv(result: AuditResult, path: Path) -> None:
+    """``audit.csv``: one row per loop × window, full precision, the loop's facts repeated."""
+    facts = {f.adapter.name: f for f in result.facts}
+    fields = [
+        "loop", "window", "status", "verdict", "version", "model", "dtype", "rel_l2",
+        "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
+        "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
+        "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
+        "resumed_rel_l2", "fixed_loss_scale", "truth_casts", "loss_casts",
+    ]  # fmt: skip
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for c in result.cells:
+            f = facts[c.adapter]
+            writer.writerow(
+                {
+                    "loop": c.adapter, "window": c.window, "status": c.status,
+                    "verdict": c.verdict, "version": f.version, "model": f.model,
+                    "dtype": result.dtype, "rel_l2": repr(c.rel_l2), "max_rel_element":
+                    repr(c.max_rel), "err_over_bound": repr(c.ratio),
+                    "element_err_over_bound": repr(c.element_ratio),
+                    "f64_rel_l2": repr(c.semantic_rel_l2),
+                    "f64_err_over_bound": repr(c.semantic_ratio),
+                    "f64_element_err_over_bound": repr(c.semantic_element_ratio),
+                    "tokens_counted": "" if c.counted is None else repr(c.counted),
+                    "tokens_true": c.true_count, "finite": c.finite,
+                    "deterministic": "" if c.deterministic is None else c.deterministic,
+                    "sha256": c.digest, "reads_window_first": f.needs_total,
+                    "mid_window_resume": f.resume, "resumed_rel_l2": repr(f.resume_rel_l2),
+                    "fixed_loss_scale": f.loss_scale, "truth_casts": ";".join(f.truth_casts),
+                    "loss_casts": ";".join(f.loss_casts),
+                }
+            )  # fmt: skip

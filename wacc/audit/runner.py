@@ -1,0 +1,261 @@
+"""Runs every requested loop on every requested window and collects the findings.
+
+Per loop × window: the loop runs twice in the audited dtype ``D`` (errors, and whether the two
+gradients hash the same) and once on the float64 copy of the model.  The float64 run isolates what
+the loop *means* from rounding: its error against the truth is the loop's weighting/count error
+(float64 noise is ~2**-29 of a float32 bound), and the verdict is ``pass`` iff that error is
+within the bound in ``D`` for the window's sums (:func:`wacc.audit.metrics.bound_for`), read
+normwise (``‖e‖₂ ≤ ‖B‖₂``): a model whose own loss casts to float32 (reported) leaves float32
+noise in that run, which cancelling elements would blow up elementwise.  Per loop,
+on the first window (``unequal`` by default): whether it read the whole window before the first
+backward (measured: microbatches fetched when the first gradient arrived); a mid-window checkpoint
+after ``K // 2`` microbatches with the loop's own checkpoint call, resumed in fresh objects
+(error of the resumed gradient, and whether it is bit-identical to the uninterrupted run); and, if
+a fixed loss scale can be set, a run with ``S = 2**10`` (bit-identical to ``S = 1`` = divided out
+exactly once, as a power-of-two scale of every value is exact).
+
+A loop that is not installed, cannot be imported, or raises is a row saying so, never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from wacc.audit.metrics import (
+    bound_for,
+    bound_ratio,
+    gradient_hash,
+    max_relative_element,
+    normwise_ratio,
+    relative_l2,
+)
+from wacc.audit.models import MODEL_KINDS
+from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+from wacc.audit.truth import Truth, compute_truth, flatten
+from wacc.audit.windows import Window
+
+__all__ = ["AuditResult", "Cell", "LoopFacts", "run_audit", "TEST_LOSS_SCALE"]
+
+TEST_LOSS_SCALE = 2.0**10
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}  # fmt: skip
+
+
+@dataclass
+class Cell:
+    """One loop on one window."""
+
+    adapter: str
+    window: str
+    status: str = "ok"  # ok | not installed | not importable: … | error: …
+    rel_l2: float = math.nan  # run in D vs truth
+    max_rel: float = math.nan
+    ratio: float = math.nan  # run in D: ‖error‖ / ‖bound(D)‖
+    element_ratio: float = math.nan  # run in D: max_i |error_i| / bound_i (wacc_ref error_ratio)
+    semantic_rel_l2: float = math.nan  # float64 run vs truth
+    semantic_ratio: float = math.nan  # float64 run: ‖error‖ / ‖bound(D)‖  -> the verdict
+    semantic_element_ratio: float = math.nan
+    counted: float | None = None  # what the loop divided by (None: never divides by a count)
+    true_count: int = 0
+    finite: bool = True
+    deterministic: bool | None = None
+    digest: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """``pass`` / ``FAIL`` / the status when it did not run."""
+        if self.status != "ok":
+            return self.status
+        ok = self.finite and self.semantic_ratio <= 1.0
+        return "pass" if ok else "FAIL"
+
+
+@dataclass
+class LoopFacts:
+    """Per-loop findings (measured on the first window)."""
+
+    adapter: Adapter
+    status: str = "ok"
+    version: str = ""
+    model: str = ""
+    truth_casts: tuple[str, ...] = ()  # the forward to the logits (affects the truth)
+    loss_casts: tuple[str, ...] = ()  # the model's own loss (affects the loop's float64 run)
+    needs_total: str = ""
+    resume: str = ""
+    resume_rel_l2: float = math.nan
+    loss_scale: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AuditResult:
+    """Everything one audit found."""
+
+    dtype: str
+    windows: list[Window]
+    facts: list[LoopFacts]
+    cells: list[Cell]
+
+
+def _describe_error(exc: BaseException) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"error: {type(exc).__name__}: {first[:120]}{where}"
+
+
+class _Runner:
+    def __init__(self, dtype: torch.dtype, workdir: Path, tick: Callable[[], None]) -> None:
+        self.dtype = dtype
+        self.workdir = workdir
+        self.tick = tick
+        self.truths: dict[tuple[str, str], Truth] = {}
+        self.bounds: dict[tuple[str, str], NDArray[np.float64]] = {}
+        self._count = 0
+
+    def truth(self, model: str, window: Window) -> tuple[Truth, NDArray[np.float64]]:
+        key = (model, window.name)
+        if key not in self.truths:
+            truth = compute_truth(MODEL_KINDS[model], self.dtype, window)
+            self.truths[key] = truth
+            self.bounds[key] = bound_for(truth, str(self.dtype).removeprefix("torch."))
+        return self.truths[key], self.bounds[key]
+
+    def once(
+        self,
+        adapter: Adapter,
+        window: Window,
+        *,
+        dtype: torch.dtype,
+        loss_scale: float = 1.0,
+        checkpoint_after: int | None = None,
+    ) -> tuple[LoopTask, LoopRun, NDArray[np.float64]]:
+        self._count += 1
+        workdir = self.workdir / f"run{self._count}"
+        workdir.mkdir()
+        task = LoopTask(
+            model_spec=MODEL_KINDS[adapter.model], dtype=dtype, window=window, workdir=workdir,
+            loss_scale=loss_scale, checkpoint_after=checkpoint_after, weights_dtype=self.dtype,
+        )  # fmt: skip
+        # Every loop starts from the same global RNG state, and the caller's comes back (Trainer
+        # and accelerate reseed torch, numpy and random).
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                run = adapter.run(task)
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+        self.tick()
+        if task.captured is None:
+            raise RuntimeError("the loop never stepped its optimizer in this window")
+        # The truth's parameter order (same model class: a missing name is a KeyError row).
+        return task, run, flatten(task.captured, self.truth(adapter.model, window)[0].names)
+
+
+def run_audit(
+    adapters: Sequence[Adapter],
+    windows: Sequence[Window],
+    *,
+    dtype: str = "float32",
+    progress: Callable[[int], Callable[[], None]] | None = None,
+) -> AuditResult:
+    """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring)."""
+    torch_dtype = DTYPES[dtype]
+    runnable = [a for a in adapters if a.unavailable() is None]
+    total = sum(3 * len(windows) + 1 + (a.checkpoint is None) + a.loss_scale for a in runnable)
+    tick = progress(total) if progress else (lambda: None)
+    facts: list[LoopFacts] = []
+    cells: list[Cell] = []
+    with tempfile.TemporaryDirectory(prefix="wacc-audit-") as tmp:
+        runner = _Runner(torch_dtype, Path(tmp), tick)
+        for adapter in adapters:
+            fact = LoopFacts(adapter=adapter, version=adapter.version(), model=adapter.model)
+            facts.append(fact)
+            missing = adapter.unavailable()
+            if missing is not None:
+                fact.status = missing
+                cells.extend(Cell(adapter.name, w.name, status=missing) for w in windows)
+                continue
+            for index, window in enumerate(windows):
+                cell = Cell(adapter.name, window.name, true_count=window.total_targets)
+                cells.append(cell)
+                try:
+                    _audit_cell(runner, adapter, window, cell, fact, first=index == 0)
+                except Exception as exc:  # a loop that raises is a finding, not a crash
+                    cell.status = _describe_error(exc)
+                    if index == 0:
+                        fact.notes.append(f"{window.name}: {cell.status}")
+    return AuditResult(dtype=dtype, windows=list(windows), facts=facts, cells=cells)
+
+
+def _audit_cell(
+    runner: _Runner, adapter: Adapter, window: Window, cell: Cell, fact: LoopFacts, *, first: bool
+) -> None:
+    truth, bound = runner.truth(adapter.model, window)
+    if first:
+        fact.truth_casts = truth.casts
+        fact.loss_casts = truth.loss_casts
+    task, run, observed = runner.once(adapter, window, dtype=runner.dtype)
+    _, _, again = runner.once(adapter, window, dtype=runner.dtype)
+    cell.digest = gradient_hash(observed)
+    cell.deterministic = cell.digest == gradient_hash(again)
+    cell.counted = None if run.counted_tokens is None else float(run.counted_tokens)
+    cell.finite = bool(np.all(np.isfinite(observed)))
+    cell.rel_l2 = relative_l2(observed, truth.gradient)
+    cell.max_rel = max_relative_element(observed, truth.gradient)
+    cell.ratio = normwise_ratio(observed, truth, bound)
+    cell.element_ratio = bound_ratio(observed, truth, bound)
+    _, _, semantic = runner.once(adapter, window, dtype=torch.float64)
+    cell.semantic_rel_l2 = relative_l2(semantic, truth.gradient)
+    cell.semantic_ratio = normwise_ratio(semantic, truth, bound)
+    cell.semantic_element_ratio = bound_ratio(semantic, truth, bound)
+    if run.note:
+        fact.notes.append(run.note)
+    if not first:
+        return
+    k = task.num_microbatches
+    fetched = task.fetched_at_first_backward
+    fact.needs_total = "yes" if fetched == k and k > 1 else f"no ({fetched} of {k} read)"
+    if adapter.checkpoint is not None:
+        fact.resume = f"n/a: {adapter.checkpoint}"
+    else:
+        try:
+            _, resumed_run, resumed = runner.once(
+                adapter, window, dtype=runner.dtype, checkpoint_after=k // 2
+            )
+            fact.resume_rel_l2 = relative_l2(resumed, truth.gradient)
+            same = gradient_hash(resumed) == cell.digest
+            if resumed_run.resume == "replay":
+                how = "no mid-window checkpoint; resume replays the window"
+                fact.resume = f"{how} ({'bit-identical' if same else 'differs'})"
+            else:
+                fact.resume = "restored (bit-identical)" if same else "pending gradient lost"
+        except Exception as exc:
+            fact.resume = _describe_error(exc)
+    if not adapter.loss_scale:
+        fact.loss_scale = "not settable"
+        return
+    try:
+        _, _, scaled = runner.once(
+            adapter, window, dtype=runner.dtype, loss_scale=TEST_LOSS_SCALE
+        )
+        if gradient_hash(scaled) == cell.digest:
+            fact.loss_scale = "divided out once (bit-identical)"
+        else:
+            factor = float(np.linalg.norm(scaled) / np.linalg.norm(observed))
+            fact.loss_scale = f"result x{factor:.6g} (S = {TEST_LOSS_SCALE:g})"
+    except Exception as exc:
+        fact.loss_scale = _describe_error(exc)

@@ -1,0 +1,118 @@
+"""The truth: the gradient of the mean token loss over the whole window, in float64.
+
+Computed once per window on a float64 copy of the audited model (``ModelSpec.build(dtype)`` then
+``.to(float64)``: the same weights exactly).  Per microbatch ``k`` the float64 gradient ``g_k`` of
+its loss *sum* (shifted labels != -100) is kept, because the float32 bound of
+:mod:`wacc_ref.bounds` is a bound on summing exactly those; the truth is ``Σ_k g_k / N`` with
+``N = Σ_k n_k`` the true target count.
+
+float64-clean: a model that casts to float32 internally (e.g. an RMSNorm computed in float32)
+makes a float64 copy only float32-accurate.  Every torch function called in the float64 forward is
+watched (``torch.overrides.TorchFunctionMode``); one whose floating result is not float64 is listed:
+``Truth.casts`` for the forward to the logits (the truth itself is then float32-accurate there),
+``Truth.loss_casts`` for the model's *own* loss (``model(input_ids, labels=...)``, what the loops
+call; e.g. ``transformers``' ``ForCausalLMLoss`` runs ``logits.float()``, which for float64 logits
+is a cast *down*).  The truth never uses the model's own loss: it applies a float64
+cross-entropy to the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from wacc.audit.models import ModelSpec, causal_lm_loss_sum, logits_of
+from wacc.audit.windows import Window
+
+__all__ = ["Truth", "compute_truth", "flatten"]
+
+
+class _CastWatcher(TorchFunctionMode):
+    """Notes every torch function whose floating-point result is not float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts: set[str] = set()
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        outputs = result if isinstance(result, tuple | list) else (result,)
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                if out.dtype != torch.float64:
+                    self.casts.add(f"{getattr(func, '__name__', repr(func))} -> {out.dtype}")
+        return result
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The window's exact-in-float64 gradient and what it was computed from."""
+
+    names: tuple[str, ...]
+    gradient: NDArray[np.float64]  # Σ_k g_k / N, flattened in ``names`` order
+    microbatch_sums: tuple[NDArray[np.float64], ...]  # g_k: gradient of microbatch k's loss sum
+    targets: tuple[int, ...]
+    casts: tuple[str, ...]  # forward to the logits: functions with a non-float64 float result
+    loss_casts: tuple[str, ...]  # the model's own loss path: the same, beyond ``casts``
+
+    @property
+    def float64_clean(self) -> bool:
+        """Whether the float64 copy computes in float64 throughout."""
+        return not self.casts
+
+
+def flatten(grads: Mapping[str, torch.Tensor], names: Iterable[str]) -> NDArray[np.float64]:
+    """The gradients as one float64 vector in ``names`` order (exact: float64 holds them)."""
+    parts = [grads[n].detach().to("cpu", torch.float64).reshape(-1).numpy() for n in names]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
+    """The truth for ``window`` on ``spec``'s model converted to ``dtype``, then float64."""
+    model: nn.Module = spec.build(dtype).to(torch.float64)
+    model.train()
+    names = tuple(n for n, _ in model.named_parameters())
+    watcher = _CastWatcher()
+    sums: list[NDArray[np.float64]] = []
+    for microbatch in window.microbatches:
+        model.zero_grad(set_to_none=True)
+        ids = microbatch["input_ids"][None]
+        labels = microbatch["labels"][None]
+        with watcher:
+            logits = logits_of(model(input_ids=ids))
+            loss_sum = causal_lm_loss_sum(logits, labels)
+        if not torch.isfinite(loss_sum):
+            raise ArithmeticError(f"window {window.name}: the float64 loss is {loss_sum.item()}")
+        loss_sum.backward()
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                 for n, p in model.named_parameters()}  # fmt: skip
+        sums.append(flatten(grads, names))
+    own_loss = _CastWatcher()
+    with own_loss, torch.no_grad():
+        first = window.microbatches[0]
+        model(input_ids=first["input_ids"][None], labels=first["labels"][None])
+    total = window.total_targets
+    # Four to a few dozen float64 additions: their error is ~2**-50 relative, far below any
+    # float32/bf16/fp16 bound the truth is compared at.
+    gradient = np.sum(np.stack(sums), axis=0) / total
+    return Truth(
+        names=names,
+        gradient=gradient,
+        microbatch_sums=tuple(sums),
+        targets=window.targets,
+        casts=tuple(sorted(watcher.casts)),
+        loss_casts=tuple(sorted(own_loss.casts - watcher.casts)),
+    )

@@ -1,0 +1,108 @@
+"""The audit's windows: microbatches of causal-LM token ids with ``-100`` labels where nothing is
+learned.
+
+A microbatch with ``n`` target tokens is one sequence of ``n + 1`` tokens whose labels are its
+input ids (the Hugging Face convention): a causal LM shifts labels by one, so position 0 is never a
+target and ``n`` tokens are.  A zero-target microbatch has every label ``-100`` (a prompt-only
+sample).  Every microbatch of a window is right-padded to the window's longest sequence with pad
+token 0 and label ``-100`` (fixed shapes; for a causal model right padding changes no earlier
+position's logits).  Everything is seeded: the same name gives the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "VOCAB_SIZE",
+    "WINDOW_NAMES",
+    "Window",
+    "build_window",
+    "target_count",
+]
+
+IGNORE_INDEX = -100
+VOCAB_SIZE = 32
+ZERO_TARGET_LENGTH = 9  # the prompt-only microbatch's length (its tokens still run forward)
+LONG_TAIL_SEED = 20261201
+LONG_TAIL_MICROBATCHES = 6
+LONG_TAIL_MAX_TARGETS = 200  # keeps every sequence within the tiny models' 256 positions
+
+_TARGETS: dict[str, tuple[int, ...]] = {
+    "unequal": (1, 7, 200, 3),
+    "equal": (64, 64, 64, 64),
+    "zero": (12, 0, 30, 6),
+}
+
+
+def _long_tail_targets() -> tuple[int, ...]:
+    rng = np.random.default_rng(LONG_TAIL_SEED)
+    # Pareto tail: most microbatches short, one or two long (what packing-free SFT data looks like).
+    draws = np.ceil(rng.pareto(1.2, size=LONG_TAIL_MICROBATCHES) * 8)
+    return tuple(int(min(max(d, 1), LONG_TAIL_MAX_TARGETS)) for d in draws)
+
+
+WINDOW_NAMES: tuple[str, ...] = ("unequal", "equal", "zero", "longtail")
+"""Every window the audit knows, in report order."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """One optimizer step's microbatches: each a dict of ``input_ids`` and ``labels``, shape [L]."""
+
+    name: str
+    targets: tuple[int, ...]  # true target tokens per microbatch (after the causal shift)
+    microbatches: tuple[dict[str, torch.Tensor], ...]
+
+    @property
+    def total_targets(self) -> int:
+        """The true count the window's mean divides by."""
+        return sum(self.targets)
+
+    def describe(self) -> str:
+        """``unequal (1, 7, 200, 3)``."""
+        return f"{self.name} ({', '.join(str(n) for n in self.targets)})"
+
+
+def target_count(labels: torch.Tensor) -> int:
+    """Target tokens of a causal-LM microbatch as its loss counts them: shifted labels != -100."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _sequences(targets: Sequence[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for n in targets:
+        length = n + 1 if n > 0 else ZERO_TARGET_LENGTH
+        ids = torch.randint(1, VOCAB_SIZE, (length,), generator=generator)
+        labels = ids.clone() if n > 0 else torch.full((length,), IGNORE_INDEX)
+        out.append((ids, labels))
+    return out
+
+
+def build_window(name: str) -> Window:
+    """The window called ``name`` (one of :data:`WINDOW_NAMES`); ``KeyError`` for another name."""
+    if name == "longtail":
+        targets = _long_tail_targets()
+    else:
+        targets = _TARGETS[name]
+    sequences = _sequences(targets, seed=WINDOW_NAMES.index(name))
+    width = max(ids.numel() for ids, _ in sequences)
+    microbatches = []
+    for ids, labels in sequences:
+        pad = width - ids.numel()
+        microbatches.append(
+            {
+                "input_ids": torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]),
+                "labels": torch.cat([labels, torch.full((pad,), IGNORE_INDEX)]),
+            }
+        )
+    window = Window(name=name, targets=tuple(targets), microbatches=tuple(microbatches))
+    counted = tuple(target_count(mb["labels"]) for mb in window.microbatches)
+    assert counted == window.targets, (counted, window.targets)  # construction invariant
+    return window

@@ -1,0 +1,118 @@
+"""Audit training loops: does the gradient a real framework hands its optimizer equal the exact
+full-batch gradient on unequal microbatches?
+
+Runs each loop's real public code path (transformers.Trainer, accelerate, the pixparse/timm loop,
+plain PyTorch, wacc_torch, or your own as module:function) on the same windows and compares the
+gradient captured right before the optimizer step with the float64 truth.  Writes a table to
+stdout and audit.md, audit.csv and audit.png to --out; progress goes to stderr.  A framework that
+is not installed is a row saying so.  Exit 0 when every loop that ran passes, 1 when one fails
+(a verdict FAIL, a run that raised, or two runs that differ), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from wacc.errors import UsageError
+
+NAME = "audit"
+HELP = "audit training frameworks' gradient accumulation against the exact full-batch gradient"
+
+_BUILTIN = (
+    "trainer-hub", "trainer-llama", "trainer-plain", "accelerate", "accelerate-variable",
+    "timm", "plain", "wacc_torch-mean", "wacc_torch-sum",
+)  # fmt: skip  (kept in step with wacc.audit.adapters.ADAPTERS by a test; importing it is slow)
+_WINDOWS = ("unequal", "equal", "zero", "longtail")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``wacc audit`` arguments."""
+    parser.add_argument(
+        "frameworks",
+        nargs="*",
+        metavar="FRAMEWORK",
+        help=f"built-in loops: {', '.join(_BUILTIN)}; or a user loop as module:function "
+        "(see wacc.audit.protocol). Default: every built-in loop",
+    )
+    parser.add_argument(
+        "--windows", nargs="+", choices=_WINDOWS, default=list(_WINDOWS), metavar="WINDOW",
+        help=f"windows to run, of {', '.join(_WINDOWS)} (default: all)",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
+    parser.add_argument(
+        "--out", type=Path, default=Path("wacc-audit"), metavar="DIR",
+        help="directory for audit.md, audit.csv, audit.png (default: ./wacc-audit)",
+    )  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _progress(quiet: bool) -> Callable[[int], Callable[[], None]]:
+    from tqdm import tqdm
+
+    def start(total: int) -> Callable[[], None]:
+        bar = tqdm(total=total, desc="wacc audit", unit="run", file=sys.stderr,
+                   disable=quiet or not sys.stderr.isatty(), leave=False)  # fmt: skip
+
+        def tick() -> None:
+            bar.update(1)
+            if bar.n >= total:
+                bar.close()
+
+        return tick
+
+    return start
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the audit; see the module docstring for the exit codes."""
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    # Imported here: torch and the frameworks are slow to import and only this command needs them.
+    from wacc.audit.adapters import ADAPTERS
+    from wacc.audit.protocol import Adapter, user_adapter
+
+    adapters: list[Adapter] = []
+    for name in args.frameworks or list(ADAPTERS):
+        if name in ADAPTERS:
+            adapters.append(ADAPTERS[name])
+        elif ":" in name:
+            try:
+                adapters.append(user_adapter(name))
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        else:
+            raise UsageError(
+                f"unknown framework {name!r}; built-in: {', '.join(ADAPTERS)}, or module:function"
+            )
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc.strerror}") from None
+
+    from wacc.audit.plot import plot_errors
+    from wacc.audit.report import render_table, write_csv, write_markdown
+    from wacc.audit.runner import run_audit
+    from wacc.audit.windows import build_window
+
+    # Their per-run chatter would bury the table (transformers reads its documented variable
+    # when it is first imported, which has not happened yet).
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    windows = [build_window(w) for w in dict.fromkeys(args.windows)]
+    result = run_audit(adapters, windows, dtype=args.dtype, progress=_progress(args.quiet))
+    print(render_table(result))
+    write_markdown(result, args.out / "audit.md")
+    write_csv(result, args.out / "audit.csv")
+    plot_errors(result, args.out / "audit.png")
+    print(f"\nwrote {args.out / 'audit.md'}, audit.csv, audit.png", file=sys.stderr)
+    failed = [
+        c for c in result.cells
+        if c.status.startswith("error") or c.verdict == "FAIL" or c.deterministic is False
+    ]  # fmt: skip
+    return 1 if failed else 0
