@@ -225,7 +225,7 @@ display(
 # Every failing row names its scenario file. Loading it with `wacc_ref.scenario.from_json` and
 # judging it with `wacc.verdict.judge` reproduces the verdict, step by step: the op and weight,
 # the error class the reference and the implementation raised, and the three metrics. (The
-# command line does the same: `python -m wacc replay FILE --impl SPEC`.) The row replayed is
+# command line does the same: `python -m wacc replay FILE --impl FACTORY`.) The row replayed is
 # a failing row of `pixparse_loop` (the `loss /= accum_steps` loop) in float16, the one with
 # the shortest window (else the worst failing row of the report that this machine can run).
 

@@ -1,5 +1,5 @@
 """One acceptance rule for numbers: wacc_torch and wacc_ref accept exactly the same weights and
-loss scales, raise the same error class for the rest, and count the same W (SPEC §12.3).
+loss scales, raise the same error class for the rest, and count the same W (semantics §12.3).
 
 The rule (``wacc_torch._scalars.read_real`` / ``wacc_ref.records.read_real``): a Python int (not
 bool) or float, or a numpy scalar / 0-d array / 0-d torch tensor of an integer dtype of at most

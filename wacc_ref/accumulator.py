@@ -1,4 +1,4 @@
-"""The reference accumulator: SPEC §3-§9 and §11, line by line, on exact values (no torch).
+"""The reference accumulator: semantics §3-§9 and §11, line by line, on exact values (no torch).
 
 :class:`ReferenceAccumulator` has the constructor, methods, counters, errors and records of
 ``wacc_torch.WeightedGradientsAccumulator`` minus devices.  ``params`` plays the module: an
@@ -9,7 +9,7 @@ none, see :func:`wacc_ref.formats.conv_to`).
 Modes
 -----
 ``emulated`` (default)
-    Every step is the SPEC's reproducible sequence of roundings, each the exact operation rounded
+    Every step is semantics' reproducible sequence of roundings, each the exact operation rounded
     once (:mod:`wacc_ref.arith`):
 
     * sum (§5): ``buf <- round_D(buf + conv_D(g))``; ``W <- round_64(W + w)``;
@@ -18,10 +18,10 @@ Modes
     * finish_mean (§8): ``y = round_D(buf / S)``, ``out = round_D(round_op(y / round_op(W)))``.
 
     With ``fused=True`` the mean step follows ``fused_variant`` instead, one of the three
-    results SPEC §6 allows: ``"fma"`` ``round_D(buf + c*w_D)``, ``"op_rounded"``
+    results semantics §6 allows: ``"fma"`` ``round_D(buf + c*w_D)``, ``"op_rounded"``
     ``round_D(round_op(buf + c*w_D))``, ``"two_step"`` the reproducible result; ``c = conv_D(g)``.
 ``exact``
-    No rounding at all (SPEC §12.2): contributions ``c_k = g_k`` (sums) or ``g_k * w_D`` (means)
+    No rounding at all (§12.2): contributions ``c_k = g_k`` (sums) or ``g_k * w_D`` (means)
     with ``g`` as handed in (before conversion), ``W`` the exact sum of the counted weights
     (``w``, or ``w_D`` for means).  Pending sums and ``W`` are exact :class:`fractions.Fraction`
     values.  ``finish_*`` return ``grads`` = the exact result rounded ONCE to float64 (from the
@@ -104,7 +104,7 @@ _MIN_PRECISION = 2  # mpmath needs at least 1 bit; 2 keeps round-to-nearest mean
 
 @dataclass(frozen=True)
 class ReferenceState:
-    """A copy of the accumulator's scalar state (SPEC §3); reading it changes nothing.
+    """A copy of the accumulator's scalar state (semantics §3); reading it changes nothing.
 
     ``total_weight`` is a float in ``emulated`` mode and an exact Fraction in ``exact`` mode.
     """
@@ -119,7 +119,7 @@ class ReferenceState:
 
 @dataclass(frozen=True)
 class ReferenceResult:
-    """What ``finish_sums`` / ``finish_mean`` hand over (SPEC §7, §8).
+    """What ``finish_sums`` / ``finish_mean`` hand over (semantics §7, §8).
 
     ``grads`` maps every tracked parameter to a float64 array (``None`` for a parameter without
     a buffer in the window).  ``emulated``: the exact D values.  ``exact``: the exact result
@@ -151,7 +151,7 @@ def _exact_gradient(name: str, gradient: npt.NDArray[np.float64]) -> np.ndarray:
 
 
 def _check_gradual_underflow() -> None:
-    """The arithmetic below needs IEEE gradual underflow (as SPEC §2 does)."""
+    """The arithmetic below needs IEEE gradual underflow (as semantics §2 does)."""
     try:
         arith.check_gradual_underflow()
     except RuntimeError as error:
@@ -165,7 +165,7 @@ def _mpf(value: Fraction, precision: int) -> mpmath.mpf:
 
 
 class ReferenceAccumulator:
-    """Pure-Python model of ``WeightedGradientsAccumulator`` (SPEC §3-§9, §11); see the module doc.
+    """Pure-Python model of ``WeightedGradientsAccumulator`` (§3-§9, §11); see the module doc.
 
     Options: ``dtype`` the work dtype D (torch spelling), ``loss_scale`` S, ``fused`` (§6 opt-in
     one-pass mean step; declared in ``state``), ``fused_variant`` which of the allowed fused
@@ -219,7 +219,7 @@ class ReferenceAccumulator:
 
     @property
     def fused_variant(self) -> str:
-        """Which SPEC §6 fused result the emulation follows when ``fused`` is on."""
+        """Which semantics §6 fused result the emulation follows when ``fused`` is on."""
         return self._fused_variant
 
     @property
@@ -260,7 +260,7 @@ class ReferenceAccumulator:
         # change between windows (unfreezing, adapters), never inside one.
         binding = validate_binding(params, self._binding, rebind=self._issued == 0)
         # Structure (names, dtype kinds, shapes) is checked for every call; values are read only
-        # for a weight > 0 (SPEC §5: a zero-weight batch reads no gradient).
+        # for a weight > 0 (semantics §5: a zero-weight batch reads no gradient).
         checked = validate_gradients(grads, binding)
         if w == 0:
             self._binding = binding
@@ -320,7 +320,7 @@ class ReferenceAccumulator:
         *,
         grads: Mapping[str, npt.ArrayLike | None],
     ) -> None:
-        """SPEC §5: add a loss-SUM microbatch of token/sample count ``weight``.
+        """semantics §5: add a loss-SUM microbatch of token/sample count ``weight``.
 
         ``w == 0``: only ``issued`` and ``zero_weight`` move (no gradient value is read).
         ``w > 0``: ``buf <- round_D(buf + conv_D(g))`` per element, ``W <- round_64(W + w)``.
@@ -337,7 +337,7 @@ class ReferenceAccumulator:
         *,
         grads: Mapping[str, npt.ArrayLike | None],
     ) -> None:
-        """SPEC §6: add a loss-MEAN microbatch; it contributes ``g * w_D`` with ``w_D = conv_D(w)``.
+        """§6: add a loss-MEAN microbatch; it contributes ``g * w_D`` with ``w_D = conv_D(w)``.
 
         Reproducible order: ``t = round_D(conv_D(g) * w_D)``, ``buf <- round_D(buf + t)``,
         ``W <- round_64(W + w_D)`` (or the chosen fused variant).  ``w > 0`` whose ``w_D`` is 0 or
@@ -381,7 +381,7 @@ class ReferenceAccumulator:
         )
 
     def finish_sums(self) -> ReferenceResult:
-        """SPEC §7: hand over the pending sums (no division) and start a new empty window."""
+        """semantics §7: hand over the pending sums (no division) and start a new empty window."""
         if self._exact:
             result = self._exact_result(None, normalized=False)
         else:
@@ -400,7 +400,7 @@ class ReferenceAccumulator:
         return result
 
     def finish_mean(self) -> ReferenceResult:
-        """SPEC §8: ``y = round_D(buf / S)``, ``out = round_D(round_op(y / round_op(W)))``.
+        """semantics §8: ``y = round_D(buf / S)``, ``out = round_D(round_op(y / round_op(W)))``.
 
         Division is sequential (``S * W`` is never formed).  ``W == 0`` raises
         :class:`ZeroTotalWeightError` and clears nothing.  Starts a new empty window.
@@ -440,7 +440,7 @@ class ReferenceAccumulator:
     # -- records -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, object]:
-        """The record of SPEC §9 (keys documented in :mod:`wacc_ref.records`); a deep copy."""
+        """The record of semantics §9 (keys documented in :mod:`wacc_ref.records`); a deep copy."""
         record: dict[str, object] = {
             "format_version": FORMAT_VERSION,
             "dtype": self._dtype.name,
@@ -472,7 +472,7 @@ class ReferenceAccumulator:
     def load_state_dict(
         self, record: Mapping[str, object], params: Mapping[str, tuple[int, ...]]
     ) -> None:
-        """SPEC §9: restore counters and pending buffers for ``params`` from ``record``.
+        """semantics §9: restore counters and pending buffers for ``params`` from ``record``.
 
         Everything is validated first (:class:`RecordError` naming the field;
         :class:`ParameterMismatchError` for malformed ``params``); on any failure the
@@ -504,7 +504,7 @@ class ReferenceAccumulator:
         mode: str = "emulated",
         precision: int = 256,
     ) -> ReferenceAccumulator:
-        """SPEC §9: a new accumulator bound to ``params`` that continues ``state`` with ``pending``.
+        """§9: a new accumulator bound to ``params`` that continues ``state`` with ``pending``.
 
         ``pending`` holds the buffers the caller already restored (only those allocated).
         Names, shapes and values that are not D values raise :class:`ParameterMismatchError`;

@@ -1,4 +1,4 @@
-"""The error hierarchy of the reference model (SPEC §11).
+"""The error hierarchy of the reference model (semantics §11).
 
 ``wacc_torch`` defines its own copy with the same names; the suite compares the *class names* of
 what the two raise for the same call.  Every class is a ``ValueError``: each one reports bad user
@@ -20,7 +20,7 @@ __all__ = [
 
 
 class WeightedAccumulationError(ValueError):
-    """Base class of every error the accumulator raises for bad input (SPEC §11)."""
+    """Base class of every error the accumulator raises for bad input (semantics §11)."""
 
 
 class InvalidLossScaleError(WeightedAccumulationError):
@@ -52,6 +52,6 @@ class UnsupportedEnvironmentError(WeightedAccumulationError):
 class ExactModeError(WeightedAccumulationError):
     """Reference-only: a non-finite gradient value handed to the ``exact`` (real-number) mode.
 
-    The real-number semantics of SPEC §12.2 has no NaN or infinity, so the exact mode refuses
-    them instead of inventing a meaning; the emulated mode accepts them as the SPEC says.
+    The real-number semantics of semantics §12.2 has no NaN or infinity, so the exact mode refuses
+    them instead of inventing a meaning; the emulated mode accepts them as the semantics says.
     """

@@ -10,7 +10,7 @@ Record (``state_dict``) schema — the same keys as ``wacc_torch``:
 ``loss_scale`` (float)
     The loss scale S.
 ``fused`` (bool)
-    Whether the accumulator runs the opt-in fused mean step of SPEC §6.
+    Whether the accumulator runs the opt-in fused mean step of semantics §6.
 ``issued`` (int)
     Microbatches accumulated in the window, zero-weight ones included.
 ``zero_weight`` (int)
@@ -142,7 +142,7 @@ def format_value(value: object) -> str:
 
 
 def validate_work_dtype(dtype: object) -> Format:
-    """The work dtype ``D`` named ``dtype`` (SPEC §2); ``ValueError`` naming anything else."""
+    """The work dtype ``D`` named ``dtype`` (semantics §2); ``ValueError`` naming anything else."""
     if not isinstance(dtype, str) or dtype not in WORK_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not a work dtype; work dtypes: {WORK_DTYPES}")
     return get_format(dtype)
@@ -182,7 +182,7 @@ def read_real(value: object, *, what: str, error: type[WeightedAccumulationError
 
 
 def validate_loss_scale(loss_scale: object, dtype: Format) -> float:
-    """SPEC §4: a finite value > 0, exactly representable in D (types: :func:`read_real`)."""
+    """semantics §4: a finite value > 0, exactly representable in D (types: :func:`read_real`)."""
     problem = None
     try:
         value = read_real(loss_scale, what="loss_scale", error=InvalidLossScaleError)
@@ -214,7 +214,7 @@ def validate_weight(weight: object) -> int | float:
 
 
 def converted_mean_weight(weight: int | float, dtype: Format) -> float:
-    """SPEC §6 ``w_D = conv_D(w)`` of a weight ``w > 0`` (an int is read through float64, as
+    """semantics §6 ``w_D = conv_D(w)`` of a weight ``w > 0`` (an int is read through float64, as
     PyTorch's ``torch.tensor(w, dtype=D)`` does).
 
     Raises :class:`InvalidWeightError` naming ``w`` and ``w_D`` when ``w_D`` is 0 or not finite
@@ -236,7 +236,7 @@ def total_after(
     rounding of the exact sum (an int beyond 2**53 is not rounded on its own first).
 
     Exact for a Fraction ``W`` (exact mode).  Raises :class:`InvalidWeightError` naming the weight
-    if the total overflows float64: such a ``W`` could never be recorded (SPEC §9 needs a finite
+    if the total overflows float64: such a ``W`` could never be recorded (§9 needs a finite
     one).
     """
     new_total: float | Fraction
@@ -678,7 +678,7 @@ def record_checksum(
     The bytes: the UTF-8 of the compact JSON list ``[format_version, dtype, loss_scale.hex(),
     fused, issued, zero_weight, total_weight.hex(), param_names, param_shapes, pending names in
     param_names order]``, then each pending buffer in that order as its bit patterns in D,
-    little-endian, row-major, every NaN as D's canonical quiet NaN (the SPEC treats all NaNs
+    little-endian, row-major, every NaN as D's canonical quiet NaN (the semantics treats all NaNs
     alike and this model keeps values, not payloads).  ``pending`` holds validated buffers
     (float64 arrays of D values; in ``exact`` mode object arrays of Fractions, hashed as the
     ASCII of ``numerator/denominator,`` per element, a layout ``wacc_torch`` never writes).

@@ -1,6 +1,6 @@
 """wacc_torch: weighted gradient accumulation over unequal microbatches, for PyTorch.
 
-See ``shared/SPEC.md`` for the normative semantics. Production code: imports torch only.
+See ``docs/semantics.md`` for the normative semantics. Production code: imports torch only.
 """
 
 from wacc_torch._environment import denormals_flushed

@@ -21,7 +21,7 @@ WORK_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     }
 )
 # A gradient may come in any of the six formats the reference models; their conversion to every
-# work dtype is defined (SPEC §2). Others (float4, the fnuz float8 variants, ...) are refused up
+# work dtype is defined (§2). Others (float4, the fnuz float8 variants, ...) are refused up
 # front: PyTorch may not even convert them (float4_e2m1fn_x2 raises NotImplementedError).
 GRADIENT_DTYPES: frozenset[torch.dtype] = FLOAT_DTYPES
 _NAME_OF_DTYPE: Mapping[torch.dtype, str] = MappingProxyType(
@@ -50,12 +50,12 @@ def check_work_dtype(dtype: object) -> torch.dtype:
 
 
 def op_dtype(dtype: torch.dtype) -> torch.dtype:
-    """SPEC op(D): the dtype PyTorch computes elementwise ops of ``dtype`` in."""
+    """§2 op(D): the dtype PyTorch computes elementwise ops of ``dtype`` in."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def to_work_dtype(value: float, dtype: torch.dtype) -> float:
-    """SPEC conv_D of a Python float, exactly as ``torch.tensor(value, dtype=dtype)`` does it."""
+    """§2 conv_D of a Python float, exactly as ``torch.tensor(value, dtype=dtype)`` does it."""
     # On the CPU explicitly: under torch.set_default_device("cuda") this would be a device
     # round trip (a sync per call), under "meta" it would hold no value at all.
     return float(torch.tensor(value, dtype=dtype, device="cpu").item())

@@ -1,4 +1,4 @@
-"""Floating-point environment checks: the SPEC's gradual underflow on the CPU."""
+"""Floating-point environment checks: the semantics' gradual underflow on the CPU."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def denormals_flushed() -> bool:
 
 
 def check_gradual_underflow(operation: str) -> None:
-    """Refuse a CPU computation while subnormals are flushed (SPEC §2 rounds with gradual
+    """Refuse a CPU computation while subnormals are flushed (semantics §2 rounds with gradual
     underflow; FTZ/DAZ would silently give other bits), naming ``operation``."""
     if denormals_flushed():
         raise UnsupportedEnvironmentError(
             f"{operation}: the CPU flushes subnormals to zero (flush-to-zero / denormals-are-zero "
-            f"is on, e.g. torch.set_flush_denormal(True)); SPEC §2 rounds with gradual underflow, "
+            f"is on, e.g. torch.set_flush_denormal(True)); §2 rounds with gradual underflow, "
             f"so CPU results would differ. Call torch.set_flush_denormal(False) first."
         )

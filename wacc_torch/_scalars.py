@@ -7,11 +7,11 @@ accept exactly the same inputs and raise the same class):
   a 0-d torch tensor, whose dtype is a numpy/torch integer of at most 64 bits or one of the six
   floating formats the reference models (float64, float32, float16, bfloat16, float8_e4m3fn,
   float8_e5m2);
-* refused (with the caller's SPEC error class): ``bool``, complex, ``Fraction``, ``Decimal``,
+* refused (with the caller's §11 error class): ``bool``, complex, ``Fraction``, ``Decimal``,
   ``numpy.longdouble`` and every other type, tensors/arrays that are not 0-d.
 
 Every accepted value is read EXACTLY, as a Python ``int`` or ``float`` (each accepted float
-format is a subset of float64); nothing is rounded on the way in. What the SPEC then does with it
+format is a subset of float64); nothing is rounded on the way in. What semantics then does with it
 is explicit: ``W <- round_64(W + w)`` of the exact sum (:func:`add_to_total`), ``w_D = conv_D(w)``
 for a mean (PyTorch's conversion, which reads an int through float64).
 """

@@ -1,6 +1,6 @@
-"""Weighted gradient accumulation over unequal microbatches (SPEC §3-§9).
+"""Weighted gradient accumulation over unequal microbatches (semantics §3-§9).
 
-The default evaluation order is the reproducible one of the SPEC: convert then add (sums),
+The default evaluation order is the reproducible one of the semantics: convert then add (sums),
 multiply then add (means), and a sequential division by the loss scale and then by the total
 weight, each step rounded on its own. ``fused=True`` is an opt-in one-pass mode for means.
 """
@@ -86,7 +86,7 @@ def _ordinary_tensors() -> AbstractContextManager[object]:
 
 @dataclass(frozen=True)
 class AccumulatorState:
-    """A copy of an accumulator's options and window counters (SPEC §3).
+    """A copy of an accumulator's options and window counters (semantics §3).
 
     ``total_weight`` is W, the float64 sum of the counted weights in issue order; ``fused``
     says whether means are accumulated in the opt-in one-pass mode.
@@ -196,7 +196,7 @@ def _coerce_weight(weight: object) -> int | float:
 
 def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # A 0-d tensor ON the buffers' device: CUDA true division by a CPU scalar would multiply by
-    # the reciprocal instead of dividing (SPEC §8).
+    # the reciprocal instead of dividing (semantics §8).
     return torch.tensor(value, dtype=dtype, device=device)
 
 
@@ -225,7 +225,7 @@ class _Scratch:
 
 
 def _read_total_weight(total_weight: object) -> float:
-    """SPEC §8's W for :func:`normalize_sums`: same number rule as a weight, finite, > 0."""
+    """semantics §8's W for :func:`normalize_sums`: same number rule as a weight, finite, > 0."""
     value = read_real(total_weight, what="total_weight", error=InvalidWeightError)
     if value == 0:
         raise ZeroTotalWeightError(
@@ -248,7 +248,7 @@ def normalize_sums(
     total_weight: float | torch.Tensor,
     in_place: bool = False,
 ) -> dict[str, torch.Tensor | None]:
-    """Divide scaled gradient sums by the loss scale, then by the total weight (SPEC §8).
+    """Divide scaled gradient sums by the loss scale, then by the total weight (semantics §8).
 
     Per element, in each tensor's own dtype D: ``y = round_D(g / S)``, then
     ``round_D(round_op(y / round_op(W)))`` with op = float64 for float64 and float32 otherwise.
@@ -408,7 +408,7 @@ def _binding_of(parameters: list[tuple[str, nn.Parameter]]) -> _Binding:
 
 
 class WeightedGradientsAccumulator:
-    """Accumulates gradients of unequal microbatches and normalizes them once (SPEC §3-§9).
+    """Accumulates gradients of unequal microbatches and normalizes them once (semantics §3-§9).
 
     Options are keyword-only: ``dtype`` is the work dtype D of the pending buffers (float64,
     float32, float16 or bfloat16), ``loss_scale`` the fixed loss scale S every backward of the
@@ -435,7 +435,7 @@ class WeightedGradientsAccumulator:
     formats, read exactly (``Fraction``, ``longdouble``, bools, complex are refused). Gradients
     must be one of float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2. On the CPU,
     flush-to-zero (``torch.set_flush_denormal(True)``) is refused with
-    :class:`~wacc_torch.errors.UnsupportedEnvironmentError`: results would differ from SPEC §2.
+    :class:`~wacc_torch.errors.UnsupportedEnvironmentError`: results would differ from semantics §2.
 
     Every mutating call prepares first (validation, conversion, allocation of every buffer and
     temporary: anything that may raise) and then commits with in-place kernels and assignments
@@ -485,7 +485,7 @@ class WeightedGradientsAccumulator:
     def accumulate_sum(
         self, module: nn.Module, weight: Weight, *, grads: GradientMapping | None = None
     ) -> None:
-        """Add the gradients of ``S * sum_t loss_t`` of one microbatch (SPEC §5).
+        """Add the gradients of ``S * sum_t loss_t`` of one microbatch (semantics §5).
 
         ``weight`` is the microbatch's effective token/sample count w (a real number or 0-d
         tensor, finite, >= 0). For w > 0 each buffer becomes ``round_D(buf + conv_D(g))`` and W
@@ -788,7 +788,7 @@ class WeightedGradientsAccumulator:
 
     # --------------------------------------------------------------------------- records
     def state_dict(self) -> dict[str, Any]:
-        """A record of the accumulator: plain Python values and CPU tensor copies (SPEC §9).
+        """A record of the accumulator: plain Python values and CPU tensor copies (semantics §9).
 
         Keys:
 
@@ -884,7 +884,7 @@ class WeightedGradientsAccumulator:
         self._snapshot_events.clear()
 
     def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
-        """Restore counters and pending buffers from ``record`` for ``module`` (SPEC §9).
+        """Restore counters and pending buffers from ``record`` for ``module`` (semantics §9).
 
         Every field is validated first (see :meth:`state_dict` for the keys; ``dtype``,
         ``loss_scale`` and ``fused`` must equal this accumulator's; names and shapes must match

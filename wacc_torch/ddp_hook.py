@@ -4,8 +4,8 @@ With :func:`wacc_torch.all_reduce_mean` the reduction runs after the last backwa
 it overlaps the backward.  :class:`WeightedAllReduceHook` instead lets DDP's own bucketed,
 overlapped all-reduce of the window's LAST microbatch carry the whole window: for each bucket,
 on every rank, the pending sums of the earlier microbatches plus this microbatch's gradient
-(SPEC §5 or §6, in the work dtype ``D``), summed across ranks (SUM, never averaged), then divided
-by the loss scale and the global weight (SPEC §8).  DDP writes the result into ``.grad``,
+(§5 or §6, in the work dtype ``D``), summed across ranks (SUM, never averaged), then divided
+by the loss scale and the global weight (semantics §8).  DDP writes the result into ``.grad``,
 converted to each parameter's dtype, exactly as ``AccumulatedGradients.apply_to`` does.
 
 Use::
@@ -29,8 +29,8 @@ counters, dtype, loss scale, parameter names; every rank reaches the same verdic
 on one rank raises the same error on all of them before any gradient moves) and DDP's one
 all-reduce per bucket, of the buffers in ``D`` (``D``'s bytes per parameter element).
 
-Reading of the SPEC: the hook performs the last microbatch's conversion, multiply and add itself,
-with the SPEC §5/§6 rounding order (the accumulator's public API has no way to add a gradient
+Reading of semantics: the hook performs the last microbatch's conversion, multiply and add itself,
+with the semantics §5/§6 rounding order (the accumulator's public API has no way to add a gradient
 that lives in a DDP bucket without also counting it), and takes the earlier microbatches' buffers
 with ``finish_sums()`` when the first bucket is ready.  Every element goes through the same
 operations as ``accumulate_*`` + ``finish_sums`` + :func:`all_reduce_mean` + ``apply_to``; with
@@ -125,13 +125,13 @@ class WeightedAllReduceHook:
 
     def last_microbatch_sum(self, weight: float) -> None:
         """The next backward (outside ``no_sync()``) is the window's last microbatch, a loss SUM
-        over ``weight`` tokens (SPEC §5).  Collective: exchanges the window's metadata; raises
+        over ``weight`` tokens (semantics §5).  Collective: exchanges the window's metadata; raises
         the same error on every rank (e.g. :class:`ZeroTotalWeightError` when the global weight
         is 0), leaving the accumulator unchanged."""
         self._arm(weight, mean=False, caller="last_microbatch_sum")
 
     def last_microbatch_mean(self, weight: float) -> None:
-        """As :meth:`last_microbatch_sum` for a loss MEAN over ``weight`` tokens (SPEC §6)."""
+        """As :meth:`last_microbatch_sum` for a loss MEAN over ``weight`` tokens (semantics §6)."""
         self._arm(weight, mean=True, caller="last_microbatch_mean")
 
     def _arm(self, weight: object, *, mean: bool, caller: str) -> None:
@@ -217,7 +217,7 @@ class WeightedAllReduceHook:
         flat = torch.cat(pieces)  # a copy: the accumulator's buffers are never written
         if armed.weight > 0.0:
             gradient = _bucket_gradient(bucket, buffer)
-            converted = gradient.to(dtype)  # conv_D first, then operate in D (SPEC §5/§6)
+            converted = gradient.to(dtype)  # conv_D first, then operate in D (semantics §5/§6)
             if not armed.mean:
                 flat.add_(converted)
             elif self._accumulator.state.fused:

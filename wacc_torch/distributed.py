@@ -1,7 +1,7 @@
-"""Cross-rank reduction of accumulated gradient sums over ``torch.distributed`` (SPEC §7).
+"""Cross-rank reduction of accumulated gradient sums over ``torch.distributed`` (semantics §7).
 
 :func:`all_reduce_sums` and :func:`all_reduce_mean` are the only functions of ``wacc_torch`` that
-communicate; their names say so (SPEC §10).  Both take the local, loss-scaled result of
+communicate; their names say so (semantics §10).  Both take the local, loss-scaled result of
 ``finish_sums()`` on every rank of a process group and return the same global result on every
 rank:
 
@@ -16,7 +16,7 @@ rank:
    metadata: the global weight is the correctly rounded float64 sum of the per-rank weights
    (``math.fsum``, so it does not depend on rank order), the counters are exact integer sums.
 3. :func:`all_reduce_mean` then divides by ``S`` exactly once and by the global weight, through
-   :func:`wacc_torch.accumulator.normalize_sums` (SPEC §8's sequential division).
+   :func:`wacc_torch.accumulator.normalize_sums` (semantics §8's sequential division).
 
 Buffers are reduced in ``D`` itself: gloo (PyTorch 2.13) and NCCL both sum float16 and bfloat16.
 With two ranks every element is ``round_D(a + b)``; with more ranks the association order is the
@@ -130,7 +130,7 @@ def all_reduce_mean(
     """Reduce every rank's ``finish_sums()`` result and normalize it; communicates (collective).
 
     As :func:`all_reduce_sums`, then divides the global sums by the loss scale exactly once and by
-    the global weight, sequentially as ``finish_mean`` does (SPEC §8).  Returns
+    the global weight, sequentially as ``finish_mean`` does (semantics §8).  Returns
     ``normalized=True`` with ``weight`` = the global weight.  A global weight of 0 raises
     :class:`ZeroTotalWeightError` on every rank, before any buffer is communicated.
     """

@@ -1,4 +1,4 @@
-"""Exceptions raised by :mod:`wacc_torch` (SPEC §11).
+"""Exceptions raised by :mod:`wacc_torch` (semantics §11).
 
 Every class derives from :class:`WeightedAccumulationError`, itself a :class:`ValueError`, so a
 caller can catch all bad-input errors of the accumulator at once. A call that raises one of them
@@ -45,6 +45,6 @@ class RecordError(WeightedAccumulationError):
 class UnsupportedEnvironmentError(WeightedAccumulationError):
     """The floating-point environment would change results (CPU flush-to-zero is on).
 
-    Not one of SPEC §11's input errors: it is raised before anything is read or changed, so the
+    Not one of semantics §11's input errors: it is raised before anything is read or changed, so the
     call can be repeated once the environment is fixed (``torch.set_flush_denormal(False)``).
     """

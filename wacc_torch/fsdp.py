@@ -2,7 +2,7 @@
 
 FSDP2 keeps each rank's accumulated gradient unsharded while gradient sync is off, and
 reduce-scatters it on the synchronized backward, AVERAGING over the ranks by default.
-:class:`FSDPWeightedWindow` turns that into SPEC's weighted mean for a window of microbatches
+:class:`FSDPWeightedWindow` turns that into semantics' weighted mean for a window of microbatches
 whose losses are loss SUMS (``S × Σ_t loss_t``, any token counts, any number of microbatches per
 rank):
 
@@ -13,7 +13,7 @@ rank):
    with Gloo", torch 2.13); forced SUM divides by the factor afterwards, and skips a factor of 1;
 2. every microbatch but the last runs with ``set_requires_gradient_sync(False)`` and
    ``set_reshard_after_backward(False)`` (:meth:`FSDPWeightedWindow.microbatch`): FSDP adds its
-   gradient into the unsharded accumulation, ``round(acc + g)`` in the parameter dtype (SPEC §5's
+   gradient into the unsharded accumulation, ``round(acc + g)`` in the parameter dtype (§5's
    sum with ``D`` = the parameters' dtype), and the parameters stay unsharded, so ranks with
    different numbers of microbatches issue the same collectives;
 3. the last microbatch's backward reduce-scatters the window's sums: each rank's shard of
@@ -21,7 +21,7 @@ rank):
 4. :meth:`FSDPWeightedWindow.finish_mean` exchanges the weights and counters once
    (``all_gather_object``, every rank reaching the same verdict; a global weight of 0 raises
    :class:`ZeroTotalWeightError` on every rank and leaves the summed shards in ``.grad``) and
-   divides each local shard by ``S``, then by the global weight, in place (SPEC §8,
+   divides each local shard by ``S``, then by the global weight, in place (semantics §8,
    :func:`wacc_torch.accumulator.normalize_sums`).
 
 Collectives per window: FSDP's own (parameter all-gathers, one reduce-scatter per FSDP unit in
@@ -37,7 +37,7 @@ Readings and limits: the work dtype is the parameters' dtype (FSDP owns the unsh
 accumulation buffer; a ``MixedPrecisionPolicy`` with another ``reduce_dtype`` is not covered and
 raises in :meth:`FSDPWeightedWindow.finish_mean` if the gradients differ), so only loss SUMS
 are supported (a mean loss times its weight would round inside autograd, not as
-SPEC §6 orders it).  A zero-weight microbatch must contribute exact zeros: skip its backward, or,
+§6 orders it).  A zero-weight microbatch must contribute exact zeros: skip its backward, or,
 if it is a rank's last one, run the backward of its loss sum over no tokens (exactly 0).
 """
 

@@ -1,4 +1,4 @@
-"""Records (checkpoints) of a :class:`~wacc_torch.WeightedGradientsAccumulator` (SPEC §9).
+"""Records (checkpoints) of a :class:`~wacc_torch.WeightedGradientsAccumulator` (semantics §9).
 
 A record is the dict returned by ``state_dict()``; its keys are documented there. This module
 validates records field by field and reads/writes record files. Nothing here mutates an
@@ -15,7 +15,7 @@ the same checksum for the same state):
    order]`` (``json.dumps(..., separators=(",", ":"))``);
 2. then each pending buffer in that order: its bit patterns in D, little-endian, row-major,
    every NaN written as D's canonical quiet NaN (sign +, top mantissa bit only), because the
-   SPEC treats all NaNs alike and the reference keeps values, not payloads.
+   the semantics treats all NaNs alike and the reference keeps values, not payloads.
 
 It is verified on load AFTER every field check, so a damaged field is still reported by name
 and only a change that leaves a valid-looking record (a flipped mantissa bit, a changed counter

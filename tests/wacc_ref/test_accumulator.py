@@ -1,4 +1,4 @@
-"""SPEC §3-§8 and §11 on small hand-checked examples for wacc_ref.accumulator (emulated mode)."""
+"""§3-§8 and §11 on small hand-checked examples for wacc_ref.accumulator (emulated mode)."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_sum_converts_then_adds_bfloat16() -> None:
 
 
 def test_sum_converts_float64_gradients_through_float32() -> None:
-    """SPEC §2: a float64 gradient 1+2**-8+2**-30 enters a bf16 buffer as 1.0 (double rounding)."""
+    """§2: a float64 gradient 1+2**-8+2**-30 enters a bf16 buffer as 1.0 (double rounding)."""
     acc = ReferenceAccumulator(dtype="bfloat16", loss_scale=1.0)
     acc.accumulate_sum({"p": ()}, 1, grads={"p": 1 + 2**-8 + 2**-30})
     assert acc.finish_sums().grads["p"].tolist() == 1.0  # type: ignore[union-attr]
@@ -304,7 +304,7 @@ def test_float16_scale_2_15_and_weight_4096_finish_finite() -> None:
     acc.accumulate_sum({"p": ()}, 4096, grads={"p": 2.0**15})
     result = acc.finish_mean()
     assert result.grads["p"].tolist() == 2.0**-12  # type: ignore[union-attr]
-    assert round_to(2.0**27, "float16") == math.inf  # the product the SPEC never forms
+    assert round_to(2.0**27, "float16") == math.inf  # the product the semantics never forms
     assert result.normalized and result.weight == 4096.0 and result.loss_scale == 2.0**15
 
 

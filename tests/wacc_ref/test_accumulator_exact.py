@@ -1,4 +1,4 @@
-"""The exact (real-number, SPEC §12.2) mode of wacc_ref.accumulator."""
+"""The exact (real-number, semantics §12.2) mode of wacc_ref.accumulator."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §9 records for wacc_ref.accumulator: round trips, exact resume, validation, from_pending."""
+"""§9 records for wacc_ref.accumulator: round trips, exact resume, validation, from_pending."""
 
 from __future__ import annotations
 

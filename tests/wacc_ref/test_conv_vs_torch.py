@@ -1,4 +1,4 @@
-"""wacc_ref.formats.conv_to models PyTorch's float64 -> D conversion bit for bit (SPEC §2 conv_D).
+"""wacc_ref.formats.conv_to models PyTorch's float64 -> D conversion bit for bit (§2 conv_D).
 
 Judge-side test: it imports torch (the reference package itself never does).  Random float64
 values over every exponent range of D, plus constructed double-rounding cases where PyTorch's
@@ -129,7 +129,7 @@ def test_conv_to_models_torch_double_rounding(name: str) -> None:
 
 
 def test_spec_example_in_torch() -> None:
-    """SPEC §2's example: torch gives 1.0 for 1 + 2**-8 + 2**-30 in bfloat16, as conv_to does."""
+    """§2's example: torch gives 1.0 for 1 + 2**-8 + 2**-30 in bfloat16, as conv_to does."""
     x = 1 + 2**-8 + 2**-30
     assert torch.tensor(x, dtype=torch.bfloat16).item() == conv_to(x, "bfloat16") == 1.0
     assert round_to(x, "bfloat16") == 1.0078125

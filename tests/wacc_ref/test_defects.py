@@ -55,7 +55,7 @@ def test_defect_5_parameters_match_by_name_not_order() -> None:
 def test_defect_6_unreadable_arrays_raise_spec_errors_naming_the_field(
     make: Callable[[], object],
 ) -> None:
-    """A gradient or pending buffer numpy cannot read raises the SPEC error naming it."""
+    """A gradient or pending buffer numpy cannot read raises the §11 error naming it."""
     value = make()
     acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0)
     acc.accumulate_sum(PARAMS, 1, grads={"w": [1.0, 2.0]})

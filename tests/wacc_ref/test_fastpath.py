@@ -150,7 +150,7 @@ BAD_FAST_CALLS: dict[str, tuple[type[Exception], dict[str, object], float]] = {
 
 @pytest.mark.parametrize("case", list(BAD_FAST_CALLS))
 def test_fast_path_error_leaves_the_window_unchanged(case: str) -> None:
-    """A refused call changes neither the sums, the weight nor the counts (SPEC §11)."""
+    """A refused call changes neither the sums, the weight nor the counts (semantics §11)."""
     error, grads, weight = BAD_FAST_CALLS[case]
     params = {"p": (2,)}
     fast, twin = (Float64Accumulator(dtype="float32", loss_scale=4.0) for _ in range(2))

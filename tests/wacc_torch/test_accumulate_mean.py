@@ -1,4 +1,4 @@
-"""SPEC §6: accumulate_mean — the weight after conversion, multiply then add, the fused mode."""
+"""§6: accumulate_mean — the weight after conversion, multiply then add, the fused mode."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_mean_matches_stepwise_rounding_reference(
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_mean_stays_in_the_admissible_set(device: str, dtype: torch.dtype) -> None:
-    """Each fused mean step gives one of SPEC §6's admissible per-element results."""
+    """Each fused mean step gives one of semantics §6's admissible per-element results."""
     generator = torch.Generator().manual_seed(7)
     module = one_parameter(device, (48,))
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0, fused=True)

@@ -1,4 +1,4 @@
-"""SPEC §5: accumulate_sum — convert then add, lazy +0.0 buffers, gradient sources, weights."""
+"""semantics §5: accumulate_sum — convert then add, lazy +0.0 buffers, gradient sources, weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §3-§4: construction options, their validation, and the state copy."""
+"""semantics §3-§4: construction options, their validation, and the state copy."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One spawned job per world size (one process group) runs every scenario in turn and saves what each
 rank saw; the tests below judge those results in this process, against one accumulator fed all the
 microbatches of every rank and against the reference model.  With two ranks, rank 0 gets the
-microbatches with counts 1 and 7, rank 1 those with counts 200 and 3 (SPEC §1's example); with
+microbatches with counts 1 and 7, rank 1 those with counts 200 and 3 (semantics §1's example); with
 four ranks the ranks hold different numbers of microbatches (``RANK_COUNTS``).  With two ranks
 every reduced element is one rounding ``round_D(a + b)``; with four the association order is
 the backend's, so those results are judged against the error bound, and every rank against rank 0
@@ -44,7 +44,7 @@ from .distributed.bounds import reduced_mean_bound
 from .distributed.spawn import COLLECTIVE_TIMEOUT, init_rank, load_results, run_job, save_result
 
 WORLD_SIZES = (2, 4)
-# Per world size, the token counts of the microbatches each rank accumulates (SPEC §1's example,
+# Per world size, the token counts of the microbatches each rank accumulates (§1's example,
 # split unevenly; with four ranks also unequal microbatch counts per rank).
 RANK_COUNTS: Mapping[int, Mapping[int, tuple[int, ...]]] = {
     2: {0: (1, 7), 1: (200, 3)},
@@ -645,8 +645,8 @@ def _reference_reduced_mean(
     list[dict[str, npt.NDArray[np.float64] | None]], dict[str, npt.NDArray[np.float64]] | None
 ]:
     """The reference model's emulation of the distributed computation: each rank's window
-    (SPEC §5/§6), the two-rank SUM as one rounding round_D(buf_0 + buf_1), the global weight as the
-    correctly rounded float64 sum of the rank weights, then finish_mean's division (SPEC §8).
+    (§5/§6), the two-rank SUM as one rounding round_D(buf_0 + buf_1), the global weight as the
+    correctly rounded float64 sum of the rank weights, then finish_mean's division (semantics §8).
     Returns each rank's finish_sums buffers and the reduced mean (None for more than two ranks,
     whose association order is the backend's)."""
     params = _shapes(_linear())
@@ -730,7 +730,7 @@ def test_model_gradients_within_error_bound(
         for r in range(len(rank_results))
     ]
     exact_weight = sum((w for ws in effective for w in ws), Fraction(0))
-    # c_k = g_k for sums, g_k * w_D for means (SPEC §12.2).
+    # c_k = g_k for sums, g_k * w_D for means (semantics §12.2).
     multipliers = [[w if mode == "mean" else Fraction(1) for w in ws] for ws in effective]
     reduced = _result(rank_results[0]["model"][key]["mean"], key)
     assert reduced["weight"] == exact_weight  # small integers: every weight sum is exact

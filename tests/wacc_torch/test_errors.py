@@ -1,4 +1,4 @@
-"""SPEC §11: every bad input raises its specific error, names the culprit, and changes nothing."""
+"""§11: every bad input raises its specific error, names the culprit, and changes nothing."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from wacc_torch import (
 
 
 def test_error_hierarchy() -> None:
-    """Every SPEC error is exported and derives from WeightedAccumulationError(ValueError)."""
+    """Every §11 error is exported and derives from WeightedAccumulationError(ValueError)."""
     assert issubclass(WeightedAccumulationError, ValueError)
     for error in (
         InvalidLossScaleError,

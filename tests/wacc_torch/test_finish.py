@@ -1,4 +1,4 @@
-"""SPEC §7-§8: finish_sums, finish_mean, normalize_sums and AccumulatedGradients.apply_to."""
+"""semantics §7-§8: finish_sums, finish_mean, normalize_sums and AccumulatedGradients.apply_to."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_float16_mean_with_overflowing_product_is_exact(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_float16_total_weight_beyond_float16_range_stays_finite(device: str) -> None:
-    """fp16 buffers with W = 70000 (beyond fp16) divide in float32: finite, as the SPEC rounds."""
+    """fp16 buffers with W = 70000 (beyond fp16) divide in float32: finite, as semantics rounds."""
     module = one_parameter(device, (3,))
     accumulator = WeightedGradientsAccumulator(dtype=torch.float16, loss_scale=1.0)
     gradient = torch.tensor([7.0, -35.0, 1.0], device=device)

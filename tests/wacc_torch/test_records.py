@@ -1,4 +1,4 @@
-"""SPEC §9: records — content, copies, file round trips, validation of every field, from_pending."""
+"""§9: records — content, copies, file round trips, validation of every field, from_pending."""
 
 from __future__ import annotations
 

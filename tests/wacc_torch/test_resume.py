@@ -1,4 +1,4 @@
-"""SPEC §9: resume is exact — checkpoint at any point, restore fresh, continue, same bits."""
+"""semantics §9: resume is exact — checkpoint at any point, restore fresh, continue, same bits."""
 
 from __future__ import annotations
 

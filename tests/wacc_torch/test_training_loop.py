@@ -1,4 +1,4 @@
-r"""SPEC §1: microbatches of 1, 7, 200 and 3 tokens give the full-batch gradient of a real model.
+r"""§1: microbatches of 1, 7, 200 and 3 tokens give the full-batch gradient of a real model.
 
 The model is ``nn.Linear(8, 5)`` with token-level softmax cross-entropy. The truth is the
 full-batch gradient ``g*`` of the mean loss over all N = 211 tokens, computed in float64.
@@ -26,7 +26,7 @@ label, u the unit roundoff of the dtype D the backward runs in, γ_n = gamma(n, 
   |ĝ| <= σ α, α = (1 + γ_n) Σ_t a_ti |x_tj|
   (x_tj := 1 for the bias).
 
-Accumulation (SPEC §5/§6, reproducible order, S a power of two): the contributions are ĝ_k
+Accumulation (semantics §5/§6, reproducible order, S a power of two): the contributions are ĝ_k
 (sums) or round(ĝ_k n_k) (means); in both cases σ_k m_k = 1. K = 4 batches: K - 1 additions plus at
 most one product per term (γ_K), then y = buf/S exact, out = round(y / N) (one rounding, u):
 

@@ -72,9 +72,7 @@ def bound_for(truth: Truth, dtype: str) -> NDArray[np.float64]:
     )
 
 
-def bound_ratio(
-    observed: NDArray[np.float64], truth: Truth, bound: NDArray[np.float64]
-) -> float:
+def bound_ratio(observed: NDArray[np.float64], truth: Truth, bound: NDArray[np.float64]) -> float:
     """``max |observed − T| / bound`` (``wacc_ref.bounds.error_ratio``; +inf for NaN/inf)."""
     return error_ratio(observed, truth.gradient, bound)
 

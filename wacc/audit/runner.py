@@ -249,9 +249,7 @@ def _audit_cell(
         fact.loss_scale = "not settable"
         return
     try:
-        _, _, scaled = runner.once(
-            adapter, window, dtype=runner.dtype, loss_scale=TEST_LOSS_SCALE
-        )
+        _, _, scaled = runner.once(adapter, window, dtype=runner.dtype, loss_scale=TEST_LOSS_SCALE)
         if gradient_hash(scaled) == cell.digest:
             fact.loss_scale = "divided out once (bit-identical)"
         else:

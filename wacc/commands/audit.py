@@ -24,8 +24,15 @@ NAME = "audit"
 HELP = "audit training frameworks' gradient accumulation against the exact full-batch gradient"
 
 _BUILTIN = (
-    "trainer-hub", "trainer-llama", "trainer-plain", "accelerate", "accelerate-variable",
-    "timm", "plain", "wacc_torch-mean", "wacc_torch-sum",
+    "trainer-hub",
+    "trainer-llama",
+    "trainer-plain",
+    "accelerate",
+    "accelerate-variable",
+    "timm",
+    "plain",
+    "wacc_torch-mean",
+    "wacc_torch-sum",
 )  # fmt: skip  (kept in step with wacc.audit.adapters.ADAPTERS by a test; importing it is slow)
 _WINDOWS = ("unequal", "equal", "zero", "longtail")
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -1,4 +1,4 @@
-"""The pixparse/timm loop (``shared/seeds/pixparse_accumulation_loop.txt``, pixparse
+"""The pixparse/timm loop (the common ``loss /= accum_steps`` loop of pixparse's
 ``task_cruller_finetune_*.py``): per microbatch ``loss = model(...)`` mean loss, ``loss /=
 accum_steps``, then ``timm.utils.NativeScaler()(loss, optimizer, parameters=model.parameters(),
 need_update=need_update)`` with ``need_update`` true on the window's last microbatch

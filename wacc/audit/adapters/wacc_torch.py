@@ -1,4 +1,4 @@
-"""``wacc_torch.WeightedGradientsAccumulator``, buffered mode (SPEC §5–§9), two ways:
+"""``wacc_torch.WeightedGradientsAccumulator``, buffered mode (semantics §5–§9), two ways:
 
 * ``wacc_torch-mean``: ``(S * mean_loss).backward()`` then ``acc.accumulate_mean(model, n_k)``;
 * ``wacc_torch-sum``: ``(S * loss_sum).backward()`` then ``acc.accumulate_sum(model, n_k)``;
