@@ -105,9 +105,7 @@ class WeightedAllReduceHook:
         group: ProcessGroup | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"model must be a DistributedDataParallel, got {type(model).__name__}"
-            )
+            raise TypeError(f"model must be a DistributedDataParallel, got {type(model).__name__}")
         if not isinstance(accumulator, WeightedGradientsAccumulator):
             raise TypeError(
                 "accumulator must be a WeightedGradientsAccumulator, got "
