@@ -8,15 +8,19 @@ weight, each step rounded on its own. ``fused=True`` is an opt-in one-pass mode 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+import operator
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter, itemgetter
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
+from wacc_torch._arena import Arena, concatenated, small_groups
 from wacc_torch._dtypes import (
     GRADIENT_DTYPES,
     check_loss_scale,
@@ -27,6 +31,10 @@ from wacc_torch._dtypes import (
 )
 from wacc_torch._environment import check_gradual_underflow
 from wacc_torch._scalars import add_to_total, as_float64, read_real
+from wacc_torch._structure import ModuleStructure
+from wacc_torch._work import Scratch as _Scratch
+from wacc_torch._work import chunk_numel as _chunk_numel
+from wacc_torch._work import pieces as _pieces
 from wacc_torch.errors import (
     BrokenWindowError,
     InvalidWeightError,
@@ -52,6 +60,11 @@ __all__ = [
 ]
 
 Weight = float | torch.Tensor
+
+_GRAD = attrgetter("grad")
+_SECOND = itemgetter(1)
+_IS_NONE = partial(operator.is_, None)
+_SIGNATURE = attrgetter("shape", "dtype", "device", "layout")
 GradientMapping = Mapping[str, torch.Tensor | None]
 
 
@@ -205,64 +218,6 @@ def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(value, dtype=dtype, device=device)
 
 
-# Elementwise passes over a tensor larger than this run in pieces of about this many elements
-# (whole rows of dim 0), so the work tensor of a two-rounding step stays cache-sized instead of
-# growing to the largest parameter (an embedding of 131 M elements would need 0.5 GB).
-CHUNK_ELEMENTS = 1 << 20
-
-
-def _chunk_rows(shape: torch.Size) -> int:
-    """Rows of dim 0 per piece of a tensor of ``shape`` (0 for a 0-d tensor: one piece)."""
-    if len(shape) == 0 or shape[0] == 0:
-        return 0
-    row = shape.numel() // shape[0]
-    return max(1, CHUNK_ELEMENTS // max(1, row))
-
-
-def _chunk_numel(shape: torch.Size) -> int:
-    """Elements of the largest piece of a tensor of ``shape`` (the work tensor it needs)."""
-    rows = _chunk_rows(shape)
-    if rows == 0:
-        return shape.numel()
-    return min(shape[0], rows) * (shape.numel() // shape[0])
-
-
-def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
-    """Matching pieces (views along dim 0, any strides) of same-shape tensors."""
-    shape = tensors[0].shape
-    rows = _chunk_rows(shape)
-    if rows == 0 or rows >= shape[0]:
-        yield tensors
-        return
-    for start in range(0, shape[0], rows):
-        length = min(rows, shape[0] - start)
-        yield tuple(tensor.narrow(0, start, length) for tensor in tensors)
-
-
-class _Scratch:
-    """One preallocated work tensor per (device, dtype), sized for the largest piece
-    (:func:`_chunk_numel`), so that a commit phase needs no allocation; :meth:`view` hands out a
-    shaped view of its start (one per shape, reused: the users run one after the other)."""
-
-    def __init__(self, needs: Iterable[tuple[torch.device, torch.dtype, int]]) -> None:
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        for device, dtype, numel in needs:
-            sizes[(device, dtype)] = max(sizes.get((device, dtype), 0), numel)
-        self._storage = {
-            (device, dtype): torch.empty(numel, dtype=dtype, device=device)
-            for (device, dtype), numel in sizes.items()
-        }
-        self._views: dict[tuple[torch.device, torch.dtype, torch.Size], torch.Tensor] = {}
-
-    def view(self, device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        key = (device, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            view = self._storage[(device, dtype)].narrow(0, 0, shape.numel()).view(shape)
-            self._views[key] = view
-        return view
-
-
 def _read_total_weight(total_weight: object) -> float:
     """semantics §8's W for :func:`normalize_sums`: same number rule as a weight, finite, > 0."""
     value = read_real(total_weight, what="total_weight", error=InvalidWeightError)
@@ -412,6 +367,17 @@ def _check_writable(tensor: torch.Tensor, *, what: str) -> None:
 
 
 @dataclass(frozen=True)
+class _Steps:
+    """A positive-weight batch, prepared: buffers and arenas to adopt, (buffer, gradient) pairs
+    to add in order, and the work tensors the additions need."""
+
+    new_buffers: dict[str, torch.Tensor]
+    new_arenas: dict[torch.device, Arena]
+    adds: list[tuple[torch.Tensor, torch.Tensor]]
+    work: _Scratch
+
+
+@dataclass(frozen=True)
 class _BlockPlan:
     """A validated zero-copy block: its parameters in binding order, the weight its hooks apply
     (None: a zero-weight batch, nothing is added), its work tensors and what leaving it commits."""
@@ -424,11 +390,34 @@ class _BlockPlan:
 
 @dataclass(frozen=True)
 class _Binding:
-    """The tracked parameter set: names in registration order, shapes, devices."""
+    """The tracked parameter set: names in registration order, shapes, devices; derived from
+    them: the name set, the small parameters per device (:func:`small_groups`), whether any
+    is on the CPU."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     devices: tuple[torch.device, ...]
+    name_set: frozenset[str] = field(init=False)
+    small: dict[torch.device, tuple[int, ...]] = field(init=False)
+    small_count: int = field(init=False)
+    large: tuple[int, ...] = field(init=False)
+    on_cpu: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        small = small_groups(self.shapes, self.devices)
+        in_arena = {index for indices in small.values() for index in indices}
+        object.__setattr__(self, "name_set", frozenset(self.names))
+        object.__setattr__(self, "small", small)
+        object.__setattr__(self, "small_count", len(in_arena))
+        object.__setattr__(
+            self, "large", tuple(i for i in range(len(self.names)) if i not in in_arena)
+        )
+        object.__setattr__(self, "on_cpu", any(d.type == "cpu" for d in self.devices))
+
+
+def _pick(indices: tuple[int, ...], items: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``[items[i] for i in indices]`` in one C call (small groups have at least two)."""
+    return list(itemgetter(*indices)(items))
 
 
 def _tracked_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -513,6 +502,14 @@ class WeightedGradientsAccumulator:
         self._zero_copy = zero_copy
         self._binding: _Binding | None = None
         self._pending: dict[str, torch.Tensor] = {}
+        # The window's flat buffer per device for small parameters (wacc_torch._arena).
+        self._arenas: dict[torch.device, Arena] = {}
+        # What the last check found for a binding: the module's parameter structure and the
+        # layout of a complete set of gradients; later calls compare instead of re-checking.
+        self._structure_cache: (
+            tuple[_Binding, ModuleStructure, list[tuple[str, nn.Parameter]]] | None
+        ) = None
+        self._signature_cache: tuple[_Binding, tuple[object, ...]] | None = None
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
@@ -593,18 +590,18 @@ class WeightedGradientsAccumulator:
         gradients = self._collect_gradients(binding, parameters, grads)
         positive = weight_value > 0
         counted_weight, new_total = self._counted_weight(weight, weight_value, mean=mean)
-        steps = self._prepare_steps(parameters, gradients, mean=mean) if positive else None
+        steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
 
-        with _COMMIT:
+        with _COMMIT, torch.no_grad():
             self._await_snapshots()
             self._binding = binding
             if steps is not None:
-                new_buffers, self._work = steps
-                self._pending.update(new_buffers)
+                self._pending.update(steps.new_buffers)
+                self._arenas.update(steps.new_arenas)
+                self._work = steps.work
                 scale = float(counted_weight)
-                for (name, _), grad in zip(parameters, gradients, strict=True):
-                    if grad is not None:
-                        self._add(self._pending[name], grad, weight=scale, mean=mean)
+                for buffer, grad in steps.adds:
+                    self._add(buffer, grad, weight=scale, mean=mean)
                 self._work = None  # the work tensors live for one call only
             if grads is None:
                 for _, parameter in parameters:
@@ -645,31 +642,68 @@ class WeightedGradientsAccumulator:
 
     def _prepare_steps(
         self,
+        binding: _Binding,
         parameters: list[tuple[str, nn.Parameter]],
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
-    ) -> tuple[dict[str, torch.Tensor], _Scratch]:
-        """Allocate the new buffers and the work tensors of a positive-weight batch (may raise)."""
-        present = [
-            (name, parameter, grad)
-            for (name, parameter), grad in zip(parameters, gradients, strict=True)
-            if grad is not None
-        ]
-        if any(grad.device.type == "cpu" for _, _, grad in present):
+    ) -> _Steps:
+        """Allocate the new buffers and the work tensors of a positive-weight batch and line up
+        its additions (may raise; changes nothing).
+
+        Small tensors are added as one: when every small parameter of a device has a gradient
+        of one dtype, their gradients are concatenated (here, into a tensor of their own) and
+        added to the device's arena in a single ``_add``; the per-element operations are the
+        same, so are the bits, without a kernel launch per tensor.
+        """
+        if binding.on_cpu:  # checked per call, not per tensor: the flag is per thread
             check_gradual_underflow("accumulate")
-        with _ordinary_tensors():
-            new_buffers = {
-                name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
-                for name, parameter, _ in present
-                if name not in self._pending
-            }
-            scratch = _Scratch(
+        new_buffers: dict[str, torch.Tensor] = {}
+        new_arenas: dict[torch.device, Arena] = {}
+        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        covered: set[int] = set()
+        with _ordinary_tensors(), torch.no_grad():
+            for device, indices in binding.small.items():
+                arena = self._arenas.get(device)
+                if arena is None:
+                    if any(parameters[i][0] in self._pending for i in indices):
+                        continue  # buffers of their own already (from_pending): no arena
+                    arena = Arena(
+                        [parameters[i] for i in indices], dtype=self._dtype, device=device
+                    )
+                    new_arenas[device] = arena
+                small = _pick(indices, gradients)
+                if not self._pending.keys() >= arena.name_set:
+                    for name, grad in zip(arena.names, small, strict=True):
+                        if grad is not None and name not in self._pending:
+                            new_buffers[name] = arena.views[name]
+                flat = concatenated(small, arena=arena)
+                if flat is not None:
+                    adds.append((arena.storage, flat))
+                    covered.update(indices)
+            rest = (
+                binding.large
+                if len(covered) == binding.small_count
+                else [i for i in range(len(parameters)) if i not in covered]
+            )
+            for index in rest:
+                grad = gradients[index]
+                if grad is None:
+                    continue
+                name, parameter = parameters[index]
+                buffer = self._pending.get(name, new_buffers.get(name))
+                if buffer is None:
+                    buffer = torch.zeros(
+                        parameter.shape, dtype=self._dtype, device=parameter.device
+                    )
+                    new_buffers[name] = buffer
+                adds.append((buffer, grad))
+            work = _Scratch(
                 (grad.device, self._dtype, _chunk_numel(grad.shape))
-                for _, _, grad in present
+                for _, grad in adds
                 if self._needs_work(grad, mean=mean)
             )
-        return new_buffers, scratch
+        return _Steps(new_buffers=new_buffers, new_arenas=new_arenas, adds=adds, work=work)
 
     def _add(self, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool) -> None:
         # Commit phase: in-place kernels only, on validated same-shape same-device tensors; the
@@ -712,7 +746,12 @@ class WeightedGradientsAccumulator:
         binding = self._binding
         if binding is None or self._issued == 0:
             parameters = _tracked_parameters(module)
-            return _binding_of(parameters), parameters
+            binding = _binding_of(parameters)
+            self._structure_cache = (binding, ModuleStructure(module), parameters)
+            return binding, parameters
+        cached = self._structure_cache
+        if cached is not None and cached[0] is binding and cached[1].unchanged(module):
+            return binding, cached[2]
         every = dict(module.named_parameters())
         by_name = {name: p for name, p in every.items() if p.requires_grad}
         tracked = set(binding.names)
@@ -751,30 +790,56 @@ class WeightedGradientsAccumulator:
                     f"parameter {name!r} is on {parameter.device}, tracked device is {device} "
                     f"(mid-window)"
                 )
+        self._structure_cache = (binding, ModuleStructure(module), ordered)
         return binding, ordered
 
-    @staticmethod
     def _collect_gradients(
+        self,
         binding: _Binding,
         parameters: list[tuple[str, nn.Parameter]],
         grads: GradientMapping | None,
     ) -> list[torch.Tensor | None]:
-        """The gradient of each tracked parameter (None = zero), checked, in binding order."""
+        """The gradient of each tracked parameter (None = zero), checked, in binding order.
+
+        A complete set whose shapes, dtypes, devices and layouts are those of the last one
+        accepted for this binding is accepted on that comparison alone (one pass in C).
+        """
         if grads is None:
-            candidates = [parameter.grad for _, parameter in parameters]
+            candidates = list(map(_GRAD, map(_SECOND, parameters)))
         else:
             if not isinstance(grads, Mapping):
                 raise TypeError(
                     f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
                 )
-            tracked = set(binding.names)
-            unknown = [name for name in grads if name not in tracked]
-            if unknown:
+            if not binding.name_set.issuperset(grads):
+                unknown = [name for name in grads if name not in binding.name_set]
                 raise ParameterMismatchError(
                     f"grads names parameter(s) {unknown!r} that are not tracked "
                     f"(tracked: {list(binding.names)!r})"
                 )
-            candidates = [grads.get(name) for name, _ in parameters]
+            candidates = list(map(grads.get, binding.names))
+        complete = not any(map(_IS_NONE, candidates))
+        signature: tuple[object, ...] | None = None
+        if complete:
+            try:
+                signature = tuple(map(_SIGNATURE, candidates))
+            except AttributeError:
+                signature = None  # not a tensor: the checks below name it
+            cached = self._signature_cache
+            if signature is not None and cached is not None and cached[0] is binding:
+                if signature == cached[1]:
+                    return candidates
+        self._check_gradients(binding, parameters, candidates)
+        if signature is not None:
+            self._signature_cache = (binding, signature)
+        return candidates
+
+    @staticmethod
+    def _check_gradients(
+        binding: _Binding,
+        parameters: list[tuple[str, nn.Parameter]],
+        candidates: list[torch.Tensor | None],
+    ) -> None:
         for (name, parameter), grad in zip(parameters, candidates, strict=True):
             if grad is None:
                 continue
@@ -802,7 +867,17 @@ class WeightedGradientsAccumulator:
                     f"gradient of {name!r} is on {grad.device}, the parameter is on "
                     f"{parameter.device}"
                 )
-        return [None if grad is None else grad.detach() for grad in candidates]
+        # The buffers have the tracked shapes and devices, whatever became of the parameters'
+        # .data since the window bound (not re-checked per call: wacc_torch._structure).
+        for name, grad, shape, device in zip(
+            binding.names, candidates, binding.shapes, binding.devices, strict=True
+        ):
+            if grad is not None and (grad.shape != shape or grad.device != device):
+                raise ParameterMismatchError(
+                    f"gradient of {name!r} has shape {list(grad.shape)} on {grad.device}; the "
+                    f"tracked shape is {list(shape)} on {device} (the parameter changed "
+                    f"mid-window; the tracked set can change only between windows)"
+                )
 
     # ------------------------------------------------------------------------- zero-copy
     def microbatch(self, module: nn.Module, *, weight: Weight, kind: Kind = "mean") -> Microbatch:
@@ -909,6 +984,7 @@ class WeightedGradientsAccumulator:
                     (parameter.device, self._dtype, _chunk_numel(parameter.shape))
                     for _, parameter in parameters
                 )
+
         def commit() -> None:
             with _COMMIT:
                 self._work = None
@@ -1019,6 +1095,7 @@ class WeightedGradientsAccumulator:
 
     def _reset_window(self) -> None:
         self._pending = {}
+        self._arenas = {}
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
