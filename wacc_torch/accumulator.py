@@ -181,8 +181,11 @@ class StateDictHandle:
         record: dict[str, Any],
         events: list[torch.cuda.Event],
         sources: list[torch.Tensor],
+        *,
+        checksum: bool = True,
     ) -> None:
         self._record = record
+        self._checksum = checksum
         self._events = events
         self._sources: list[torch.Tensor] | None = sources
 
@@ -195,7 +198,7 @@ class StateDictHandle:
         for event in self._events:
             event.synchronize()
         self._sources = None  # the copies are complete: the sources may go
-        if CHECKSUM_KEY not in self._record:
+        if self._checksum and CHECKSUM_KEY not in self._record:
             # Only now are the host copies complete, so only now can their bytes be hashed.
             self._record[CHECKSUM_KEY] = record_checksum_of(self._record)
         return self._record
@@ -306,7 +309,7 @@ def normalize_sums(
         # Narrow D divides in op(D) = float32 (so a W beyond D's range, e.g. fp16 with
         # W = 70000, stays finite), then rounds once more into D: a float32 work tensor.
         scratch = _Scratch(
-            (grad.device, op_dtype(grad.dtype), grad.numel())
+            (grad.device, op_dtype(grad.dtype), _chunk_numel(grad.shape))
             for _, grad in tensors
             if op_dtype(grad.dtype) != grad.dtype
         )
@@ -320,14 +323,20 @@ def normalize_sums(
             for name, grad in tensors:
                 scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
                 out = outputs[name]
-                # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion.
-                torch.div(grad, scale_tensor, out=out)
+                # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion. g / 1 is g
+                # bit for bit (NaN payloads aside, which no oracle compares): skipped in place.
+                if scale != 1.0:
+                    torch.div(grad, scale_tensor, out=out)
+                elif out is not grad:
+                    out.copy_(grad)
                 if out.dtype == weight_tensor.dtype:
                     out.div_(weight_tensor)
-                else:
-                    quotient = scratch.view(out.device, weight_tensor.dtype, out.shape)
-                    quotient.copy_(out).div_(weight_tensor)
-                    out.copy_(quotient)
+                    continue
+                # Piece by piece, so that the float32 quotient is still in cache for the copy.
+                for (piece,) in _pieces(out):
+                    quotient = scratch.view(piece.device, weight_tensor.dtype, piece.shape)
+                    quotient.copy_(piece).div_(weight_tensor)
+                    piece.copy_(quotient)
     return {name: None if grad is None else outputs[name] for name, grad in grads.items()}
 
 
@@ -1071,15 +1080,24 @@ class WeightedGradientsAccumulator:
                 f"zero_weight={self._zero_weight}); nothing was cleared"
             )
         self._await_snapshots()  # the in-place division must wait for snapshot copies
-        grads = normalize_sums(
-            self._handover(),
+        # Each arena is divided as one tensor (elementwise, so the same bits; its unused parts
+        # hold +0.0, which stays +0.0), every other buffer on its own.
+        in_arena = {name for arena in self._arenas.values() for name in arena.names}
+        targets: dict[str, torch.Tensor | None] = {
+            f"<arena {device}>": arena.storage for device, arena in self._arenas.items()
+        }
+        targets.update(
+            (name, buffer) for name, buffer in self._pending.items() if name not in in_arena
+        )
+        normalize_sums(
+            targets,
             loss_scale=self._loss_scale,
             total_weight=self._total_weight,
             in_place=True,
         )
         with _COMMIT:
             result = AccumulatedGradients(
-                grads=grads,
+                grads=self._handover(),
                 weight=self._total_weight,
                 loss_scale=self._loss_scale,
                 issued=self._issued,
@@ -1103,7 +1121,7 @@ class WeightedGradientsAccumulator:
         self._grad_versions = {}
 
     # --------------------------------------------------------------------------- records
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, checksum: bool = True) -> dict[str, Any]:
         """A record of the accumulator: plain Python values and CPU tensor copies (semantics §9).
 
         Keys:
@@ -1125,21 +1143,27 @@ class WeightedGradientsAccumulator:
         * ``checksum`` (str): ``"sha256:"`` and the SHA-256 of the record's canonical bytes
           (every field above and every buffer's bits; :mod:`wacc_torch.records`), verified by
           ``load_state_dict`` after the field checks. A record without it loads unverified.
+          ``checksum=False`` leaves it out: hashing runs at about 1 GB/s on one core, several
+          times slower than the copy itself, which matters for a checkpoint of a large model
+          taken often (``benchmarks``' large suite measures both).
 
         The record survives ``torch.save`` and ``torch.load(..., weights_only=True)``. A
         zero-copy accumulator's record is the same (its buffers are the ``.grad``), so records
         move freely between the modes.
         """
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
         self._check_usable()
         record = self._record_header()
         with _ordinary_tensors():
             record["pending"] = {
                 name: buffer.detach().to("cpu", copy=True) for name, buffer in self._pending.items()
             }
-        record[CHECKSUM_KEY] = record_checksum_of(record)
+        if checksum:
+            record[CHECKSUM_KEY] = record_checksum_of(record)
         return record
 
-    def state_dict_async(self) -> StateDictHandle:
+    def state_dict_async(self, *, checksum: bool = True) -> StateDictHandle:
         """Start a snapshot like :meth:`state_dict` whose device-to-host copies run async.
 
         CUDA buffers are copied with ``non_blocking=True`` into pinned host memory on their
@@ -1149,8 +1173,10 @@ class WeightedGradientsAccumulator:
         values of this call's moment; the handle keeps each source buffer alive and marked in
         use on the copy's stream until the copy is done, so handing it over (``finish_sums``)
         and freeing or reusing its memory cannot corrupt the snapshot. CPU buffers are copied
-        synchronously.
+        synchronously. ``checksum`` as for :meth:`state_dict`.
         """
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
         self._check_usable()
         record = self._record_header()
         pending: dict[str, torch.Tensor] = {}
@@ -1180,7 +1206,7 @@ class WeightedGradientsAccumulator:
             event.record(torch.cuda.current_stream(device))
             events.append(event)
             self._snapshot_events.append((device, event))
-        return StateDictHandle(record, events, sources)
+        return StateDictHandle(record, events, sources, checksum=checksum)
 
     def _record_header(self) -> dict[str, Any]:
         binding = self._binding
@@ -1304,12 +1330,12 @@ class WeightedGradientsAccumulator:
         binding, parameters = accumulator._check_module(module)
         by_name = dict(parameters)
         # Storages the adopted buffers must not share: the parameters' and their .grad's.
-        foreign = {
-            _storage_key(tensor): f"the storage of parameter {name!r}{suffix}"
+        foreign = [
+            (span, f"the memory of parameter {name!r}{suffix}")
             for name, parameter in parameters
             for tensor, suffix in ((parameter, ""), (parameter.grad, "'s .grad"))
-            if tensor is not None and _storage_key(tensor) is not None
-        }
+            if tensor is not None and (span := _memory_span(tensor)) is not None
+        ]
         for name, buffer in pending.items():
             parameter = by_name.get(name)
             if parameter is None:
@@ -1336,14 +1362,15 @@ class WeightedGradientsAccumulator:
                     f"{parameter.device}"
                 )
             _check_writable(buffer, what=f"pending buffer {name!r}")
-            key = _storage_key(buffer)
-            if key is not None:
-                if key in foreign:
-                    raise ParameterMismatchError(
-                        f"pending buffer {name!r} shares {foreign[key]}: accumulating into it "
-                        f"would change that tensor too"
-                    )
-                foreign[key] = f"the storage of pending buffer {name!r}"
+            span = _memory_span(buffer)
+            if span is not None:
+                for other, owner in foreign:
+                    if span[0] < other[1] and other[0] < span[1]:
+                        raise ParameterMismatchError(
+                            f"pending buffer {name!r} shares {owner}: accumulating into it "
+                            f"would change that tensor too"
+                        )
+                foreign.append((span, f"the memory of pending buffer {name!r}"))
         issued, zero_weight, total_weight = check_counters(
             issued=state.issued,
             zero_weight=state.zero_weight,
@@ -1361,7 +1388,13 @@ class WeightedGradientsAccumulator:
         return accumulator
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """Identity of a tensor's memory (None for memory-less meta tensors)."""
-    pointer = tensor.untyped_storage().data_ptr()
-    return None if pointer == 0 else pointer
+def _memory_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The byte range ``[start, end)`` a tensor's elements lie in (None: no memory, as for a
+    meta or empty tensor). Disjoint views of one storage (the arena's buffers) do not overlap;
+    interleaved strided views are reported as overlapping, which is safe."""
+    if tensor.numel() == 0 or tensor.untyped_storage().data_ptr() == 0:
+        return None
+    start = tensor.data_ptr()
+    extents = zip(tensor.shape, tensor.stride(), strict=True)
+    last = sum((size - 1) * stride for size, stride in extents)
+    return start, start + (last + 1) * tensor.element_size()
