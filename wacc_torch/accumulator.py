@@ -323,20 +323,21 @@ def normalize_sums(
             for name, grad in tensors:
                 scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
                 out = outputs[name]
-                # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion. g / 1 is g
-                # bit for bit (NaN payloads aside, which no oracle compares): skipped in place.
-                if scale != 1.0:
-                    torch.div(grad, scale_tensor, out=out)
-                elif out is not grad:
-                    out.copy_(grad)
-                if out.dtype == weight_tensor.dtype:
-                    out.div_(weight_tensor)
-                    continue
-                # Piece by piece, so that the float32 quotient is still in cache for the copy.
-                for (piece,) in _pieces(out):
-                    quotient = scratch.view(piece.device, weight_tensor.dtype, piece.shape)
-                    quotient.copy_(piece).div_(weight_tensor)
-                    piece.copy_(quotient)
+                # Both divisions piece by piece, so that the second finds the first's result in
+                # cache (a tensor of at most CHUNK_ELEMENTS is one piece).
+                for out_piece, grad_piece in _pieces(out, grad):
+                    # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion. g / 1
+                    # is g bit for bit (NaN payloads aside, which no oracle compares): skipped.
+                    if scale != 1.0:
+                        torch.div(grad_piece, scale_tensor, out=out_piece)
+                    elif out is not grad:
+                        out_piece.copy_(grad_piece)
+                    if out.dtype == weight_tensor.dtype:
+                        out_piece.div_(weight_tensor)
+                        continue
+                    quotient = scratch.view(out.device, weight_tensor.dtype, out_piece.shape)
+                    quotient.copy_(out_piece).div_(weight_tensor)
+                    out_piece.copy_(quotient)
     return {name: None if grad is None else outputs[name] for name, grad in grads.items()}
 
 
@@ -1257,6 +1258,7 @@ class WeightedGradientsAccumulator:
         )
         binding: _Binding | None = None
         restored: dict[str, torch.Tensor] = {}
+        arenas: dict[torch.device, Arena] = {}
         if validated.param_names:
             device_of = {name: parameter.device for name, parameter in parameters}
             binding = _Binding(
@@ -1264,15 +1266,26 @@ class WeightedGradientsAccumulator:
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),
                 devices=tuple(device_of[name] for name in validated.param_names),
             )
-            with _ordinary_tensors():
+            with _ordinary_tensors(), torch.no_grad():
                 # Fresh dense copies that this accumulator owns (an expanded or strided buffer
-                # in the record could not be accumulated into element by element).
-                restored = {
-                    name: buffer.detach().to(
-                        device_of[name], memory_format=torch.contiguous_format, copy=True
-                    )
-                    for name, buffer in validated.pending.items()
+                # in the record could not be accumulated into element by element); small ones
+                # into a new arena, as accumulation would have made them (buffered mode).
+                if not self._zero_copy:
+                    by_name = dict(parameters)
+                    for device, indices in binding.small.items():
+                        members = [(binding.names[i], by_name[binding.names[i]]) for i in indices]
+                        arenas[device] = Arena(members, dtype=self._dtype, device=device)
+                in_arena = {
+                    name: arena.views[name] for arena in arenas.values() for name in arena.names
                 }
+                for name, buffer in validated.pending.items():
+                    view = in_arena.get(name)
+                    if view is not None:
+                        restored[name] = view.copy_(buffer.detach())
+                    else:
+                        restored[name] = buffer.detach().to(
+                            device_of[name], memory_format=torch.contiguous_format, copy=True
+                        )
         if self._zero_copy:
             for name, parameter in parameters:
                 if parameter.dtype != self._dtype:
@@ -1286,6 +1299,7 @@ class WeightedGradientsAccumulator:
                 self._release_grads()
             self._binding = binding
             self._pending = restored
+            self._arenas = arenas
             self._issued = validated.issued
             self._zero_weight = validated.zero_weight
             self._total_weight = validated.total_weight
