@@ -604,6 +604,8 @@ class WeightedGradientsAccumulator:
 
         with _COMMIT, torch.no_grad():
             self._await_snapshots()
+            if self._binding is not binding:
+                self._arenas = {}  # a window binding anew: earlier arenas had other members
             self._binding = binding
             if steps is not None:
                 self._pending.update(steps.new_buffers)
@@ -672,9 +674,11 @@ class WeightedGradientsAccumulator:
         new_arenas: dict[torch.device, Arena] = {}
         adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         covered: set[int] = set()
+        # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
+        arenas = self._arenas if binding is self._binding else {}
         with _ordinary_tensors(), torch.no_grad():
             for device, indices in binding.small.items():
-                arena = self._arenas.get(device)
+                arena = arenas.get(device)
                 if arena is None:
                     if any(parameters[i][0] in self._pending for i in indices):
                         continue  # buffers of their own already (from_pending): no arena
@@ -1274,7 +1278,8 @@ class WeightedGradientsAccumulator:
                     by_name = dict(parameters)
                     for device, indices in binding.small.items():
                         members = [(binding.names[i], by_name[binding.names[i]]) for i in indices]
-                        arenas[device] = Arena(members, dtype=self._dtype, device=device)
+                        if any(name in validated.pending for name, _ in members):
+                            arenas[device] = Arena(members, dtype=self._dtype, device=device)
                 in_arena = {
                     name: arena.views[name] for arena in arenas.values() for name in arena.names
                 }
