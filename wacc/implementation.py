@@ -48,6 +48,7 @@ __all__ = [
     "load_implementation",
     "wacc_torch_fused",
     "wacc_torch_reproducible",
+    "wacc_torch_zero_copy",
 ]
 
 DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
@@ -100,6 +101,16 @@ def wacc_torch_reproducible(dtype: torch.dtype, loss_scale: float) -> Any:
 def wacc_torch_fused(dtype: torch.dtype, loss_scale: float) -> Any:
     """``wacc_torch`` with ``fused=True`` (the declared one-pass mode for means)."""
     return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale, fused=True)
+
+
+def wacc_torch_zero_copy(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``wacc_torch`` with ``zero_copy=True``, every gradient fed through a real backward
+    (:class:`wacc.zero_copy.ZeroCopyAdapter`); the reproducible order, judged bit for bit."""
+    from wacc.zero_copy import ZeroCopyAdapter  # wacc.zero_copy is judge-side glue, not protocol
+
+    return ZeroCopyAdapter(
+        wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale, zero_copy=True)
+    )
 
 
 def error_class(exc: BaseException) -> str | None:
