@@ -61,9 +61,8 @@ def test_csv_rows_cover_the_corpus_and_name_a_replay_file_for_every_failure(repo
     scenarios = {row["scenario_id"] for row in rows}
     assert len(rows) == len(scenarios) * len(IMPLEMENTATIONS)
     ours = [row for row in rows if row["implementation"].startswith("wacc_torch")]
-    assert {row["implementation"] for row in ours} == {
-        "wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy"
-    }
+    names = {row["implementation"] for row in ours}
+    assert names == {"wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy"}
     assert all(row["verdict"] == "pass" for row in ours)
     failing = [row for row in rows if row["verdict"] != "pass"]
     assert failing and all((report / row["replay"]).is_file() for row in failing)
