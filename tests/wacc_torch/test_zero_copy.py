@@ -435,6 +435,35 @@ def test_a_nested_block_is_refused_and_the_outer_block_goes_on() -> None:
     _assert_same_grads(acc.finish_mean().grads, reference.finish_mean().grads)
 
 
+def test_the_accumulators_calls_inside_a_block_are_refused() -> None:
+    """state_dict, finish, discard and load inside a block raise ZeroCopyError; the block then
+    counts its backward as usual."""
+    acc, net, micros = _started()
+    record = acc.state_dict()
+    with acc.microbatch(net, weight=micros[2].weight, kind=micros[2].kind):
+        for call in (
+            acc.state_dict,
+            acc.state_dict_async,
+            acc.finish_mean,
+            acc.finish_sums,
+            acc.discard,
+            lambda: acc.load_state_dict(record, net),
+        ):
+            with pytest.raises(ZeroCopyError, match="inside a microbatch block"):
+                call()
+        _loss(net, micros[2]).backward()
+    assert acc.state.issued == 2
+
+
+def test_an_unknown_kind_is_refused_at_entry() -> None:
+    """A kind other than "sum" or "mean" raises ValueError at entry, nothing changed."""
+    acc, net, _ = _started()
+    frozen = Frozen.of(acc, net)
+    with pytest.raises(ValueError, match="kind must be"):
+        acc.microbatch(net, weight=1.0, kind="avg").__enter__()  # type: ignore[arg-type]
+    frozen.check(acc, net)
+
+
 def test_the_calls_of_the_other_mode_are_refused() -> None:
     """accumulate_* on a zero-copy accumulator and microbatch() on a buffered one are refused."""
     acc, net, micros = _started()
