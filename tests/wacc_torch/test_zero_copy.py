@@ -182,11 +182,10 @@ def test_zero_copy_window_is_bit_identical_to_buffered(
     assert zero_copy.state.issued == 0
 
 
-def _value_lists(dtype: torch.dtype) -> st.SearchStrategy[list[float]]:
+def _value_lists(dtype: torch.dtype, size: int) -> st.SearchStrategy[list[float]]:
     width = {torch.float64: 64, torch.float32: 32, torch.float16: 16, torch.bfloat16: 32}[dtype]
-    return st.lists(
-        st.floats(width=width, allow_nan=True, allow_infinity=True), min_size=3, max_size=3
-    )
+    values = st.floats(width=width, allow_nan=True, allow_infinity=True)
+    return st.lists(values, min_size=size, max_size=size)
 
 
 WEIGHTS = st.one_of(
@@ -194,19 +193,23 @@ WEIGHTS = st.one_of(
     st.integers(0, 10**6),
     st.floats(min_value=0.0, max_value=1e30, allow_nan=False),
 )
+Window = tuple[torch.dtype, float, bool, list[tuple[float | int, Kind, list[float]]]]
 
 
 @st.composite
-def _windows(draw: st.DrawFn) -> tuple[torch.dtype, list[tuple[float | int, Kind, list[float]]]]:
+def _windows(draw: st.DrawFn) -> Window:
     dtype = draw(st.sampled_from([p.values[0] for p in WORK_DTYPE_PARAMS]))
+    loss_scale = draw(st.sampled_from([1.0, 2.0**-3, 3.0, 2.0**10]))  # exact in every D
+    # Up to 40 elements: past the vectorized kernels' width, so their tails are covered too.
+    size = draw(st.integers(1, 40))
     steps = draw(
         st.lists(
-            st.tuples(WEIGHTS, st.sampled_from(["sum", "mean"]), _value_lists(dtype)),
+            st.tuples(WEIGHTS, st.sampled_from(["sum", "mean"]), _value_lists(dtype, size)),
             min_size=1,
             max_size=4,
         )
     )
-    return dtype, steps
+    return dtype, loss_scale, draw(st.booleans()), steps
 
 
 def _outcome(call: Callable[[], object]) -> str | None:
@@ -230,17 +233,18 @@ def _backward_of(
 
 
 @given(window=_windows())
-def test_zero_copy_matches_buffered_on_any_weights_and_values(
-    window: tuple[torch.dtype, list[tuple[float | int, Kind, list[float]]]],
-) -> None:
-    """On arbitrary weights (zero, huge, not surviving D) and values (±0, subnormal, inf, NaN),
-    each zero-copy block raises what the buffered call raises and leaves the same record."""
-    dtype, steps = window
-    zero_copy, buffered = _zero_copy(dtype), _buffered(dtype)
-    p_z = nn.Parameter(torch.zeros(3, dtype=dtype))
-    p_b = nn.Parameter(torch.zeros(3, dtype=dtype))
+def test_zero_copy_matches_buffered_on_any_weights_and_values(window: Window) -> None:
+    """On arbitrary weights (zero, huge, not surviving D), values (±0, subnormal, inf, NaN),
+    loss scales and either evaluation order, each zero-copy block raises what the buffered call
+    raises and leaves the same record, and the means agree bit for bit."""
+    dtype, loss_scale, fused, steps = window
+    options = {"dtype": dtype, "loss_scale": loss_scale, "fused": fused}
+    zero_copy = WeightedGradientsAccumulator(**options, zero_copy=True)
+    buffered = WeightedGradientsAccumulator(**options)
+    size = len(steps[0][2])
     module_z, module_b = nn.Module(), nn.Module()
-    module_z.p, module_b.p = p_z, p_b
+    module_z.p = nn.Parameter(torch.zeros(size, dtype=dtype))
+    module_b.p = nn.Parameter(torch.zeros(size, dtype=dtype))
     for weight, kind, values in steps:
         seed = torch.tensor(values, dtype=torch.float64).to(dtype)
         method = buffered.accumulate_sum if kind == "sum" else buffered.accumulate_mean
