@@ -15,8 +15,11 @@ The mirror's parameters are reused across calls (their ``.grad`` are the pending
 replaced only when the judge's module changed; after a finish the ``.grad`` are set to None, as
 ``optimizer.zero_grad(set_to_none=True)`` does after a step. The gradients' structure is
 checked with the buffered mode's rules and error class (:class:`ParameterMismatchError`) inside
-the block, before the backward: the weight, the tracked set and whether a mean's weight
-survives D are checked first, by entering the block.
+the block, before the backward; the weight, the tracked set and whether a mean's weight survives
+D are checked first, by entering the block. So one call with both a malformed gradient and a mean
+weight that does not survive D names the weight here and the gradient in the buffered mode
+(semantics §5's check order); the judge never sees that, since a scenario's gradients are
+well-formed by construction (:class:`wacc_ref.scenario.Scenario` validates them).
 """
 
 from __future__ import annotations

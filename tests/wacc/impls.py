@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import wacc_torch
+from wacc.zero_copy import ZeroCopyAdapter
 
 
 class _Delegating:
@@ -171,6 +172,4 @@ class _StealingZeroCopy(wacc_torch.WeightedGradientsAccumulator):
 
 def zero_copy_stealing(dtype: torch.dtype, loss_scale: float) -> Any:
     """The zero-copy mode with a hook that steals the first gradient (skips the +0.0 start)."""
-    from wacc.zero_copy import ZeroCopyAdapter
-
     return ZeroCopyAdapter(_StealingZeroCopy(dtype=dtype, loss_scale=loss_scale, zero_copy=True))
