@@ -22,7 +22,9 @@ every call but :meth:`~WeightedGradientsAccumulator.discard` and ``load_state_di
 exception before any gradient arrived (in the forward, say) changes nothing. A hook's refusal
 spoils its block even when the caller catches it inside: leaving the block then raises
 (:class:`BrokenWindowError` if some gradient was added, else :class:`ZeroCopyError`, nothing
-changed) instead of counting a microbatch whose gradient is not (wholly) in the buffers.
+changed) instead of counting a microbatch whose gradient is not (wholly) in the buffers. Any
+other exception of the backward that the caller catches inside the block is invisible to it, and
+the block would count what was added: let such exceptions leave the block.
 """
 
 from __future__ import annotations
