@@ -1041,7 +1041,16 @@ class WeightedGradientsAccumulator:
             parameter.grad = buffer
             self._pending[name] = buffer
             self._grad_owners[name] = parameter
-        self._add(buffer, grad, weight=weight, mean=mean)
+        shared = self._work
+        if shared is not None and buffer.device.type != "cpu":
+            # The hooks' kernels may run on different streams (one per producing op), where one
+            # shared work tensor could be written by two at once: a fresh piece-sized one each
+            # time, from the stream-ordered caching allocator.
+            self._work = _Scratch([(buffer.device, self._dtype, _chunk_numel(buffer.shape))])
+        try:
+            self._add(buffer, grad, weight=weight, mean=mean)
+        finally:
+            self._work = shared
 
     def _release_grads(self) -> None:
         # Zero-copy: the window's buffers leave the parameters' .grad (a .grad replaced since is
