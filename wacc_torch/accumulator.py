@@ -1034,13 +1034,24 @@ class WeightedGradientsAccumulator:
         """Inside a block's backward: add one parameter's microbatch gradient into ``.grad``."""
         buffer = self._pending.get(name)
         if buffer is None:
-            # The first gradient of the window: a buffer at +0.0 as in the buffered mode (a
-            # stolen gradient would keep its -0.0 where round_D(+0 + t) has +0.0).
+            # The first gradient of the window, into a new buffer: round_D(+0 + t) as in the
+            # buffered mode (a stolen gradient would keep a -0.0 where that has +0.0).
             with _ordinary_tensors():
-                buffer = torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
+                buffer = torch.empty(parameter.shape, dtype=self._dtype, device=parameter.device)
+            if self._fused and mean:
+                buffer.zero_().add_(grad, alpha=weight)  # the opt-in order, as buffered
+            else:
+                # t (= g, or round_D(g * w_D) straight into the buffer), then + 0.0, piece by
+                # piece while the piece is in cache: one pass fewer than zeros, t, add.
+                for buffer_piece, grad_piece in _pieces(buffer, grad):
+                    if mean:
+                        torch.mul(grad_piece, weight, out=buffer_piece).add_(0.0)
+                    else:
+                        torch.add(grad_piece, 0.0, out=buffer_piece)
             parameter.grad = buffer
             self._pending[name] = buffer
             self._grad_owners[name] = parameter
+            return
         shared = self._work
         if shared is not None and buffer.device.type != "cpu":
             # The hooks' kernels may run on different streams (one per producing op), where one
