@@ -35,8 +35,8 @@ class ModuleStructure:
         self._module_dicts = [sub._modules for sub in modules]
         self._parameter_ids = self._current_parameters()
         self._module_ids = self._current_modules()
-        # Held, so that their ids stay theirs.
-        self._modules = modules
+        # Held, so that their ids stay theirs; also every submodule, for checks of their kind.
+        self.modules = modules
         self._parameters = [
             p for p in chain.from_iterable(map(dict.values, self._parameter_dicts)) if p is not None
         ]

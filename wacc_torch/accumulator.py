@@ -49,7 +49,7 @@ from wacc_torch.records import (
     record_checksum_of,
     validate_record,
 )
-from wacc_torch.zero_copy import Kind, Microbatch, _accumulate_grad_node
+from wacc_torch.zero_copy import Kind, Microbatch, _accumulate_grad_node, refuse_fsdp
 
 __all__ = [
     "AccumulatedGradients",
@@ -539,6 +539,8 @@ class WeightedGradientsAccumulator:
         self._grad_owners: dict[str, nn.Parameter] = {}
         self._grad_versions: dict[str, int] = {}
         self._nodes: dict[str, tuple[nn.Parameter, torch.autograd.graph.Node]] = {}
+        self._block_work: tuple[_Binding, _Scratch] | None = None
+        self._fsdp_checked: ModuleStructure | None = None
 
     # ----------------------------------------------------------------------------- reading
     @property
@@ -969,6 +971,10 @@ class WeightedGradientsAccumulator:
         self._check_mode(zero_copy=True, call="microbatch")
         weight_value = _coerce_weight(weight)
         binding, parameters = self._check_module(module)
+        structure = self._structure_cache[1] if self._structure_cache is not None else None
+        if structure is None or structure is not self._fsdp_checked:
+            refuse_fsdp(list(module.modules()) if structure is None else structure.modules)
+            self._fsdp_checked = structure  # a cache of a check that passed, not state
         for name, parameter in parameters:
             if parameter.dtype != self._dtype:
                 raise ZeroCopyError(
@@ -997,11 +1003,17 @@ class WeightedGradientsAccumulator:
             check_gradual_underflow("microbatch")
         work = None
         if positive and mean and not self._fused:
-            with _ordinary_tensors():
-                work = _Scratch(
-                    (parameter.device, self._dtype, _chunk_numel(parameter.shape))
-                    for _, parameter in parameters
-                )
+            # One work tensor per binding, kept between blocks (allocating it per microbatch
+            # would fault its pages in every time).
+            if self._block_work is not None and self._block_work[0] is binding:
+                work = self._block_work[1]
+            else:
+                with _ordinary_tensors():
+                    work = _Scratch(
+                        (parameter.device, self._dtype, _chunk_numel(parameter.shape))
+                        for _, parameter in parameters
+                    )
+                self._block_work = (binding, work)
 
         def commit() -> None:
             with _COMMIT:

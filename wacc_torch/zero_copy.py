@@ -46,10 +46,9 @@ __all__ = ["Microbatch"]
 Kind = Literal["sum", "mean"]
 
 
-def _refuse_data_parallel(module: nn.Module) -> None:
-    """DDP reduces ``.grad`` buckets it expects AccumulateGrad to fill; FSDP assigns sharded
-    ``.grad`` itself. Neither sees the gradients the hooks add, so both are refused (DDP only
-    outside ``no_sync()``: inside it, nothing is communicated)."""
+def refuse_ddp_outside_no_sync(module: nn.Module) -> None:
+    """DDP reduces ``.grad`` buckets that it expects AccumulateGrad to fill; the hooks fill
+    ``.grad`` themselves, so DDP is refused outside ``no_sync()`` (inside, nothing is sent)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, DistributedDataParallel) and module.require_backward_grad_sync:
@@ -59,11 +58,15 @@ def _refuse_data_parallel(module: nn.Module) -> None:
             "`with ddp.no_sync(), acc.microbatch(...)` and reduce the finished sums with "
             "wacc_torch.all_reduce_sums"
         )
+
+
+def refuse_fsdp(modules: list[nn.Module]) -> None:
+    """FSDP (``fully_shard``) assigns sharded ``.grad`` itself and never sees the hooks' sums."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - FSDP2 is in every torch this package supports
         return
-    if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+    if any(isinstance(sub, FSDPModule) for sub in modules):
         raise ZeroCopyError(
             "zero-copy accumulation does not support FSDP (fully_shard): FSDP writes sharded "
             ".grad itself; use the buffered accumulator with FSDPWeightedWindow"
@@ -115,7 +118,7 @@ class Microbatch:
         if self._kind not in ("sum", "mean"):
             raise ValueError(f"kind must be 'sum' or 'mean', got {self._kind!r}")
         acc = self._accumulator
-        _refuse_data_parallel(self._module)
+        refuse_ddp_outside_no_sync(self._module)
         plan = acc._plan_microbatch(self._module, self._weight, mean=self._kind == "mean")
         nodes = [
             (name, parameter, acc._zero_copy_node(name, parameter))
