@@ -17,12 +17,14 @@ from wacc_torch.distributed import (
     all_reduce_sums,
 )
 from wacc_torch.errors import (
+    BrokenWindowError,
     InvalidLossScaleError,
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
     UnsupportedEnvironmentError,
     WeightedAccumulationError,
+    ZeroCopyError,
     ZeroTotalWeightError,
 )
 from wacc_torch.records import FORMAT_VERSION, load_record, save_record
@@ -31,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "AccumulatedGradients",
     "AccumulatorState",
+    "BrokenWindowError",
     "InvalidLossScaleError",
     "InvalidWeightError",
     "ParameterMismatchError",
@@ -40,6 +43,7 @@ __all__ = [
     "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "WeightedGradientsAccumulator",
+    "ZeroCopyError",
     "ZeroTotalWeightError",
     "all_reduce_mean",
     "all_reduce_sums",

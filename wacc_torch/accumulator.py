@@ -8,7 +8,7 @@ weight, each step rounded on its own. ``fused=True`` is an opt-in one-pass mode 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,8 +28,10 @@ from wacc_torch._dtypes import (
 from wacc_torch._environment import check_gradual_underflow
 from wacc_torch._scalars import add_to_total, as_float64, read_real
 from wacc_torch.errors import (
+    BrokenWindowError,
     InvalidWeightError,
     ParameterMismatchError,
+    ZeroCopyError,
     ZeroTotalWeightError,
 )
 from wacc_torch.records import (
@@ -39,6 +41,7 @@ from wacc_torch.records import (
     record_checksum_of,
     validate_record,
 )
+from wacc_torch.zero_copy import Kind, Microbatch, _accumulate_grad_node
 
 __all__ = [
     "AccumulatedGradients",
@@ -89,7 +92,8 @@ class AccumulatorState:
     """A copy of an accumulator's options and window counters (semantics §3).
 
     ``total_weight`` is W, the float64 sum of the counted weights in issue order; ``fused``
-    says whether means are accumulated in the opt-in one-pass mode.
+    says whether means are accumulated in the opt-in one-pass mode; ``zero_copy`` whether the
+    pending buffers are the parameters' ``.grad`` (:mod:`wacc_torch.zero_copy`).
     """
 
     dtype: torch.dtype
@@ -98,6 +102,7 @@ class AccumulatorState:
     zero_weight: int
     total_weight: float
     fused: bool
+    zero_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,10 +205,44 @@ def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(value, dtype=dtype, device=device)
 
 
+# Elementwise passes over a tensor larger than this run in pieces of about this many elements
+# (whole rows of dim 0), so the work tensor of a two-rounding step stays cache-sized instead of
+# growing to the largest parameter (an embedding of 131 M elements would need 0.5 GB).
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunk_rows(shape: torch.Size) -> int:
+    """Rows of dim 0 per piece of a tensor of ``shape`` (0 for a 0-d tensor: one piece)."""
+    if len(shape) == 0 or shape[0] == 0:
+        return 0
+    row = shape.numel() // shape[0]
+    return max(1, CHUNK_ELEMENTS // max(1, row))
+
+
+def _chunk_numel(shape: torch.Size) -> int:
+    """Elements of the largest piece of a tensor of ``shape`` (the work tensor it needs)."""
+    rows = _chunk_rows(shape)
+    if rows == 0:
+        return shape.numel()
+    return min(shape[0], rows) * (shape.numel() // shape[0])
+
+
+def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
+    """Matching pieces (views along dim 0, any strides) of same-shape tensors."""
+    shape = tensors[0].shape
+    rows = _chunk_rows(shape)
+    if rows == 0 or rows >= shape[0]:
+        yield tensors
+        return
+    for start in range(0, shape[0], rows):
+        length = min(rows, shape[0] - start)
+        yield tuple(tensor.narrow(0, start, length) for tensor in tensors)
+
+
 class _Scratch:
-    """One preallocated work tensor per (device, dtype), sized for the largest user, so that a
-    commit phase needs no allocation; :meth:`view` hands out a shaped view of its start (one per
-    shape, reused: the users run one after the other)."""
+    """One preallocated work tensor per (device, dtype), sized for the largest piece
+    (:func:`_chunk_numel`), so that a commit phase needs no allocation; :meth:`view` hands out a
+    shaped view of its start (one per shape, reused: the users run one after the other)."""
 
     def __init__(self, needs: Iterable[tuple[torch.device, torch.dtype, int]]) -> None:
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
@@ -373,6 +412,17 @@ def _check_writable(tensor: torch.Tensor, *, what: str) -> None:
 
 
 @dataclass(frozen=True)
+class _BlockPlan:
+    """A validated zero-copy block: its parameters in binding order, the weight its hooks apply
+    (None: a zero-weight batch, nothing is added), its work tensors and what leaving it commits."""
+
+    parameters: list[tuple[str, nn.Parameter]]
+    weight: float | None
+    work: _Scratch | None
+    commit: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class _Binding:
     """The tracked parameter set: names in registration order, shapes, devices."""
 
@@ -443,14 +493,24 @@ class WeightedGradientsAccumulator:
     the module's ``.grad`` exactly as they were.
     """
 
-    def __init__(self, *, dtype: torch.dtype, loss_scale: float, fused: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        dtype: torch.dtype,
+        loss_scale: float,
+        fused: bool = False,
+        zero_copy: bool = False,
+    ) -> None:
         work_dtype = check_work_dtype(dtype)
         scale = check_loss_scale(loss_scale, work_dtype)
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {fused!r}")
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy must be a bool, got {zero_copy!r}")
         self._dtype = work_dtype
         self._loss_scale = scale
         self._fused = fused
+        self._zero_copy = zero_copy
         self._binding: _Binding | None = None
         self._pending: dict[str, torch.Tensor] = {}
         self._issued = 0
@@ -460,6 +520,14 @@ class WeightedGradientsAccumulator:
         self._work: _Scratch | None = None
         # Events of state_dict_async copies not yet known to be complete (_await_snapshots).
         self._snapshot_events: list[tuple[torch.device, torch.cuda.Event]] = []
+        # Zero-copy mode (wacc_torch.zero_copy): the open block, why the window is broken (None:
+        # it is not), each pending buffer's parameter and its ._version when the last block
+        # ended, the AccumulateGrad nodes (kept alive: they hold the hooks), the mean's scratch.
+        self._block: Microbatch | None = None
+        self._broken: str | None = None
+        self._grad_owners: dict[str, nn.Parameter] = {}
+        self._grad_versions: dict[str, int] = {}
+        self._nodes: dict[str, tuple[nn.Parameter, torch.autograd.graph.Node]] = {}
 
     # ----------------------------------------------------------------------------- reading
     @property
@@ -472,12 +540,14 @@ class WeightedGradientsAccumulator:
             zero_weight=self._zero_weight,
             total_weight=self._total_weight,
             fused=self._fused,
+            zero_copy=self._zero_copy,
         )
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(dtype={self._dtype}, loss_scale={self._loss_scale!r}, "
-            f"fused={self._fused}, issued={self._issued}, zero_weight={self._zero_weight}, "
+            f"fused={self._fused}, zero_copy={self._zero_copy}, issued={self._issued}, "
+            f"zero_weight={self._zero_weight}, "
             f"total_weight={self._total_weight!r})"
         )
 
@@ -517,25 +587,12 @@ class WeightedGradientsAccumulator:
     ) -> None:
         # Prepare. Validation order (as the reference model's): the weight's own validity, the
         # module's tracked set, the gradients' structure, then whether a mean weight survives D.
+        self._check_mode(zero_copy=False, call="accumulate_sum/accumulate_mean")
         weight_value = _coerce_weight(weight)
         binding, parameters = self._check_module(module)
         gradients = self._collect_gradients(binding, parameters, grads)
         positive = weight_value > 0
-        counted_weight: int | float = weight_value
-        if mean and positive:
-            # conv_D as PyTorch does it: an int is read through float64 first.
-            counted_weight = to_work_dtype(as_float64(weight_value), self._dtype)
-            if counted_weight == 0.0 or not math.isfinite(counted_weight):
-                raise InvalidWeightError(
-                    f"weight {weight!r} does not survive the work dtype {self._dtype}: it "
-                    f"converts to {counted_weight!r}"
-                )
-        new_total = add_to_total(self._total_weight, counted_weight)  # round_64(W + w), exact w
-        if not math.isfinite(new_total):
-            raise InvalidWeightError(
-                f"weight {weight_value!r} makes the total weight overflow "
-                f"({self._total_weight!r} + {counted_weight!r})"
-            )
+        counted_weight, new_total = self._counted_weight(weight, weight_value, mean=mean)
         steps = self._prepare_steps(parameters, gradients, mean=mean) if positive else None
 
         with _COMMIT:
@@ -557,6 +614,28 @@ class WeightedGradientsAccumulator:
                 self._total_weight = new_total
             else:
                 self._zero_weight += 1
+
+    def _counted_weight(
+        self, weight: object, weight_value: int | float, *, mean: bool
+    ) -> tuple[int | float, float]:
+        """The weight a batch counts (w, or w_D for a mean) and the new W; raises for a mean
+        weight that does not survive D or a W that overflows."""
+        counted_weight: int | float = weight_value
+        if mean and weight_value > 0:
+            # conv_D as PyTorch does it: an int is read through float64 first.
+            counted_weight = to_work_dtype(as_float64(weight_value), self._dtype)
+            if counted_weight == 0.0 or not math.isfinite(counted_weight):
+                raise InvalidWeightError(
+                    f"weight {weight!r} does not survive the work dtype {self._dtype}: it "
+                    f"converts to {counted_weight!r}"
+                )
+        new_total = add_to_total(self._total_weight, counted_weight)  # round_64(W + w), exact w
+        if not math.isfinite(new_total):
+            raise InvalidWeightError(
+                f"weight {weight_value!r} makes the total weight overflow "
+                f"({self._total_weight!r} + {counted_weight!r})"
+            )
+        return counted_weight, new_total
 
     def _needs_work(self, grad: torch.Tensor, *, mean: bool) -> bool:
         # Convert first (conv_D), then operate in D: buffer.add_(grad of another dtype) would
@@ -586,7 +665,7 @@ class WeightedGradientsAccumulator:
                 if name not in self._pending
             }
             scratch = _Scratch(
-                (grad.device, self._dtype, grad.numel())
+                (grad.device, self._dtype, _chunk_numel(grad.shape))
                 for _, _, grad in present
                 if self._needs_work(grad, mean=mean)
             )
@@ -602,21 +681,23 @@ class WeightedGradientsAccumulator:
                 buffer.add_(grad)
             return
         assert self._work is not None
-        work = self._work.view(grad.device, self._dtype, grad.shape)
-        if mean and not self._fused:
-            # weight is w_D, exactly representable in D, so the scalar multiply is exactly
-            # round_D(c * w_D); then a separate add: never an FMA.
-            if grad.dtype == self._dtype:
-                torch.mul(grad, weight, out=work)
+        # Piece by piece, so that the work tensor is still in cache when it is added.
+        for buffer_piece, grad_piece in _pieces(buffer, grad):
+            work = self._work.view(grad.device, self._dtype, grad_piece.shape)
+            if mean and not self._fused:
+                # weight is w_D, exactly representable in D, so the scalar multiply is exactly
+                # round_D(c * w_D); then a separate add: never an FMA.
+                if grad.dtype == self._dtype:
+                    torch.mul(grad_piece, weight, out=work)
+                else:
+                    work.copy_(grad_piece).mul_(weight)  # copy_ converts exactly like .to(D)
+                buffer_piece.add_(work)
+                continue
+            work.copy_(grad_piece)
+            if mean:
+                buffer_piece.add_(work, alpha=weight)
             else:
-                work.copy_(grad).mul_(weight)  # copy_ converts exactly like .to(D)
-            buffer.add_(work)
-            return
-        work.copy_(grad)
-        if mean:
-            buffer.add_(work, alpha=weight)
-        else:
-            buffer.add_(work)
+                buffer_piece.add_(work)
 
     def _check_module(self, module: nn.Module) -> tuple[_Binding, list[tuple[str, nn.Parameter]]]:
         """Return the (possibly new) binding and the module's tracked parameters in its order.
@@ -723,14 +804,168 @@ class WeightedGradientsAccumulator:
                 )
         return [None if grad is None else grad.detach() for grad in candidates]
 
+    # ------------------------------------------------------------------------- zero-copy
+    def microbatch(self, module: nn.Module, *, weight: Weight, kind: Kind = "mean") -> Microbatch:
+        """A block in which one backward adds one microbatch straight into ``.grad``.
+
+        Zero-copy mode only (``zero_copy=True``)::
+
+            with acc.microbatch(model, weight=tokens, kind="mean"):
+                (loss_scale * loss_mean).backward()
+
+        is ``accumulate_mean(model, tokens)`` (``kind="sum"``: ``accumulate_sum``) with the same
+        bits, counters and errors, but the pending buffer is the parameter's ``.grad`` itself:
+        no second copy of the gradients and no extra pass. Entering validates and raises
+        before anything changes; see :mod:`wacc_torch.zero_copy` for what is refused and for a
+        backward that raises inside the block (the window is then broken).
+        """
+        return Microbatch(self, module, weight=weight, kind=kind)
+
+    def discard(self) -> None:
+        """Drop the window: counters to 0, buffers released, a broken window usable again.
+
+        In zero-copy mode each tracked ``.grad`` that is one of the window's buffers is set to
+        None. Nothing else is touched; the next accumulate or block starts a new window.
+        """
+        if self._block is not None:
+            raise ZeroCopyError("discard() inside a microbatch block; leave the block first")
+        with _COMMIT:
+            self._await_snapshots()
+            self._release_grads()
+            self._reset_window()
+            self._broken = None
+
+    def _check_mode(self, *, zero_copy: bool, call: str) -> None:
+        if self._zero_copy != zero_copy:
+            if zero_copy:
+                raise ZeroCopyError(
+                    f"{call}() needs an accumulator made with zero_copy=True; this one buffers "
+                    f"(use accumulate_sum / accumulate_mean)"
+                )
+            raise ZeroCopyError(
+                f"{call}() on a zero-copy accumulator: its buffers are the parameters' .grad, "
+                f"so gradients are added by `with acc.microbatch(module, weight=w, kind=...)`"
+            )
+        self._check_usable()
+
+    def _check_usable(self) -> None:
+        """Refuse to use a broken window, or one whose ``.grad`` buffers changed outside it."""
+        if self._block is not None:
+            raise ZeroCopyError(
+                "the accumulator is inside a microbatch block; only the block's backward may "
+                "run until it is left"
+            )
+        if self._broken is None and self._zero_copy:
+            changed = [
+                name
+                for name, buffer in self._pending.items()
+                if buffer._version != self._grad_versions.get(name)
+            ]
+            if changed:
+                self._broken = (
+                    f"the .grad of {changed!r} was changed in place outside a microbatch block "
+                    f"(a backward outside a block, zero_grad(set_to_none=False), gradient "
+                    f"clipping mid-window?): the window no longer holds its sums. Call "
+                    f"discard(), or load_state_dict() with an earlier record"
+                )
+        if self._broken is not None:
+            raise BrokenWindowError(self._broken)
+
+    def _plan_microbatch(self, module: nn.Module, weight: object, *, mean: bool) -> _BlockPlan:
+        """Validate a zero-copy block (may raise; changes nothing) and prepare its commit."""
+        self._check_mode(zero_copy=True, call="microbatch")
+        weight_value = _coerce_weight(weight)
+        binding, parameters = self._check_module(module)
+        for name, parameter in parameters:
+            if parameter.dtype != self._dtype:
+                raise ZeroCopyError(
+                    f"parameter {name!r} has dtype {parameter.dtype} but the work dtype is "
+                    f"{self._dtype}: autograd hands gradients over in the parameter's dtype, so "
+                    f"they could not be converted to D first (semantics §5). Use zero_copy=False "
+                    f"or dtype={parameter.dtype}"
+                )
+            grad = parameter.grad
+            buffer = self._pending.get(name)
+            if buffer is None and grad is not None:
+                raise ZeroCopyError(
+                    f"parameter {name!r} already has a .grad this window does not own (a "
+                    f"gradient of an earlier backward or window): the zero-copy mode adds into "
+                    f".grad, so it must start empty. Call optimizer.zero_grad(set_to_none=True) "
+                    f"before the window"
+                )
+            if buffer is not None and grad is not buffer:
+                raise ZeroCopyError(
+                    f"the .grad of parameter {name!r} was replaced since the window's last "
+                    f"microbatch block: it must stay the window's pending buffer until finish"
+                )
+        positive = weight_value > 0
+        counted_weight, new_total = self._counted_weight(weight, weight_value, mean=mean)
+        if positive and any(parameter.device.type == "cpu" for _, parameter in parameters):
+            check_gradual_underflow("microbatch")
+        work = None
+        if positive and mean and not self._fused:
+            with _ordinary_tensors():
+                work = _Scratch(
+                    (parameter.device, self._dtype, _chunk_numel(parameter.shape))
+                    for _, parameter in parameters
+                )
+        def commit() -> None:
+            with _COMMIT:
+                self._work = None
+                self._binding = binding
+                self._grad_versions = {
+                    name: buffer._version for name, buffer in self._pending.items()
+                }
+                self._issued += 1
+                if positive:
+                    self._total_weight = new_total
+                else:
+                    self._zero_weight += 1
+
+        return _BlockPlan(
+            parameters=parameters,
+            weight=float(counted_weight) if positive else None,
+            work=work,
+            commit=commit,
+        )
+
+    def _zero_copy_node(self, name: str, parameter: nn.Parameter) -> torch.autograd.graph.Node:
+        node = _accumulate_grad_node(parameter)
+        self._nodes[name] = (parameter, node)  # alive while its hook is (see zero_copy.py)
+        return node
+
+    def _add_into_grad(
+        self, name: str, parameter: nn.Parameter, grad: torch.Tensor, *, weight: float, mean: bool
+    ) -> None:
+        """Inside a block's backward: add one parameter's microbatch gradient into ``.grad``."""
+        buffer = self._pending.get(name)
+        if buffer is None:
+            # The first gradient of the window: a buffer at +0.0 as in the buffered mode (a
+            # stolen gradient would keep its -0.0 where round_D(+0 + t) has +0.0).
+            with _ordinary_tensors():
+                buffer = torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
+            parameter.grad = buffer
+            self._pending[name] = buffer
+            self._grad_owners[name] = parameter
+        self._add(buffer, grad, weight=weight, mean=mean)
+
+    def _release_grads(self) -> None:
+        # Zero-copy: the window's buffers leave the parameters' .grad (a .grad replaced since is
+        # someone else's and stays).
+        for name, parameter in self._grad_owners.items():
+            if parameter.grad is not None and parameter.grad is self._pending.get(name):
+                parameter.grad = None
+
     # ---------------------------------------------------------------------------- finish
     def finish_sums(self) -> AccumulatedGradients:
         """Hand over the scaled sums and the window's weight W, and start a new window (§7).
 
         Nothing is divided and nothing is communicated: reduce the sums and the weights across
         ranks yourself, then divide by ``loss_scale`` exactly once and by the reduced weight
-        (:func:`normalize_sums` does both). Works on an empty window too (W == 0).
+        (:func:`normalize_sums` does both). Works on an empty window too (W == 0). In zero-copy
+        mode the sums are the parameters' ``.grad``, which keep them.
         """
+        self._check_usable()
         with _COMMIT:
             self._await_snapshots()
             result = AccumulatedGradients(
@@ -750,8 +985,10 @@ class WeightedGradientsAccumulator:
         Raises :class:`ZeroTotalWeightError` when W == 0 (an empty window or only zero-weight
         batches), clearing nothing. The buffers are divided in place and handed over; every
         divisor and temporary is made first, so a failure (out of memory, flush-to-zero) leaves
-        the window as it was and the call can be repeated.
+        the window as it was and the call can be repeated. In zero-copy mode the means are left
+        in the parameters' ``.grad`` (``apply_to`` is not needed).
         """
+        self._check_usable()
         if self._total_weight == 0.0:
             raise ZeroTotalWeightError(
                 f"finish_mean on a window with total weight 0.0 (issued={self._issued}, "
@@ -785,6 +1022,8 @@ class WeightedGradientsAccumulator:
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
+        self._grad_owners = {}
+        self._grad_versions = {}
 
     # --------------------------------------------------------------------------- records
     def state_dict(self) -> dict[str, Any]:
@@ -810,8 +1049,11 @@ class WeightedGradientsAccumulator:
           (every field above and every buffer's bits; :mod:`wacc_torch.records`), verified by
           ``load_state_dict`` after the field checks. A record without it loads unverified.
 
-        The record survives ``torch.save`` and ``torch.load(..., weights_only=True)``.
+        The record survives ``torch.save`` and ``torch.load(..., weights_only=True)``. A
+        zero-copy accumulator's record is the same (its buffers are the ``.grad``), so records
+        move freely between the modes.
         """
+        self._check_usable()
         record = self._record_header()
         with _ordinary_tensors():
             record["pending"] = {
@@ -832,6 +1074,7 @@ class WeightedGradientsAccumulator:
         and freeing or reusing its memory cannot corrupt the snapshot. CPU buffers are copied
         synchronously.
         """
+        self._check_usable()
         record = self._record_header()
         pending: dict[str, torch.Tensor] = {}
         cuda_devices: list[torch.device] = []
@@ -895,7 +1138,12 @@ class WeightedGradientsAccumulator:
         one, raises :class:`ParameterMismatchError`. A record that binds no parameters leaves
         the accumulator unbound (the next accumulate binds).
         Buffers are copied onto the module's parameters' devices; the record is not aliased.
+        In zero-copy mode each tracked parameter's ``.grad`` becomes its restored buffer (None
+        without one), whatever it held, and a broken window is replaced; every tracked
+        parameter must then have dtype D (:class:`ZeroCopyError`).
         """
+        if self._block is not None:
+            raise ZeroCopyError("load_state_dict() inside a microbatch block; leave it first")
         parameters = _tracked_parameters(module)
         validated = validate_record(
             record,
@@ -922,13 +1170,31 @@ class WeightedGradientsAccumulator:
                     )
                     for name, buffer in validated.pending.items()
                 }
+        if self._zero_copy:
+            for name, parameter in parameters:
+                if parameter.dtype != self._dtype:
+                    raise ZeroCopyError(
+                        f"parameter {name!r} has dtype {parameter.dtype} but the work dtype is "
+                        f"{self._dtype}: its .grad cannot be a pending buffer of dtype D"
+                    )
         with _COMMIT:
             self._await_snapshots()
+            if self._zero_copy:
+                self._release_grads()
             self._binding = binding
             self._pending = restored
             self._issued = validated.issued
             self._zero_weight = validated.zero_weight
             self._total_weight = validated.total_weight
+            self._grad_owners = {}
+            self._grad_versions = {}
+            self._broken = None
+            if self._zero_copy:
+                for name, parameter in parameters:
+                    parameter.grad = restored.get(name)
+                    if name in restored:
+                        self._grad_owners[name] = parameter
+                self._grad_versions = {name: b._version for name, b in restored.items()}
 
     @classmethod
     def from_pending(
@@ -950,6 +1216,11 @@ class WeightedGradientsAccumulator:
         """
         if not isinstance(state, AccumulatorState):
             raise TypeError(f"state must be an AccumulatorState, got {type(state).__name__}")
+        if state.zero_copy:
+            raise ZeroCopyError(
+                "from_pending() adopts buffers for the buffered mode; restore a zero-copy "
+                "accumulator with load_state_dict() (it puts the buffers into .grad)"
+            )
         accumulator = cls(dtype=state.dtype, loss_scale=state.loss_scale, fused=state.fused)
         if not isinstance(pending, Mapping):
             raise TypeError(f"pending must be a mapping, got {type(pending).__name__}")

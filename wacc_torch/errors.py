@@ -8,12 +8,14 @@ has left the accumulator, its pending buffers and the module's ``.grad`` exactly
 from __future__ import annotations
 
 __all__ = [
+    "BrokenWindowError",
     "InvalidLossScaleError",
     "InvalidWeightError",
     "ParameterMismatchError",
     "RecordError",
     "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
+    "ZeroCopyError",
     "ZeroTotalWeightError",
 ]
 
@@ -47,4 +49,23 @@ class UnsupportedEnvironmentError(WeightedAccumulationError):
 
     Not one of semantics §11's input errors: it is raised before anything is read or changed, so the
     call can be repeated once the environment is fixed (``torch.set_flush_denormal(False)``).
+    """
+
+
+class ZeroCopyError(WeightedAccumulationError):
+    """The zero-copy mode cannot keep the semantics here, or was asked for the wrong mode.
+
+    Raised before anything changed: a parameter dtype other than D, a ``.grad`` the window does
+    not own, DDP outside ``no_sync()``, FSDP, a nested block, the buffered calls on a zero-copy
+    accumulator (or ``microbatch`` on a buffered one); inside a block (from the backward): a second
+    gradient for one parameter, ``create_graph=True``, a sparse gradient.
+    """
+
+
+class BrokenWindowError(WeightedAccumulationError):
+    """The window holds part of a microbatch and cannot be completed (zero-copy mode only).
+
+    A backward that raised inside ``acc.microbatch()`` after some gradient was added, or a pending
+    ``.grad`` changed in place outside a block: a backward cannot be undone. Only ``discard()``
+    and ``load_state_dict()`` are accepted until then.
     """

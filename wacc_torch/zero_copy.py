@@ -1,0 +1,198 @@
+"""The zero-copy mode: autograd's backward accumulates straight into ``.grad`` (semantics §5, §6).
+
+``WeightedGradientsAccumulator(..., zero_copy=True)`` keeps no second copy of the gradients: each
+tracked parameter's ``.grad`` *is* its pending buffer. Inside ``with acc.microbatch(module,
+weight=w, kind=...)`` a pre-hook on every tracked parameter's ``AccumulateGrad`` node receives the
+microbatch's gradient ``g`` (autograd has already summed every use of the parameter in the graph)
+and adds it into the buffer itself with the reproducible order — ``round_D(buf + g)`` for a sum,
+``round_D(buf + round_D(g * w_D))`` for a mean (``buf.add_(g, alpha=w_D)`` when fused) — then hands
+``AccumulateGrad`` nothing to add. The buffer starts at +0.0, as in the buffered mode, so the first
+microbatch of a window gives the same bits (a stolen gradient would keep its -0.0).
+
+What cannot be exact is refused before anything changes (:class:`ZeroCopyError`): a parameter whose
+dtype is not D (autograd hands over gradients in the parameter's dtype), a ``.grad`` this window
+does not own (a stale gradient, another tool's tensor) or one changed in place outside a block, a
+nested block, DDP outside ``no_sync()``, FSDP, and inside a block a second backward reaching the
+same parameter, a sparse gradient or ``create_graph=True``.
+
+A backward cannot be undone: when the block exits with an exception after some gradient was already
+added, the window holds part of a microbatch. It is then *broken*: counters are not advanced, and
+every call but :meth:`~WeightedGradientsAccumulator.discard` and ``load_state_dict`` raises
+:class:`BrokenWindowError` naming the parameters that received part of the microbatch. An
+exception before any gradient arrived (in the forward, say) changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from wacc_torch.errors import ZeroCopyError
+
+if TYPE_CHECKING:
+    from wacc_torch.accumulator import WeightedGradientsAccumulator
+
+__all__ = ["Microbatch"]
+
+Kind = Literal["sum", "mean"]
+
+
+def _refuse_data_parallel(module: nn.Module) -> None:
+    """DDP reduces ``.grad`` buckets it expects AccumulateGrad to fill; FSDP assigns sharded
+    ``.grad`` itself. Neither sees the gradients the hooks add, so both are refused (DDP only
+    outside ``no_sync()``: inside it, nothing is communicated)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel) and module.require_backward_grad_sync:
+        raise ZeroCopyError(
+            "zero-copy accumulation under DistributedDataParallel needs its no_sync() context: "
+            "DDP would all-reduce a .grad the backward did not fill. Run every microbatch in "
+            "`with ddp.no_sync(), acc.microbatch(...)` and reduce the finished sums with "
+            "wacc_torch.all_reduce_sums"
+        )
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - FSDP2 is in every torch this package supports
+        return
+    if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+        raise ZeroCopyError(
+            "zero-copy accumulation does not support FSDP (fully_shard): FSDP writes sharded "
+            ".grad itself; use the buffered accumulator with FSDPWeightedWindow"
+        )
+
+
+def _accumulate_grad_node(parameter: nn.Parameter) -> torch.autograd.graph.Node:
+    # The AccumulateGrad node of a leaf: the standard route (DDP's reducer takes it too). The
+    # tensor holds it only weakly, so the caller keeps a reference for as long as its hook lives.
+    with torch.enable_grad():
+        grad_fn = parameter.view_as(parameter).grad_fn
+    assert grad_fn is not None
+    node = grad_fn.next_functions[0][0]
+    assert node is not None
+    return node
+
+
+class Microbatch:
+    """``with acc.microbatch(module, weight=w, kind="mean"): loss.backward()`` (zero-copy mode).
+
+    Entering validates everything (the weight, the tracked set, every parameter's dtype and
+    ``.grad``, data parallel) and installs the hooks; leaving removes them and counts the
+    microbatch (``issued``, ``zero_weight``, W) exactly as ``accumulate_sum`` /
+    ``accumulate_mean`` would. A block is used once.
+    """
+
+    def __init__(
+        self,
+        accumulator: WeightedGradientsAccumulator,
+        module: nn.Module,
+        *,
+        weight: object,
+        kind: Kind,
+    ) -> None:
+        self._accumulator = accumulator
+        self._module = module
+        self._weight = weight
+        self._kind = kind
+        self._entered = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._arrived: list[str] = []  # parameters whose gradient arrived, in arrival order
+        self._added: list[str] = []  # those whose buffer it was added to
+        self._commit: Callable[[], None] | None = None
+
+    def __enter__(self) -> Microbatch:
+        if self._entered:
+            raise ZeroCopyError("a microbatch block can be entered once; make a new one")
+        if self._kind not in ("sum", "mean"):
+            raise ValueError(f"kind must be 'sum' or 'mean', got {self._kind!r}")
+        acc = self._accumulator
+        _refuse_data_parallel(self._module)
+        plan = acc._plan_microbatch(self._module, self._weight, mean=self._kind == "mean")
+        nodes = [
+            (name, parameter, acc._zero_copy_node(name, parameter))
+            for name, parameter in plan.parameters
+        ]
+        acc._await_snapshots()  # the hooks will change buffers a snapshot may still be copying
+        self._entered = True
+        self._commit = plan.commit
+        acc._work = plan.work
+        acc._block = self
+        self._handles = [
+            node.register_prehook(self._hook_for(name, parameter, plan.weight))
+            for name, parameter, node in nodes
+        ]
+        return self
+
+    def _hook_for(
+        self, name: str, parameter: nn.Parameter, weight: float | None
+    ) -> Callable[[tuple[torch.Tensor | None, ...]], tuple[None]]:
+        mean = self._kind == "mean"
+
+        def hook(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
+            grad = grads[0]
+            if grad is not None:
+                self._arrive(name, parameter, grad, weight=weight, mean=mean)
+            # Nothing for AccumulateGrad to add: the gradient is in the buffer already.
+            return (None,)
+
+        return hook
+
+    def _arrive(
+        self,
+        name: str,
+        parameter: nn.Parameter,
+        grad: torch.Tensor,
+        *,
+        weight: float | None,
+        mean: bool,
+    ) -> None:
+        # Checks first: a refusal here has changed nothing for this parameter.
+        if name in self._arrived:
+            raise ZeroCopyError(
+                f"a second gradient for parameter {name!r} arrived in one microbatch block (a "
+                f"second backward, or retain_graph): the zero-copy mode multiplies each backward "
+                f"by the weight on its own, so it cannot give round_D(sum * w). Call backward "
+                f"once per block"
+            )
+        if torch.is_grad_enabled():
+            raise ZeroCopyError(
+                f"backward(create_graph=True) reached parameter {name!r}: the zero-copy "
+                f"accumulation is not differentiable"
+            )
+        if grad.layout != torch.strided:
+            raise ZeroCopyError(
+                f"parameter {name!r} received a {grad.layout} gradient: the zero-copy mode "
+                f"accumulates dense gradients only"
+            )
+        self._arrived.append(name)
+        if weight is None:
+            return  # a zero-weight microbatch: its gradient values are never read (semantics §4)
+        self._accumulator._add_into_grad(name, parameter, grad, weight=weight, mean=mean)
+        self._added.append(name)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        acc = self._accumulator
+        acc._block = None
+        acc._work = None
+        commit, self._commit = self._commit, None
+        if kind is None:
+            assert commit is not None
+            commit()
+        elif self._added:
+            acc._broken = (
+                f"an exception ({kind.__name__}) left a zero-copy microbatch block after part "
+                f"of its gradient was added to {self._added!r}; the window cannot be completed: "
+                f"call discard(), or load_state_dict() with a record taken before the block"
+            )
+        # An exception before any gradient was added changed nothing: as if the block never ran.
