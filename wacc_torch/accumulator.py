@@ -8,15 +8,19 @@ weight, each step rounded on its own. ``fused=True`` is an opt-in one-pass mode 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+import operator
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter, itemgetter
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
+from wacc_torch._arena import Arena, concatenated, small_groups
 from wacc_torch._dtypes import (
     GRADIENT_DTYPES,
     check_loss_scale,
@@ -27,6 +31,10 @@ from wacc_torch._dtypes import (
 )
 from wacc_torch._environment import check_gradual_underflow
 from wacc_torch._scalars import add_to_total, as_float64, read_real
+from wacc_torch._structure import ModuleStructure
+from wacc_torch._work import Scratch as _Scratch
+from wacc_torch._work import chunk_numel as _chunk_numel
+from wacc_torch._work import pieces as _pieces
 from wacc_torch.errors import (
     BrokenWindowError,
     InvalidWeightError,
@@ -52,6 +60,11 @@ __all__ = [
 ]
 
 Weight = float | torch.Tensor
+
+_GRAD = attrgetter("grad")
+_SECOND = itemgetter(1)
+_IS_NONE = partial(operator.is_, None)
+_SIGNATURE = attrgetter("shape", "dtype", "device", "layout")
 GradientMapping = Mapping[str, torch.Tensor | None]
 
 
@@ -168,8 +181,11 @@ class StateDictHandle:
         record: dict[str, Any],
         events: list[torch.cuda.Event],
         sources: list[torch.Tensor],
+        *,
+        checksum: bool = True,
     ) -> None:
         self._record = record
+        self._checksum = checksum
         self._events = events
         self._sources: list[torch.Tensor] | None = sources
 
@@ -182,7 +198,7 @@ class StateDictHandle:
         for event in self._events:
             event.synchronize()
         self._sources = None  # the copies are complete: the sources may go
-        if CHECKSUM_KEY not in self._record:
+        if self._checksum and CHECKSUM_KEY not in self._record:
             # Only now are the host copies complete, so only now can their bytes be hashed.
             self._record[CHECKSUM_KEY] = record_checksum_of(self._record)
         return self._record
@@ -203,64 +219,6 @@ def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> to
     # A 0-d tensor ON the buffers' device: CUDA true division by a CPU scalar would multiply by
     # the reciprocal instead of dividing (semantics §8).
     return torch.tensor(value, dtype=dtype, device=device)
-
-
-# Elementwise passes over a tensor larger than this run in pieces of about this many elements
-# (whole rows of dim 0), so the work tensor of a two-rounding step stays cache-sized instead of
-# growing to the largest parameter (an embedding of 131 M elements would need 0.5 GB).
-CHUNK_ELEMENTS = 1 << 20
-
-
-def _chunk_rows(shape: torch.Size) -> int:
-    """Rows of dim 0 per piece of a tensor of ``shape`` (0 for a 0-d tensor: one piece)."""
-    if len(shape) == 0 or shape[0] == 0:
-        return 0
-    row = shape.numel() // shape[0]
-    return max(1, CHUNK_ELEMENTS // max(1, row))
-
-
-def _chunk_numel(shape: torch.Size) -> int:
-    """Elements of the largest piece of a tensor of ``shape`` (the work tensor it needs)."""
-    rows = _chunk_rows(shape)
-    if rows == 0:
-        return shape.numel()
-    return min(shape[0], rows) * (shape.numel() // shape[0])
-
-
-def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
-    """Matching pieces (views along dim 0, any strides) of same-shape tensors."""
-    shape = tensors[0].shape
-    rows = _chunk_rows(shape)
-    if rows == 0 or rows >= shape[0]:
-        yield tensors
-        return
-    for start in range(0, shape[0], rows):
-        length = min(rows, shape[0] - start)
-        yield tuple(tensor.narrow(0, start, length) for tensor in tensors)
-
-
-class _Scratch:
-    """One preallocated work tensor per (device, dtype), sized for the largest piece
-    (:func:`_chunk_numel`), so that a commit phase needs no allocation; :meth:`view` hands out a
-    shaped view of its start (one per shape, reused: the users run one after the other)."""
-
-    def __init__(self, needs: Iterable[tuple[torch.device, torch.dtype, int]]) -> None:
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        for device, dtype, numel in needs:
-            sizes[(device, dtype)] = max(sizes.get((device, dtype), 0), numel)
-        self._storage = {
-            (device, dtype): torch.empty(numel, dtype=dtype, device=device)
-            for (device, dtype), numel in sizes.items()
-        }
-        self._views: dict[tuple[torch.device, torch.dtype, torch.Size], torch.Tensor] = {}
-
-    def view(self, device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        key = (device, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            view = self._storage[(device, dtype)].narrow(0, 0, shape.numel()).view(shape)
-            self._views[key] = view
-        return view
 
 
 def _read_total_weight(total_weight: object) -> float:
@@ -351,7 +309,7 @@ def normalize_sums(
         # Narrow D divides in op(D) = float32 (so a W beyond D's range, e.g. fp16 with
         # W = 70000, stays finite), then rounds once more into D: a float32 work tensor.
         scratch = _Scratch(
-            (grad.device, op_dtype(grad.dtype), grad.numel())
+            (grad.device, op_dtype(grad.dtype), _chunk_numel(grad.shape))
             for _, grad in tensors
             if op_dtype(grad.dtype) != grad.dtype
         )
@@ -365,14 +323,21 @@ def normalize_sums(
             for name, grad in tensors:
                 scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
                 out = outputs[name]
-                # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion.
-                torch.div(grad, scale_tensor, out=out)
-                if out.dtype == weight_tensor.dtype:
-                    out.div_(weight_tensor)
-                else:
-                    quotient = scratch.view(out.device, weight_tensor.dtype, out.shape)
-                    quotient.copy_(out).div_(weight_tensor)
-                    out.copy_(quotient)
+                # Both divisions piece by piece, so that the second finds the first's result in
+                # cache (a tensor of at most CHUNK_ELEMENTS is one piece).
+                for out_piece, grad_piece in _pieces(out, grad):
+                    # y = round_D(g / S): same-dtype 0-d divisor, so no type promotion. g / 1
+                    # is g bit for bit (NaN payloads aside, which no oracle compares): skipped.
+                    if scale != 1.0:
+                        torch.div(grad_piece, scale_tensor, out=out_piece)
+                    elif out is not grad:
+                        out_piece.copy_(grad_piece)
+                    if out.dtype == weight_tensor.dtype:
+                        out_piece.div_(weight_tensor)
+                        continue
+                    quotient = scratch.view(out.device, weight_tensor.dtype, out_piece.shape)
+                    quotient.copy_(out_piece).div_(weight_tensor)
+                    out_piece.copy_(quotient)
     return {name: None if grad is None else outputs[name] for name, grad in grads.items()}
 
 
@@ -412,6 +377,17 @@ def _check_writable(tensor: torch.Tensor, *, what: str) -> None:
 
 
 @dataclass(frozen=True)
+class _Steps:
+    """A positive-weight batch, prepared: buffers and arenas to adopt, (buffer, gradient) pairs
+    to add in order, and the work tensors the additions need."""
+
+    new_buffers: dict[str, torch.Tensor]
+    new_arenas: dict[torch.device, Arena]
+    adds: list[tuple[torch.Tensor, torch.Tensor]]
+    work: _Scratch
+
+
+@dataclass(frozen=True)
 class _BlockPlan:
     """A validated zero-copy block: its parameters in binding order, the weight its hooks apply
     (None: a zero-weight batch, nothing is added), its work tensors and what leaving it commits."""
@@ -424,11 +400,34 @@ class _BlockPlan:
 
 @dataclass(frozen=True)
 class _Binding:
-    """The tracked parameter set: names in registration order, shapes, devices."""
+    """The tracked parameter set: names in registration order, shapes, devices; derived from
+    them: the name set, the small parameters per device (:func:`small_groups`), whether any
+    is on the CPU."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     devices: tuple[torch.device, ...]
+    name_set: frozenset[str] = field(init=False)
+    small: dict[torch.device, tuple[int, ...]] = field(init=False)
+    small_count: int = field(init=False)
+    large: tuple[int, ...] = field(init=False)
+    on_cpu: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        small = small_groups(self.shapes, self.devices)
+        in_arena = {index for indices in small.values() for index in indices}
+        object.__setattr__(self, "name_set", frozenset(self.names))
+        object.__setattr__(self, "small", small)
+        object.__setattr__(self, "small_count", len(in_arena))
+        object.__setattr__(
+            self, "large", tuple(i for i in range(len(self.names)) if i not in in_arena)
+        )
+        object.__setattr__(self, "on_cpu", any(d.type == "cpu" for d in self.devices))
+
+
+def _pick(indices: tuple[int, ...], items: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``[items[i] for i in indices]`` in one C call (small groups have at least two)."""
+    return list(itemgetter(*indices)(items))
 
 
 def _tracked_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -513,6 +512,14 @@ class WeightedGradientsAccumulator:
         self._zero_copy = zero_copy
         self._binding: _Binding | None = None
         self._pending: dict[str, torch.Tensor] = {}
+        # The window's flat buffer per device for small parameters (wacc_torch._arena).
+        self._arenas: dict[torch.device, Arena] = {}
+        # What the last check found for a binding: the module's parameter structure and the
+        # layout of a complete set of gradients; later calls compare instead of re-checking.
+        self._structure_cache: (
+            tuple[_Binding, ModuleStructure, list[tuple[str, nn.Parameter]]] | None
+        ) = None
+        self._signature_cache: tuple[_Binding, tuple[object, ...]] | None = None
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
@@ -593,18 +600,20 @@ class WeightedGradientsAccumulator:
         gradients = self._collect_gradients(binding, parameters, grads)
         positive = weight_value > 0
         counted_weight, new_total = self._counted_weight(weight, weight_value, mean=mean)
-        steps = self._prepare_steps(parameters, gradients, mean=mean) if positive else None
+        steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
 
-        with _COMMIT:
+        with _COMMIT, torch.no_grad():
             self._await_snapshots()
+            if self._binding is not binding:
+                self._arenas = {}  # a window binding anew: earlier arenas had other members
             self._binding = binding
             if steps is not None:
-                new_buffers, self._work = steps
-                self._pending.update(new_buffers)
+                self._pending.update(steps.new_buffers)
+                self._arenas.update(steps.new_arenas)
+                self._work = steps.work
                 scale = float(counted_weight)
-                for (name, _), grad in zip(parameters, gradients, strict=True):
-                    if grad is not None:
-                        self._add(self._pending[name], grad, weight=scale, mean=mean)
+                for buffer, grad in steps.adds:
+                    self._add(buffer, grad, weight=scale, mean=mean)
                 self._work = None  # the work tensors live for one call only
             if grads is None:
                 for _, parameter in parameters:
@@ -645,31 +654,70 @@ class WeightedGradientsAccumulator:
 
     def _prepare_steps(
         self,
+        binding: _Binding,
         parameters: list[tuple[str, nn.Parameter]],
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
-    ) -> tuple[dict[str, torch.Tensor], _Scratch]:
-        """Allocate the new buffers and the work tensors of a positive-weight batch (may raise)."""
-        present = [
-            (name, parameter, grad)
-            for (name, parameter), grad in zip(parameters, gradients, strict=True)
-            if grad is not None
-        ]
-        if any(grad.device.type == "cpu" for _, _, grad in present):
+    ) -> _Steps:
+        """Allocate the new buffers and the work tensors of a positive-weight batch and line up
+        its additions (may raise; changes nothing).
+
+        Small tensors are added as one: when every small parameter of a device has a gradient
+        of one dtype, their gradients are concatenated (here, into a tensor of their own) and
+        added to the device's arena in a single ``_add``; the per-element operations are the
+        same, so are the bits, without a kernel launch per tensor.
+        """
+        if binding.on_cpu:  # checked per call, not per tensor: the flag is per thread
             check_gradual_underflow("accumulate")
-        with _ordinary_tensors():
-            new_buffers = {
-                name: torch.zeros(parameter.shape, dtype=self._dtype, device=parameter.device)
-                for name, parameter, _ in present
-                if name not in self._pending
-            }
-            scratch = _Scratch(
+        new_buffers: dict[str, torch.Tensor] = {}
+        new_arenas: dict[torch.device, Arena] = {}
+        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        covered: set[int] = set()
+        # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
+        arenas = self._arenas if binding is self._binding else {}
+        with _ordinary_tensors(), torch.no_grad():
+            for device, indices in binding.small.items():
+                arena = arenas.get(device)
+                if arena is None:
+                    if any(parameters[i][0] in self._pending for i in indices):
+                        continue  # buffers of their own already (from_pending): no arena
+                    arena = Arena(
+                        [parameters[i] for i in indices], dtype=self._dtype, device=device
+                    )
+                    new_arenas[device] = arena
+                small = _pick(indices, gradients)
+                if not self._pending.keys() >= arena.name_set:
+                    for name, grad in zip(arena.names, small, strict=True):
+                        if grad is not None and name not in self._pending:
+                            new_buffers[name] = arena.views[name]
+                flat = concatenated(small, arena=arena)
+                if flat is not None:
+                    adds.append((arena.storage, flat))
+                    covered.update(indices)
+            rest = (
+                binding.large
+                if len(covered) == binding.small_count
+                else [i for i in range(len(parameters)) if i not in covered]
+            )
+            for index in rest:
+                grad = gradients[index]
+                if grad is None:
+                    continue
+                name, parameter = parameters[index]
+                buffer = self._pending.get(name, new_buffers.get(name))
+                if buffer is None:
+                    buffer = torch.zeros(
+                        parameter.shape, dtype=self._dtype, device=parameter.device
+                    )
+                    new_buffers[name] = buffer
+                adds.append((buffer, grad))
+            work = _Scratch(
                 (grad.device, self._dtype, _chunk_numel(grad.shape))
-                for _, _, grad in present
+                for _, grad in adds
                 if self._needs_work(grad, mean=mean)
             )
-        return new_buffers, scratch
+        return _Steps(new_buffers=new_buffers, new_arenas=new_arenas, adds=adds, work=work)
 
     def _add(self, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool) -> None:
         # Commit phase: in-place kernels only, on validated same-shape same-device tensors; the
@@ -712,7 +760,12 @@ class WeightedGradientsAccumulator:
         binding = self._binding
         if binding is None or self._issued == 0:
             parameters = _tracked_parameters(module)
-            return _binding_of(parameters), parameters
+            binding = _binding_of(parameters)
+            self._structure_cache = (binding, ModuleStructure(module), parameters)
+            return binding, parameters
+        cached = self._structure_cache
+        if cached is not None and cached[0] is binding and cached[1].unchanged(module):
+            return binding, cached[2]
         every = dict(module.named_parameters())
         by_name = {name: p for name, p in every.items() if p.requires_grad}
         tracked = set(binding.names)
@@ -751,30 +804,56 @@ class WeightedGradientsAccumulator:
                     f"parameter {name!r} is on {parameter.device}, tracked device is {device} "
                     f"(mid-window)"
                 )
+        self._structure_cache = (binding, ModuleStructure(module), ordered)
         return binding, ordered
 
-    @staticmethod
     def _collect_gradients(
+        self,
         binding: _Binding,
         parameters: list[tuple[str, nn.Parameter]],
         grads: GradientMapping | None,
     ) -> list[torch.Tensor | None]:
-        """The gradient of each tracked parameter (None = zero), checked, in binding order."""
+        """The gradient of each tracked parameter (None = zero), checked, in binding order.
+
+        A complete set whose shapes, dtypes, devices and layouts are those of the last one
+        accepted for this binding is accepted on that comparison alone (one pass in C).
+        """
         if grads is None:
-            candidates = [parameter.grad for _, parameter in parameters]
+            candidates = list(map(_GRAD, map(_SECOND, parameters)))
         else:
             if not isinstance(grads, Mapping):
                 raise TypeError(
                     f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
                 )
-            tracked = set(binding.names)
-            unknown = [name for name in grads if name not in tracked]
-            if unknown:
+            if not binding.name_set.issuperset(grads):
+                unknown = [name for name in grads if name not in binding.name_set]
                 raise ParameterMismatchError(
                     f"grads names parameter(s) {unknown!r} that are not tracked "
                     f"(tracked: {list(binding.names)!r})"
                 )
-            candidates = [grads.get(name) for name, _ in parameters]
+            candidates = list(map(grads.get, binding.names))
+        complete = not any(map(_IS_NONE, candidates))
+        signature: tuple[object, ...] | None = None
+        if complete:
+            try:
+                signature = tuple(map(_SIGNATURE, candidates))
+            except AttributeError:
+                signature = None  # not a tensor: the checks below name it
+            cached = self._signature_cache
+            if signature is not None and cached is not None and cached[0] is binding:
+                if signature == cached[1]:
+                    return candidates
+        self._check_gradients(binding, parameters, candidates)
+        if signature is not None:
+            self._signature_cache = (binding, signature)
+        return candidates
+
+    @staticmethod
+    def _check_gradients(
+        binding: _Binding,
+        parameters: list[tuple[str, nn.Parameter]],
+        candidates: list[torch.Tensor | None],
+    ) -> None:
         for (name, parameter), grad in zip(parameters, candidates, strict=True):
             if grad is None:
                 continue
@@ -802,7 +881,17 @@ class WeightedGradientsAccumulator:
                     f"gradient of {name!r} is on {grad.device}, the parameter is on "
                     f"{parameter.device}"
                 )
-        return [None if grad is None else grad.detach() for grad in candidates]
+        # The buffers have the tracked shapes and devices, whatever became of the parameters'
+        # .data since the window bound (not re-checked per call: wacc_torch._structure).
+        for name, grad, shape, device in zip(
+            binding.names, candidates, binding.shapes, binding.devices, strict=True
+        ):
+            if grad is not None and (grad.shape != shape or grad.device != device):
+                raise ParameterMismatchError(
+                    f"gradient of {name!r} has shape {list(grad.shape)} on {grad.device}; the "
+                    f"tracked shape is {list(shape)} on {device} (the parameter changed "
+                    f"mid-window; the tracked set can change only between windows)"
+                )
 
     # ------------------------------------------------------------------------- zero-copy
     def microbatch(self, module: nn.Module, *, weight: Weight, kind: Kind = "mean") -> Microbatch:
@@ -909,6 +998,7 @@ class WeightedGradientsAccumulator:
                     (parameter.device, self._dtype, _chunk_numel(parameter.shape))
                     for _, parameter in parameters
                 )
+
         def commit() -> None:
             with _COMMIT:
                 self._work = None
@@ -995,15 +1085,24 @@ class WeightedGradientsAccumulator:
                 f"zero_weight={self._zero_weight}); nothing was cleared"
             )
         self._await_snapshots()  # the in-place division must wait for snapshot copies
-        grads = normalize_sums(
-            self._handover(),
+        # Each arena is divided as one tensor (elementwise, so the same bits; its unused parts
+        # hold +0.0, which stays +0.0), every other buffer on its own.
+        in_arena = {name for arena in self._arenas.values() for name in arena.names}
+        targets: dict[str, torch.Tensor | None] = {
+            f"<arena {device}>": arena.storage for device, arena in self._arenas.items()
+        }
+        targets.update(
+            (name, buffer) for name, buffer in self._pending.items() if name not in in_arena
+        )
+        normalize_sums(
+            targets,
             loss_scale=self._loss_scale,
             total_weight=self._total_weight,
             in_place=True,
         )
         with _COMMIT:
             result = AccumulatedGradients(
-                grads=grads,
+                grads=self._handover(),
                 weight=self._total_weight,
                 loss_scale=self._loss_scale,
                 issued=self._issued,
@@ -1019,6 +1118,7 @@ class WeightedGradientsAccumulator:
 
     def _reset_window(self) -> None:
         self._pending = {}
+        self._arenas = {}
         self._issued = 0
         self._zero_weight = 0
         self._total_weight = 0.0
@@ -1026,7 +1126,7 @@ class WeightedGradientsAccumulator:
         self._grad_versions = {}
 
     # --------------------------------------------------------------------------- records
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, checksum: bool = True) -> dict[str, Any]:
         """A record of the accumulator: plain Python values and CPU tensor copies (semantics §9).
 
         Keys:
@@ -1048,21 +1148,27 @@ class WeightedGradientsAccumulator:
         * ``checksum`` (str): ``"sha256:"`` and the SHA-256 of the record's canonical bytes
           (every field above and every buffer's bits; :mod:`wacc_torch.records`), verified by
           ``load_state_dict`` after the field checks. A record without it loads unverified.
+          ``checksum=False`` leaves it out: hashing runs at about 1 GB/s on one core, several
+          times slower than the copy itself, which matters for a checkpoint of a large model
+          taken often (``benchmarks``' large suite measures both).
 
         The record survives ``torch.save`` and ``torch.load(..., weights_only=True)``. A
         zero-copy accumulator's record is the same (its buffers are the ``.grad``), so records
         move freely between the modes.
         """
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
         self._check_usable()
         record = self._record_header()
         with _ordinary_tensors():
             record["pending"] = {
                 name: buffer.detach().to("cpu", copy=True) for name, buffer in self._pending.items()
             }
-        record[CHECKSUM_KEY] = record_checksum_of(record)
+        if checksum:
+            record[CHECKSUM_KEY] = record_checksum_of(record)
         return record
 
-    def state_dict_async(self) -> StateDictHandle:
+    def state_dict_async(self, *, checksum: bool = True) -> StateDictHandle:
         """Start a snapshot like :meth:`state_dict` whose device-to-host copies run async.
 
         CUDA buffers are copied with ``non_blocking=True`` into pinned host memory on their
@@ -1072,8 +1178,10 @@ class WeightedGradientsAccumulator:
         values of this call's moment; the handle keeps each source buffer alive and marked in
         use on the copy's stream until the copy is done, so handing it over (``finish_sums``)
         and freeing or reusing its memory cannot corrupt the snapshot. CPU buffers are copied
-        synchronously.
+        synchronously. ``checksum`` as for :meth:`state_dict`.
         """
+        if not isinstance(checksum, bool):
+            raise TypeError(f"checksum must be a bool, got {checksum!r}")
         self._check_usable()
         record = self._record_header()
         pending: dict[str, torch.Tensor] = {}
@@ -1103,7 +1211,7 @@ class WeightedGradientsAccumulator:
             event.record(torch.cuda.current_stream(device))
             events.append(event)
             self._snapshot_events.append((device, event))
-        return StateDictHandle(record, events, sources)
+        return StateDictHandle(record, events, sources, checksum=checksum)
 
     def _record_header(self) -> dict[str, Any]:
         binding = self._binding
@@ -1154,6 +1262,7 @@ class WeightedGradientsAccumulator:
         )
         binding: _Binding | None = None
         restored: dict[str, torch.Tensor] = {}
+        arenas: dict[torch.device, Arena] = {}
         if validated.param_names:
             device_of = {name: parameter.device for name, parameter in parameters}
             binding = _Binding(
@@ -1161,15 +1270,27 @@ class WeightedGradientsAccumulator:
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),
                 devices=tuple(device_of[name] for name in validated.param_names),
             )
-            with _ordinary_tensors():
+            with _ordinary_tensors(), torch.no_grad():
                 # Fresh dense copies that this accumulator owns (an expanded or strided buffer
-                # in the record could not be accumulated into element by element).
-                restored = {
-                    name: buffer.detach().to(
-                        device_of[name], memory_format=torch.contiguous_format, copy=True
-                    )
-                    for name, buffer in validated.pending.items()
+                # in the record could not be accumulated into element by element); small ones
+                # into a new arena, as accumulation would have made them (buffered mode).
+                if not self._zero_copy:
+                    by_name = dict(parameters)
+                    for device, indices in binding.small.items():
+                        members = [(binding.names[i], by_name[binding.names[i]]) for i in indices]
+                        if any(name in validated.pending for name, _ in members):
+                            arenas[device] = Arena(members, dtype=self._dtype, device=device)
+                in_arena = {
+                    name: arena.views[name] for arena in arenas.values() for name in arena.names
                 }
+                for name, buffer in validated.pending.items():
+                    view = in_arena.get(name)
+                    if view is not None:
+                        restored[name] = view.copy_(buffer.detach())
+                    else:
+                        restored[name] = buffer.detach().to(
+                            device_of[name], memory_format=torch.contiguous_format, copy=True
+                        )
         if self._zero_copy:
             for name, parameter in parameters:
                 if parameter.dtype != self._dtype:
@@ -1183,6 +1304,7 @@ class WeightedGradientsAccumulator:
                 self._release_grads()
             self._binding = binding
             self._pending = restored
+            self._arenas = arenas
             self._issued = validated.issued
             self._zero_weight = validated.zero_weight
             self._total_weight = validated.total_weight
@@ -1227,12 +1349,12 @@ class WeightedGradientsAccumulator:
         binding, parameters = accumulator._check_module(module)
         by_name = dict(parameters)
         # Storages the adopted buffers must not share: the parameters' and their .grad's.
-        foreign = {
-            _storage_key(tensor): f"the storage of parameter {name!r}{suffix}"
+        foreign = [
+            (span, f"the memory of parameter {name!r}{suffix}")
             for name, parameter in parameters
             for tensor, suffix in ((parameter, ""), (parameter.grad, "'s .grad"))
-            if tensor is not None and _storage_key(tensor) is not None
-        }
+            if tensor is not None and (span := _memory_span(tensor)) is not None
+        ]
         for name, buffer in pending.items():
             parameter = by_name.get(name)
             if parameter is None:
@@ -1259,14 +1381,15 @@ class WeightedGradientsAccumulator:
                     f"{parameter.device}"
                 )
             _check_writable(buffer, what=f"pending buffer {name!r}")
-            key = _storage_key(buffer)
-            if key is not None:
-                if key in foreign:
-                    raise ParameterMismatchError(
-                        f"pending buffer {name!r} shares {foreign[key]}: accumulating into it "
-                        f"would change that tensor too"
-                    )
-                foreign[key] = f"the storage of pending buffer {name!r}"
+            span = _memory_span(buffer)
+            if span is not None:
+                for other, owner in foreign:
+                    if span[0] < other[1] and other[0] < span[1]:
+                        raise ParameterMismatchError(
+                            f"pending buffer {name!r} shares {owner}: accumulating into it "
+                            f"would change that tensor too"
+                        )
+                foreign.append((span, f"the memory of pending buffer {name!r}"))
         issued, zero_weight, total_weight = check_counters(
             issued=state.issued,
             zero_weight=state.zero_weight,
@@ -1284,7 +1407,13 @@ class WeightedGradientsAccumulator:
         return accumulator
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """Identity of a tensor's memory (None for memory-less meta tensors)."""
-    pointer = tensor.untyped_storage().data_ptr()
-    return None if pointer == 0 else pointer
+def _memory_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The byte range ``[start, end)`` a tensor's elements lie in (None: no memory, as for a
+    meta or empty tensor). Disjoint views of one storage (the arena's buffers) do not overlap;
+    interleaved strided views are reported as overlapping, which is safe."""
+    if tensor.numel() == 0 or tensor.untyped_storage().data_ptr() == 0:
+        return None
+    start = tensor.data_ptr()
+    extents = zip(tensor.shape, tensor.stride(), strict=True)
+    last = sum((size - 1) * stride for size, stride in extents)
+    return start, start + (last + 1) * tensor.element_size()

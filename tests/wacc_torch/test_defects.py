@@ -46,7 +46,7 @@ def test_defect_1_buffers_allocated_in_inference_mode_are_ordinary_tensors() -> 
 
 
 def test_defect_2_from_pending_refuses_overlapping_or_shared_memory() -> None:
-    """from_pending refuses an expanded (stride-0) buffer and one sharing a .grad's storage."""
+    """from_pending refuses an expanded (stride-0) buffer and one overlapping a .grad's memory."""
     module = one_parameter("cpu", (3,))
     module.weight.grad = torch.ones(3)
     state = AccumulatorState(
@@ -55,7 +55,7 @@ def test_defect_2_from_pending_refuses_overlapping_or_shared_memory() -> None:
     before = grads_snapshot(module)
     for pending, message in (
         (torch.ones(1).expand(3), "overlapping memory"),
-        (module.weight.grad, "shares the storage of parameter 'weight''s .grad"),
+        (module.weight.grad, "shares the memory of parameter 'weight''s .grad"),
     ):
         with pytest.raises(ParameterMismatchError, match=message):
             WeightedGradientsAccumulator.from_pending(module, {"weight": pending}, state)

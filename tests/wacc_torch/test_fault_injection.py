@@ -49,11 +49,16 @@ COMMIT_OPERATIONS = frozenset(
         "view",
         "narrow",
         "grad.__set__",
+        "_set_grad_enabled",  # torch.no_grad() around the commit: a thread-local flag
         "device.__get__",  # attribute reads: no kernel, no allocation
         "dtype.__get__",
         "shape.__get__",
     }
 )
+
+
+# Operations that set a thread-local flag and cannot fail (torch.no_grad() entered and left).
+INFALLIBLE = frozenset({"_set_grad_enabled"})
 
 
 class InjectedFault(RuntimeError):
@@ -85,6 +90,8 @@ class FaultInjector(TorchFunctionMode):
     ) -> Any:
         if self.committing:
             self.commit_operations.append(_operation_name(func))
+        elif _operation_name(func) in INFALLIBLE:
+            pass  # not a fault site: injecting one would leave the thread's flag flipped
         else:
             index = self.prepared
             self.prepared += 1

@@ -1,0 +1,295 @@
+"""The buffered fast path gives the bits of the plain per-tensor order (semantics §5, §6, §8).
+
+The accumulator adds small parameters as one concatenated tensor into a per-device arena, skips
+re-validation when a call's structure matches the last one accepted, processes large tensors in
+pieces and divides each arena as one tensor. None of that may change a bit, a counter or an
+error. The reference here is the order written out tensor by tensor with plain torch operations
+(``_spec_order``), independent of the accumulator's code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import wacc_torch._arena
+import wacc_torch._work
+from tests.wacc_torch.support import (
+    WORK_DTYPE_PARAMS,
+    assert_bitwise_equal,
+    assert_records_equal,
+    awkward_values,
+)
+from wacc_torch import (
+    AccumulatorState,
+    ParameterMismatchError,
+    WeightedGradientsAccumulator,
+)
+
+Shapes = dict[str, tuple[int, ...]]
+# Small (arena) parameters of several ranks, a 0-d one and two large ones.
+SHAPES: Shapes = {
+    "bias": (5,),
+    "norm": (7,),
+    "table": (3, 4),
+    "scalar": (),
+    "big": (40, 30),
+    "wide": (2, 700),
+}
+
+
+class Bag(nn.Module):
+    """A module with one parameter per entry of ``shapes``, in that order, of ``dtype``."""
+
+    def __init__(self, shapes: Shapes, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=dtype)))
+
+
+def _spec_order(
+    batches: list[tuple[str, float, dict[str, torch.Tensor]]],
+    *,
+    dtype: torch.dtype,
+    loss_scale: float,
+) -> dict[str, torch.Tensor | None]:
+    """The semantics' order, tensor by tensor: conv_D, (round_D(c * w_D)), add; then / S, / W."""
+    buffers: dict[str, torch.Tensor] = {}
+    total = 0.0
+    for kind, weight, grads in batches:
+        w_d = float(torch.tensor(float(weight), dtype=torch.float64).to(dtype).item())
+        counted = w_d if kind == "mean" else weight
+        if weight == 0:
+            continue
+        total += counted
+        for name, grad in grads.items():
+            converted = grad.to(dtype)
+            term = torch.mul(converted, w_d) if kind == "mean" else converted
+            buffers.setdefault(name, torch.zeros(grad.shape, dtype=dtype)).add_(term)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    out: dict[str, torch.Tensor | None] = {}
+    for name in SHAPES:
+        if name not in buffers:
+            out[name] = None
+            continue
+        y = torch.div(buffers[name], torch.tensor(loss_scale, dtype=dtype))
+        out[name] = y.to(wide).div_(torch.tensor(total, dtype=wide)).to(dtype)
+    return out
+
+
+def _gradients(
+    shapes: Shapes, dtype: torch.dtype, seed: int, *, missing: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.randn(shape, generator=generator, dtype=torch.float64) * 3).to(dtype)
+        for name, shape in shapes.items()
+        if name not in missing
+    }
+
+
+@pytest.fixture(autouse=True)
+def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arena members of at most 100 elements and pieces of 64, so that "big" and "wide" are
+    large tensors processed in several pieces."""
+    monkeypatch.setattr(wacc_torch._arena, "SMALL_ELEMENTS", 100)
+    monkeypatch.setattr(wacc_torch._work, "CHUNK_ELEMENTS", 64)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+def test_mixed_windows_match_the_per_tensor_order(
+    dtype: torch.dtype, grad_dtype: torch.dtype
+) -> None:
+    """Sums and means, complete and partial gradient sets, give the per-tensor order's bits."""
+    module = Bag(SHAPES)
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=8.0)
+    batches: list[tuple[str, float, dict[str, torch.Tensor]]] = [
+        ("mean", 61, _gradients(SHAPES, grad_dtype, 1)),  # complete: the arena as one tensor
+        ("sum", 3, _gradients(SHAPES, grad_dtype, 2, missing=frozenset({"norm"}))),  # partial
+        ("mean", 0, _gradients(SHAPES, grad_dtype, 3)),  # zero weight: nothing read
+        ("mean", 1001, _gradients(SHAPES, grad_dtype, 4)),
+        ("sum", 17, _gradients(SHAPES, grad_dtype, 5, missing=frozenset({"big", "bias"}))),
+    ]
+    for kind, weight, grads in batches:
+        getattr(accumulator, f"accumulate_{kind}")(module, weight, grads=grads)
+    result = accumulator.finish_mean()
+    expected = _spec_order(batches, dtype=dtype, loss_scale=8.0)
+    for name, tensor in expected.items():
+        actual = result.grads[name]
+        if tensor is None:
+            assert actual is None, name
+        else:
+            assert actual is not None, name
+            assert_bitwise_equal(actual, tensor, name)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_awkward_values_in_the_arena_keep_their_bits(dtype: torch.dtype) -> None:
+    """±0, subnormals, inf and NaN in small tensors go through the arena as tensor by tensor."""
+    shapes: Shapes = {f"p{i}": (16,) for i in range(6)}
+    module = Bag(shapes)
+    generator = torch.Generator().manual_seed(0)
+    grads = {
+        name: awkward_values((16,), dtype=dtype, around=dtype, generator=generator)
+        for name in shapes
+    }
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
+    accumulator.accumulate_mean(module, 3, grads=grads)
+    accumulator.accumulate_sum(module, 2, grads=grads)
+    sums = accumulator.finish_sums()
+    for name, grad in grads.items():
+        w_d = float(torch.tensor(3.0, dtype=dtype).item())
+        expected = torch.zeros(16, dtype=dtype).add_(torch.mul(grad, w_d)).add_(grad)
+        actual = sums.grads[name]
+        assert actual is not None
+        assert_bitwise_equal(actual, expected, name)
+
+
+def test_small_parameters_share_one_arena_and_are_handed_over_as_views() -> None:
+    """The small buffers are views of one storage; the large and the 0-d ones have their own."""
+    module = Bag(SHAPES)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    accumulator.accumulate_sum(module, 1, grads=_gradients(SHAPES, torch.float32, 0))
+    grads = accumulator.finish_sums().grads
+    storages = {
+        name: tensor.untyped_storage().data_ptr()
+        for name, tensor in grads.items()
+        if tensor is not None
+    }
+    assert storages["bias"] == storages["norm"] == storages["table"]
+    assert len({storages["bias"], storages["scalar"], storages["big"], storages["wide"]}) == 4
+
+
+def test_arena_views_can_be_adopted_by_from_pending() -> None:
+    """Disjoint views of one arena are adopted; a buffer overlapping another is refused."""
+    module = Bag(SHAPES)
+    original = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    original.accumulate_sum(module, 2, grads=_gradients(SHAPES, torch.float32, 0))
+    record = original.state_dict()
+    sums = original.finish_sums()
+    pending = {name: tensor for name, tensor in sums.grads.items() if tensor is not None}
+    state = AccumulatorState(torch.float32, 1.0, 1, 0, 2.0, False)
+    adopted = WeightedGradientsAccumulator.from_pending(module, pending, state)
+    assert_records_equal(adopted.state_dict(), record)
+    storage = torch.zeros(12)
+    overlapping = dict(pending, bias=storage[0:5], norm=storage[4:11])
+    with pytest.raises(ParameterMismatchError, match="'norm' shares the memory of pending"):
+        WeightedGradientsAccumulator.from_pending(module, overlapping, state)
+
+
+def test_a_resumed_window_goes_on_through_the_arena() -> None:
+    """load_state_dict restores small buffers into an arena and the next call uses it."""
+    module = Bag(SHAPES)
+    first = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=2.0)
+    first.accumulate_mean(module, 5, grads=_gradients(SHAPES, torch.float32, 1))
+    second = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=2.0)
+    second.load_state_dict(first.state_dict(), Bag(SHAPES))
+    assert second._arenas, "the restored small buffers should live in an arena"
+    for accumulator in (first, second):
+        accumulator.accumulate_mean(module, 7, grads=_gradients(SHAPES, torch.float32, 2))
+    expected, actual = first.finish_mean(), second.finish_mean()
+    for name in SHAPES:
+        left, right = actual.grads[name], expected.grads[name]
+        assert left is not None and right is not None
+        assert_bitwise_equal(left, right, name)
+
+
+def test_a_known_layout_with_a_new_shape_is_still_refused() -> None:
+    """After a call is accepted, a gradient of the same size but another shape raises."""
+    module = Bag(SHAPES)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    grads = _gradients(SHAPES, torch.float32, 0)
+    accumulator.accumulate_sum(module, 1, grads=grads)
+    accumulator.accumulate_sum(module, 1, grads=grads)  # the cached layout
+    record = accumulator.state_dict()
+    bad = dict(grads, table=torch.zeros(4, 3))
+    with pytest.raises(ParameterMismatchError, match=r"'table' has shape \[4, 3\]"):
+        accumulator.accumulate_sum(module, 1, grads=bad)
+    assert_records_equal(accumulator.state_dict(), record)
+    not_a_tensor = dict(grads, bias=[0.0] * 5)
+    with pytest.raises(ParameterMismatchError, match="'bias' must be a tensor or None"):
+        accumulator.accumulate_sum(module, 1, grads=not_a_tensor)  # type: ignore[arg-type]
+    assert_records_equal(accumulator.state_dict(), record)
+
+
+def test_a_parameter_whose_data_moved_mid_window_is_refused_through_its_grad() -> None:
+    """A parameter reshaped in place mid-window: its .grad no longer fits the tracked shape."""
+    module = Bag(SHAPES)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    accumulator.accumulate_sum(module, 1, grads=_gradients(SHAPES, torch.float32, 0))
+    module.table.data = torch.zeros(2, 6)
+    for name, grad in _gradients({**SHAPES, "table": (2, 6)}, torch.float32, 1).items():
+        getattr(module, name).grad = grad
+    record = accumulator.state_dict()
+    with pytest.raises(ParameterMismatchError, match=r"'table'.*tracked shape is \[3, 4\]"):
+        accumulator.accumulate_sum(module, 1)
+    assert_records_equal(accumulator.state_dict(), record)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=2, max_size=8),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["sum", "mean"]),
+            st.integers(0, 300),
+            st.integers(0, 2**16),  # a mask of missing gradients
+            st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_any_window_of_small_tensors_matches_the_per_tensor_order(
+    sizes: list[int],
+    steps: list[tuple[str, int, int, torch.dtype]],
+    dtype: torch.dtype,
+) -> None:
+    """Random small parameters, weights, missing gradients and dtypes: the same bits."""
+    shapes: Shapes = {f"p{i}": (size,) for i, size in enumerate(sizes)}
+    module = Bag(shapes)
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
+    fresh = WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)
+    reference = Bag(shapes)
+    for index, (kind, weight, mask, grad_dtype) in enumerate(steps):
+        missing = frozenset(name for i, name in enumerate(shapes) if mask >> i & 1)
+        grads = _gradients(shapes, grad_dtype, index, missing=missing)
+        getattr(accumulator, f"accumulate_{kind}")(module, weight, grads=grads)
+        # The same calls tensor by tensor: one parameter per call cannot use the arena.
+        for name, grad in grads.items():
+            getattr(fresh, f"accumulate_{kind}")(reference, weight, grads={name: grad})
+    for name in shapes:
+        left = accumulator._pending.get(name)
+        right = fresh._pending.get(name)
+        assert (left is None) == (right is None), name
+        if left is not None and right is not None:
+            assert_bitwise_equal(left, right, name)
+    assert math.isfinite(accumulator.state.total_weight)
+
+
+def test_pieces_cover_every_element_once() -> None:
+    """pieces() splits along dim 0 into views that together are the tensor, in order."""
+    for shape, chunk in (((10, 3), 7), ((5,), 2), ((), 4), ((0, 4), 3), ((3, 100), 10)):
+        tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        wacc_torch._work.CHUNK_ELEMENTS = chunk  # restored by the small_limits fixture
+        parts = [piece for (piece,) in wacc_torch._work.pieces(tensor)]
+        need = wacc_torch._work.chunk_numel(tensor.shape)
+        flat = torch.cat([part.reshape(-1) for part in parts]) if parts else tensor.reshape(-1)
+        assert torch.equal(flat, tensor.reshape(-1)), shape
+        assert all(part.numel() <= need for part in parts), shape
+
+
+def test_small_groups_take_small_parameters_of_one_device_only() -> None:
+    """small_groups: at least 1-d and at most SMALL_ELEMENTS elements, two or more per device."""
+    cpu = torch.device("cpu")
+    limit = wacc_torch._arena.SMALL_ELEMENTS  # 100 here (small_limits)
+    shapes = [torch.Size(s) for s in ((3,), (), (limit,), (limit + 1,), (0,), (2, 2))]
+    assert wacc_torch._arena.small_groups(shapes, [cpu] * 6) == {cpu: (0, 2, 5)}
+    assert wacc_torch._arena.small_groups(shapes[:2], [cpu] * 2) == {}
