@@ -123,13 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    rows = run_suites(names, settings, log=log)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "results.csv")
+    # Before anything is written: the commit measured, not the report's own edits.
     info = provenance(
         devices=[str(device) for device in devices],
         command=["python", "-m", "benchmarks", *(argv if argv is not None else sys.argv[1:])],
     )
+    rows = run_suites(names, settings, log=log)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "results.csv")
     notes = {name: str(_suite(name).NOTES) for name in names}
     report = markdown(rows, suites=names, notes=notes, info=info)
     (args.out / "README.md").write_text(report, encoding="utf-8")
