@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -12,6 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.wacc_torch.support import assert_bitwise_equal
+from wacc_torch import WeightedGradientsAccumulator
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -28,13 +33,15 @@ def _block(marker: str) -> str:
 
 def test_readme_has_the_usage_examples() -> None:
     """The README shows a training loop, a data-parallel block, an accumulator of your own for
-    ``wacc check``, a reference block and the DDP communication-hook block, each exactly once."""
+    ``wacc check``, a reference block, the DDP communication-hook block and the zero-copy loop,
+    each exactly once."""
     for marker in (
         "save_record(",
         "all_reduce_mean(",
         "def make(dtype",
         "ReferenceAccumulator(",
         "WeightedAllReduceHook(",
+        "zero_copy=True",
     ):
         _block(marker)
 
@@ -69,6 +76,57 @@ def test_data_parallel_example_runs_on_one_gloo_rank(
         assert all(torch.isfinite(g).all() for g in result.grads.values() if g is not None)
     finally:
         dist.destroy_process_group()
+
+
+def test_zero_copy_example_steps_with_the_buffered_modes_mean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The zero-copy loop's optimizer steps on the token-weighted mean of its four microbatches,
+    bit for bit what the buffered accumulator gives for the same data, and leaves .grad empty."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    initial: dict[str, torch.Tensor] = {}
+    stepped: dict[str, torch.Tensor] = {}
+    cross_entropy, sgd_step = F.cross_entropy, torch.optim.SGD.step
+
+    def record_forward(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if isinstance(module, torch.nn.Sequential):  # the example's model, not its layers
+            if not initial:  # the parameters before the first forward
+                initial.update({k: v.clone() for k, v in module.state_dict().items()})
+            seen.append((args[0], torch.empty(0)))  # its targets come with the loss
+
+    def record_targets(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen[-1] = (seen[-1][0], targets)
+        return cross_entropy(logits, targets)
+
+    def record_step(optimizer: torch.optim.SGD, *args: Any, **kwargs: Any) -> Any:
+        for group in optimizer.param_groups:
+            stepped.update({str(i): p.grad.clone() for i, p in enumerate(group["params"])})
+        return sgd_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", record_targets)
+    monkeypatch.setattr(torch.optim.SGD, "step", record_step)
+    namespace: dict[str, Any] = {}
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record_forward)
+    try:
+        exec(compile(_block("zero_copy=True"), str(README), "exec"), namespace)
+    finally:
+        handle.remove()
+        monkeypatch.undo()
+    model = namespace["model"]
+    assert [len(targets) for _, targets in seen] == [1, 7, 200, 3]
+    assert all(p.grad is None for p in model.parameters())
+    assert namespace["accumulator"].state.issued == 0
+
+    replay = copy.deepcopy(model)
+    replay.load_state_dict(initial)
+    buffered = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=namespace["LOSS_SCALE"])
+    for inputs, targets in seen:
+        (namespace["LOSS_SCALE"] * F.cross_entropy(replay(inputs), targets)).backward()
+        buffered.accumulate_mean(replay, targets.numel())
+    expected = buffered.finish_mean()
+    assert expected.weight == 211.0
+    for index, (name, _) in enumerate(replay.named_parameters()):
+        assert_bitwise_equal(stepped[str(index)], expected.grads[name], name)
 
 
 def test_reference_example_prints_what_its_comments_say(capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 
 import wacc_torch
 from wacc.errors import UsageError
+from wacc.zero_copy import ZeroCopyAdapter
 
 __all__ = [
     "CORE_METHODS",
@@ -48,6 +49,7 @@ __all__ = [
     "load_implementation",
     "wacc_torch_fused",
     "wacc_torch_reproducible",
+    "wacc_torch_zero_copy",
 ]
 
 DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
@@ -100,6 +102,14 @@ def wacc_torch_reproducible(dtype: torch.dtype, loss_scale: float) -> Any:
 def wacc_torch_fused(dtype: torch.dtype, loss_scale: float) -> Any:
     """``wacc_torch`` with ``fused=True`` (the declared one-pass mode for means)."""
     return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale, fused=True)
+
+
+def wacc_torch_zero_copy(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``wacc_torch`` with ``zero_copy=True``, every gradient fed through a real backward
+    (:class:`wacc.zero_copy.ZeroCopyAdapter`); the reproducible order, judged bit for bit."""
+    return ZeroCopyAdapter(
+        wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale, zero_copy=True)
+    )
 
 
 def error_class(exc: BaseException) -> str | None:

@@ -474,10 +474,14 @@ class WeightedGradientsAccumulator:
     load. A window with nothing in it yet (``issued == 0``: new, or just finished) binds to the
     module's current trainable parameters, so unfreezing, adapters switched on or off, or a
     move to another device need no new accumulator; inside a window a change raises
-    :class:`ParameterMismatchError` (a parameter that became frozen is named as frozen). One
-    buffer per tracked parameter is allocated in D, on the parameter's device, at the first
-    non-None gradient in a positive-weight batch of the window, starting at +0.0; buffers are
-    ordinary tensors even under ``torch.inference_mode()``.
+    :class:`ParameterMismatchError` (a parameter that became frozen is named as frozen). A
+    parameter's buffer (D, on the parameter's device, starting at +0.0) exists from its first
+    non-None gradient in a positive-weight batch of the window; buffers are ordinary tensors
+    even under ``torch.inference_mode()``. Small parameters (at most
+    :data:`wacc_torch._arena.SMALL_ELEMENTS` elements) have their buffers in one flat arena
+    per device, allocated whole at the first positive-weight batch, so that a complete set of
+    their gradients is added as one tensor (same bits; :mod:`wacc_torch._arena`). The module's
+    structure is walked once per window; later calls compare it (:mod:`wacc_torch._structure`).
 
     Weights and the loss scale follow one rule (:mod:`wacc_torch._scalars`): a Python int or
     float, or a numpy scalar / 0-d array / 0-d tensor of an integer or one of six float
@@ -1037,7 +1041,16 @@ class WeightedGradientsAccumulator:
             parameter.grad = buffer
             self._pending[name] = buffer
             self._grad_owners[name] = parameter
-        self._add(buffer, grad, weight=weight, mean=mean)
+        shared = self._work
+        if shared is not None and buffer.device.type != "cpu":
+            # The hooks' kernels may run on different streams (one per producing op), where one
+            # shared work tensor could be written by two at once: a fresh piece-sized one each
+            # time, from the stream-ordered caching allocator.
+            self._work = _Scratch([(buffer.device, self._dtype, _chunk_numel(buffer.shape))])
+        try:
+            self._add(buffer, grad, weight=weight, mean=mean)
+        finally:
+            self._work = shared
 
     def _release_grads(self) -> None:
         # Zero-copy: the window's buffers leave the parameters' .grad (a .grad replaced since is

@@ -19,7 +19,12 @@ A backward cannot be undone: when the block exits with an exception after some g
 added, the window holds part of a microbatch. It is then *broken*: counters are not advanced, and
 every call but :meth:`~WeightedGradientsAccumulator.discard` and ``load_state_dict`` raises
 :class:`BrokenWindowError` naming the parameters that received part of the microbatch. An
-exception before any gradient arrived (in the forward, say) changes nothing.
+exception before any gradient arrived (in the forward, say) changes nothing. A hook's refusal
+spoils its block even when the caller catches it inside: leaving the block then raises
+(:class:`BrokenWindowError` if some gradient was added, else :class:`ZeroCopyError`, nothing
+changed) instead of counting a microbatch whose gradient is not (wholly) in the buffers. Any
+other exception of the backward that the caller catches inside the block is invisible to it, and
+the block would count what was added: let such exceptions leave the block.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from wacc_torch.errors import ZeroCopyError
+from wacc_torch.errors import BrokenWindowError, ZeroCopyError
 
 if TYPE_CHECKING:
     from wacc_torch.accumulator import WeightedGradientsAccumulator
@@ -101,6 +106,7 @@ class Microbatch:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._arrived: list[str] = []  # parameters whose gradient arrived, in arrival order
         self._added: list[str] = []  # those whose buffer it was added to
+        self._refused: str | None = None  # why a hook refused a gradient (the block is spoilt)
         self._commit: Callable[[], None] | None = None
 
     def __enter__(self) -> Microbatch:
@@ -150,23 +156,28 @@ class Microbatch:
         mean: bool,
     ) -> None:
         # Checks first: a refusal here has changed nothing for this parameter.
+        refusal = None
         if name in self._arrived:
-            raise ZeroCopyError(
+            refusal = (
                 f"a second gradient for parameter {name!r} arrived in one microbatch block (a "
                 f"second backward, or retain_graph): the zero-copy mode multiplies each backward "
                 f"by the weight on its own, so it cannot give round_D(sum * w). Call backward "
                 f"once per block"
             )
-        if torch.is_grad_enabled():
-            raise ZeroCopyError(
+        elif torch.is_grad_enabled():
+            refusal = (
                 f"backward(create_graph=True) reached parameter {name!r}: the zero-copy "
                 f"accumulation is not differentiable"
             )
-        if grad.layout != torch.strided:
-            raise ZeroCopyError(
+        elif grad.layout != torch.strided:
+            refusal = (
                 f"parameter {name!r} received a {grad.layout} gradient: the zero-copy mode "
                 f"accumulates dense gradients only"
             )
+        if refusal is not None:
+            # Remembered: caught inside the block, the refusal must still not count the block.
+            self._refused = refusal
+            raise ZeroCopyError(refusal)
         self._arrived.append(name)
         if weight is None:
             return  # a zero-weight microbatch: its gradient values are never read (semantics §4)
@@ -186,13 +197,23 @@ class Microbatch:
         acc._block = None
         acc._work = None
         commit, self._commit = self._commit, None
-        if kind is None:
+        if kind is None and self._refused is None:
             assert commit is not None
             commit()
-        elif self._added:
+            return
+        cause = "a refused gradient" if kind is None else f"an exception ({kind.__name__})"
+        if self._added:
             acc._broken = (
-                f"an exception ({kind.__name__}) left a zero-copy microbatch block after part "
-                f"of its gradient was added to {self._added!r}; the window cannot be completed: "
-                f"call discard(), or load_state_dict() with a record taken before the block"
+                f"{cause} left a zero-copy microbatch block after part of its gradient was "
+                f"added to {self._added!r}; the window cannot be completed: call discard(), or "
+                f"load_state_dict() with a record taken before the block"
+            )
+            if kind is None:  # the refusal was caught inside the block: say so on leaving
+                raise BrokenWindowError(acc._broken)
+        elif kind is None:
+            # Nothing was added, so nothing changed; but the microbatch is not counted either.
+            raise ZeroCopyError(
+                f"the block's backward was refused ({self._refused}); the refusal was caught "
+                f"inside the block, and the microbatch was not counted"
             )
         # An exception before any gradient was added changed nothing: as if the block never ran.

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import wacc_torch
+from wacc.zero_copy import ZeroCopyAdapter
 
 
 class _Delegating:
@@ -151,3 +152,24 @@ class _RaisesOnMean(_Delegating):
 def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
     """Raises an exception outside §11 from every accumulate_mean."""
     return _RaisesOnMean(dtype, loss_scale)
+
+
+class _StealingZeroCopy(wacc_torch.WeightedGradientsAccumulator):
+    """Zero-copy, but the window's first gradient of a parameter becomes its buffer (times the
+    weight for a mean) instead of being added to a +0.0 buffer: a -0.0 gradient stays -0.0."""
+
+    def _add_into_grad(
+        self, name: str, parameter: nn.Parameter, grad: torch.Tensor, *, weight: float, mean: bool
+    ) -> None:
+        if name in self._pending:
+            super()._add_into_grad(name, parameter, grad, weight=weight, mean=mean)
+            return
+        buffer = grad * weight if mean else grad.clone()  # the bug: no +0.0 start
+        parameter.grad = buffer
+        self._pending[name] = buffer
+        self._grad_owners[name] = parameter
+
+
+def zero_copy_stealing(dtype: torch.dtype, loss_scale: float) -> Any:
+    """The zero-copy mode with a hook that steals the first gradient (skips the +0.0 start)."""
+    return ZeroCopyAdapter(_StealingZeroCopy(dtype=dtype, loss_scale=loss_scale, zero_copy=True))

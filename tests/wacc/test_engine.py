@@ -16,9 +16,17 @@ from wacc_ref.scenario import Accumulate, from_json, to_json
 @pytest.mark.slow  # ~10-15 s per dtype: every family and the machine under the ci profile
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("work_dtype", formats.WORK_DTYPES)
-@pytest.mark.parametrize("spec", [DEFAULT_IMPL, "wacc.implementation:wacc_torch_fused"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        DEFAULT_IMPL,
+        "wacc.implementation:wacc_torch_fused",
+        "wacc.implementation:wacc_torch_zero_copy",
+    ],
+)
 def test_wacc_torch_passes_wacc_check_under_ci(spec: str, work_dtype: str, device: str) -> None:
-    """wacc_torch (reproducible and fused) holds every oracle on every family and the machine."""
+    """wacc_torch (reproducible, fused, zero-copy) holds every oracle on every family and the
+    machine."""
     report = run_check(
         load_implementation(spec), CheckConfig(dtypes=(work_dtype,), device=device, profile="ci")
     )

@@ -1,9 +1,9 @@
 """Run the fixed, seeded corpus on every implementation and write a report with plots.
 
 Every strategy family x work dtype (float64, float32, float16, bfloat16) x gradient dtype
-(float8 e4m3fn / e5m2 included), judged on wacc_torch (reproducible and fused) and on the
-shipped baselines (pixparse_loop, scale_times_weight, fused_undeclared), plus the sweeps behind
-the figures: error/bound vs window length, relative error vs weight skew, the S x W overflow
+(float8 e4m3fn / e5m2 included), judged on wacc_torch (reproducible, fused and zero-copy) and
+on the shipped baselines (pixparse_loop, scale_times_weight, fused_undeclared), plus the sweeps
+behind the figures: error/bound vs window length, relative error vs weight skew, the S x W overflow
 map, float64 -> fp16/bf16 double rounding, and (with --device all) CPU vs CUDA.
 
 examples:
@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     shown: dict[str, tuple[Path, str]] = {}
     shown["Error against the bound, by window length"] = (
         figures.error_bound_figure(rows, out / "figures" / "error_bound_vs_window.png"),
-        "Each point is one corpus scenario on `wacc_torch` (reproducible and fused): the largest "
+        "Each point is one corpus scenario on `wacc_torch` (reproducible, zero-copy and fused): "
+        "the largest "
         "|result - exact| / bound over its steps. The dashed line is the bound; every point stays "
         "under it, for every window length and work dtype.",
     )

@@ -38,7 +38,12 @@ __all__ = [
 
 _DPI = 100
 plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "figure.dpi": _DPI})
-_COLORS = {"wacc_torch": "#1f77b4", "wacc_torch_fused": "#2ca02c", "pixparse_loop": "#d62728"}
+_COLORS = {
+    "wacc_torch": "#1f77b4",
+    "wacc_torch_fused": "#2ca02c",
+    "wacc_torch_zero_copy": "#9467bd",
+    "pixparse_loop": "#d62728",
+}
 
 
 def _save(figure: plt.Figure, path: Path) -> Path:
@@ -53,11 +58,15 @@ def _save(figure: plt.Figure, path: Path) -> Path:
 
 
 def error_bound_figure(rows: Sequence[Row], path: Path) -> Path:
-    """Max error/bound per scenario vs its longest window, per work dtype (wacc_torch only)."""
+    """Max error/bound per scenario vs its longest window, per work dtype (wacc_torch's modes)."""
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, sharey=True)
     rng = np.random.default_rng(0)  # jitter only, so overlapping points stay visible
     for axis, dtype in zip(axes.flat, formats.WORK_DTYPES, strict=True):
-        for name, offset in (("wacc_torch", -0.15), ("wacc_torch_fused", 0.15)):
+        for name, offset in (
+            ("wacc_torch", -0.2),
+            ("wacc_torch_zero_copy", 0.0),
+            ("wacc_torch_fused", 0.2),
+        ):
             chosen = [
                 r
                 for r in rows

@@ -20,6 +20,7 @@ FUSED_SUFFIX = "-fused"  # replay files of the fused=True twin of a corpus scena
 IMPLEMENTATIONS: Mapping[str, str] = {
     "wacc_torch": "wacc.implementation:wacc_torch_reproducible",
     "wacc_torch_fused": "wacc.implementation:wacc_torch_fused",
+    "wacc_torch_zero_copy": "wacc.implementation:wacc_torch_zero_copy",
     "pixparse_loop": "wacc.baselines:pixparse_loop",
     "scale_times_weight": "wacc.baselines:scale_times_weight",
     "fused_undeclared": "wacc.baselines:fused_undeclared",
