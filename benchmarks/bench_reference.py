@@ -17,28 +17,27 @@ import numpy as np
 from wacc_ref import WORK_DTYPES, ReferenceAccumulator
 
 
-def _rate(elements: int, steps: int, run: Callable[[], None]) -> float:
+def _rate(elements: int, steps: int, run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
     return elements * steps / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--elements", type=int, default=200_000)
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
+METHODS = ("sum", "mean", "mean fused", "finish_mean")
+
+
+def emulation_rates(*, elements: int, steps: int) -> dict[str, dict[str, float]]:
+    """Element-steps per second of each method (:data:`METHODS`), per work dtype."""
     rng = np.random.default_rng(0)
-    params = {"p": (args.elements,)}
+    params = {"p": (elements,)}
     grads = [
-        (rng.standard_normal(args.elements) * 10.0 ** rng.integers(-3, 3, args.elements))
+        (rng.standard_normal(elements) * 10.0 ** rng.integers(-3, 3, elements))
         .astype(np.float32)
         .astype(np.float64)
-        for _ in range(args.steps)
+        for _ in range(steps)
     ]
-    weights = [1.0, 7.0, 200.0, 3.0] * (args.steps // 4 + 1)
-    print(f"element-steps per second, {args.elements} elements x {args.steps} microbatches")
-    print(f"{'dtype':<10}{'sum':>12}{'mean':>12}{'mean fused':>12}{'finish_mean':>14}")
+    weights = [1.0, 7.0, 200.0, 3.0] * (steps // 4 + 1)
+    table: dict[str, dict[str, float]] = {}
     for dtype in WORK_DTYPES:
         rates = []
         for method, fused in (
@@ -52,13 +51,25 @@ def main() -> None:
                 for weight, grad in zip(weights, grads, strict=False):
                     getattr(acc, name)(params, weight, grads={"p": grad})
 
-            rates.append(_rate(args.elements, args.steps, run))
+            rates.append(_rate(elements, steps, run))
         finishing = accumulator  # the fused one holds a full window
-        rates.append(_rate(args.elements, 1, finishing.finish_mean))
+        rates.append(_rate(elements, 1, finishing.finish_mean))
+        table[dtype] = dict(zip(METHODS, rates, strict=True))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--elements", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    print(f"element-steps per second, {args.elements} elements x {args.steps} microbatches")
+    print(f"{'dtype':<10}{'sum':>12}{'mean':>12}{'mean fused':>12}{'finish_mean':>14}")
+    for dtype, rates in emulation_rates(elements=args.elements, steps=args.steps).items():
         print(
             f"{dtype:<10}"
-            + "".join(f"{r / 1e6:>11.2f}M" for r in rates[:3])
-            + f"{rates[3] / 1e6:>13.2f}M"
+            + "".join(f"{rates[m] / 1e6:>11.2f}M" for m in METHODS[:3])
+            + f"{rates['finish_mean'] / 1e6:>13.2f}M"
         )
 
 

@@ -9,7 +9,9 @@
 #       --platform manylinux2014_x86_64 -d .whl gmpy2
 # then run this script there with `.whl` carried. It prints, in order: the devices, every
 # `cuda`-marked test (the judge on CUDA, the fp16 W = 70000 division, async pinned snapshots,
-# resume, the NCCL/gloo reduction), then the benchmark's CPU/CUDA ratios.
+# resume, the NCCL/gloo reduction), then the performance suites on CUDA (`python -m benchmarks`,
+# capped at 180 s; the table lands in $OUT/perf/README.md, the CSV next to it), then the older
+# accumulate benchmark's CPU/CUDA ratios. About 4 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -23,5 +25,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 status=0
 python3 -m pytest -m cuda -q -p no:cacheprovider \
     ${OUT:+--junitxml "$OUT/cuda-tests.xml"} || status=$?
-python3 benchmarks/bench_accumulate.py --repeats 20 || status=$?
+timeout 180 python3 -m benchmarks --device cuda --suite step --suite overhead --suite large \
+    --suite memory --out "${OUT:-/tmp}/perf" || status=$?
+timeout 60 python3 benchmarks/bench_accumulate.py --repeats 20 || status=$?
 exit "$status"

@@ -1,0 +1,23 @@
+"""Which optional accumulator features the installed ``wacc_torch`` has (detected, not assumed).
+
+The zero-copy mode and ``state_dict(checksum=False)`` are newer than this suite's first version;
+their rows read ``n/a (not available)`` where they are missing instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from wacc_torch import WeightedGradientsAccumulator
+
+
+def has_zero_copy() -> bool:
+    """``WeightedGradientsAccumulator(..., zero_copy=True)`` and ``acc.microbatch(...)`` exist."""
+    parameters = inspect.signature(WeightedGradientsAccumulator.__init__).parameters
+    return "zero_copy" in parameters and hasattr(WeightedGradientsAccumulator, "microbatch")
+
+
+def has_checksum_option() -> bool:
+    """``acc.state_dict(checksum=False)`` exists (skips the record's SHA-256)."""
+    parameters = inspect.signature(WeightedGradientsAccumulator.state_dict).parameters
+    return "checksum" in parameters
