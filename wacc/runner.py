@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -353,10 +354,25 @@ def run_implementation(
     implementation: Implementation, scenario: Scenario, *, device: torch.device | str = "cpu"
 ) -> tuple[ScenarioTrace, ImplementationRun]:
     """Run every step of ``scenario`` (in module order) and return the trace and the run."""
-    with tempfile.TemporaryDirectory(prefix="wacc-judge-") as scratch:
-        run = ImplementationRun(
-            implementation, scenario, device=torch.device(device), scratch=Path(scratch)
-        )
-        for index in range(len(scenario.steps)):
-            run.step(index)
-        return run.trace(), run
+    run = ImplementationRun(
+        implementation, scenario, device=torch.device(device), scratch=_scratch_directory()
+    )
+    for index in range(len(scenario.steps)):
+        run.step(index)
+    return run.trace(), run
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch_directory() -> Path:
+    """This thread's directory for record files, made once and removed at exit.
+
+    A run writes its records one after the other, so one directory per thread serves every run
+    of that thread; a new directory per scenario cost about 5 % of ``wacc gate`` (profiled).
+    """
+    directory: tempfile.TemporaryDirectory[str] | None = getattr(_SCRATCH, "directory", None)
+    if directory is None:
+        directory = tempfile.TemporaryDirectory(prefix="wacc-judge-")
+        _SCRATCH.directory = directory  # its finalizer removes it when the thread's data goes
+    return Path(directory.name)

@@ -56,7 +56,10 @@ def test_a_fault_is_found_shrunk_and_written(tmp_path: Path) -> None:
 def test_the_state_machine_finds_a_fault() -> None:
     """The stateful machine alone catches double unscaling and shrinks it to <= 3 accumulates."""
     implementation = load_implementation("tests.wacc.impls:double_unscale")
-    config = CheckConfig(dtypes=("float16",), families=(MACHINE,), examples=200)
+    # Hypothesis also draws constants from every local module loaded, so which examples come
+    # first depends on what else the session imported: 200 sufficed alone but not after the
+    # benchmark tests; the run stops at the first failure, so the margin costs nothing here.
+    config = CheckConfig(dtypes=("float16",), families=(MACHINE,), examples=400)
     shrunk = run_family(implementation, "float16", MACHINE, config)
     assert shrunk is not None
     accumulates = [s for s in shrunk.scenario.steps if isinstance(s, Accumulate)]
