@@ -540,6 +540,9 @@ class WeightedGradientsAccumulator:
         self._grad_versions: dict[str, int] = {}
         self._nodes: dict[str, tuple[nn.Parameter, torch.autograd.graph.Node]] = {}
         self._block_work: tuple[_Binding, _Scratch] | None = None
+        # The last buffered call's work tensors, reused while large enough (at most a piece,
+        # CHUNK_ELEMENTS, per device and dtype).
+        self._kept_work: _Scratch | None = None
         self._fsdp_checked: ModuleStructure | None = None
 
     # ----------------------------------------------------------------------------- reading
@@ -617,6 +620,7 @@ class WeightedGradientsAccumulator:
                 self._pending.update(steps.new_buffers)
                 self._arenas.update(steps.new_arenas)
                 self._work = steps.work
+                self._kept_work = steps.work  # for the next call (CPU: see Scratch.reusing)
                 scale = float(counted_weight)
                 for buffer, grad in steps.adds:
                     self._add(buffer, grad, weight=scale, mean=mean)
@@ -718,10 +722,13 @@ class WeightedGradientsAccumulator:
                     )
                     new_buffers[name] = buffer
                 adds.append((buffer, grad))
-            work = _Scratch(
-                (grad.device, self._dtype, _chunk_numel(grad.shape))
-                for _, grad in adds
-                if self._needs_work(grad, mean=mean)
+            work = _Scratch.reusing(
+                self._kept_work,
+                (
+                    (grad.device, self._dtype, _chunk_numel(grad.shape))
+                    for _, grad in adds
+                    if self._needs_work(grad, mean=mean)
+                ),
             )
         return _Steps(new_buffers=new_buffers, new_arenas=new_arenas, adds=adds, work=work)
 
