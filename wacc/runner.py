@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from wacc.implementation import Implementation, error_class
+from wacc.modules import module_of
 from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
 from wacc_ref.records import RECORD_KEYS
 from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, Scenario
@@ -81,18 +82,9 @@ _EXTRA_KEY = "__wacc_unknown_key__"
 
 def build_module(parameters: Mapping[str, tuple[int, ...]], *, device: torch.device) -> nn.Module:
     """A module whose ``named_parameters()`` are exactly ``parameters`` (dotted names nest)."""
-    root = nn.Module()
-    for name, shape in parameters.items():
-        *path, leaf = name.split(".")
-        owner = root
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        owner.register_parameter(leaf, nn.Parameter(torch.zeros(shape, device=device)))
-    return root
+    return module_of(
+        {name: nn.Parameter(torch.zeros(s, device=device)) for name, s in parameters.items()}
+    )
 
 
 def in_module_order(scenario: Scenario) -> Scenario:

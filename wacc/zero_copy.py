@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wacc.modules import module_of
 from wacc_torch import (
     AccumulatedGradients,
     AccumulatorState,
@@ -41,22 +42,6 @@ from wacc_torch._dtypes import GRADIENT_DTYPES
 from wacc_torch.zero_copy import Kind
 
 __all__ = ["ZeroCopyAdapter"]
-
-
-def _module_of(parameters: Mapping[str, nn.Parameter]) -> nn.Module:
-    """A module whose ``named_parameters()`` are ``parameters`` (dotted names nest)."""
-    root = nn.Module()
-    for name, parameter in parameters.items():
-        *path, leaf = name.split(".")
-        owner = root
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        owner.register_parameter(leaf, parameter)
-    return root
 
 
 class ZeroCopyAdapter:
@@ -91,7 +76,7 @@ class ZeroCopyAdapter:
                 )
             mirror.requires_grad_(parameter.requires_grad)
             mirrors[name] = mirror
-        return _module_of(mirrors), mirrors
+        return module_of(mirrors), mirrors
 
     def _seeds(
         self, mirrors: Mapping[str, nn.Parameter], grads: Mapping[str, Any]

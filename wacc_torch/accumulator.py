@@ -964,7 +964,9 @@ class WeightedGradientsAccumulator:
                 if buffer._version != self._grad_versions.get(name)
             ]
             if changed:
-                self._broken = (
+                # Nothing to record: the changed version is found again by every later call
+                # until discard() or load_state_dict() replaces the buffers.
+                raise BrokenWindowError(
                     f"the .grad of {changed!r} was changed in place outside a microbatch block "
                     f"(a backward outside a block, zero_grad(set_to_none=False), gradient "
                     f"clipping mid-window?): the window no longer holds its sums. Call "

@@ -107,7 +107,7 @@ class Microbatch:
         self._kind = kind
         self._entered = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._arrived: list[str] = []  # parameters whose gradient arrived, in arrival order
+        self._arrived: set[str] = set()  # parameters whose gradient arrived
         self._added: list[str] = []  # those whose buffer it was added to
         self._refused: str | None = None  # why a hook refused a gradient (the block is spoilt)
         self._commit: Callable[[], None] | None = None
@@ -181,7 +181,7 @@ class Microbatch:
             # Remembered: caught inside the block, the refusal must still not count the block.
             self._refused = refusal
             raise ZeroCopyError(refusal)
-        self._arrived.append(name)
+        self._arrived.add(name)
         if weight is None:
             return  # a zero-weight microbatch: its gradient values are never read (semantics §4)
         self._accumulator._add_into_grad(name, parameter, grad, weight=weight, mean=mean)
