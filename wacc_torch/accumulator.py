@@ -402,7 +402,7 @@ class _BlockPlan:
 class _Binding:
     """The tracked parameter set: names in registration order, shapes, devices; derived from
     them: the name set, the small parameters per device (:func:`small_groups`), whether any
-    is on the CPU."""
+    is on the CPU, the largest piece per device (:func:`wacc_torch._work.chunk_numel`)."""
 
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
@@ -412,6 +412,7 @@ class _Binding:
     small_count: int = field(init=False)
     large: tuple[int, ...] = field(init=False)
     on_cpu: bool = field(init=False)
+    pieces: dict[torch.device, int] = field(init=False)
 
     def __post_init__(self) -> None:
         small = small_groups(self.shapes, self.devices)
@@ -423,6 +424,10 @@ class _Binding:
             self, "large", tuple(i for i in range(len(self.names)) if i not in in_arena)
         )
         object.__setattr__(self, "on_cpu", any(d.type == "cpu" for d in self.devices))
+        pieces: dict[torch.device, int] = {}
+        for shape, device in zip(self.shapes, self.devices, strict=True):
+            pieces[device] = max(pieces.get(device, 0), _chunk_numel(shape))
+        object.__setattr__(self, "pieces", pieces)
 
 
 def _pick(indices: tuple[int, ...], items: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -539,9 +544,8 @@ class WeightedGradientsAccumulator:
         self._grad_owners: dict[str, nn.Parameter] = {}
         self._grad_versions: dict[str, int] = {}
         self._nodes: dict[str, tuple[nn.Parameter, torch.autograd.graph.Node]] = {}
-        self._block_work: tuple[_Binding, _Scratch] | None = None
-        # The last buffered call's work tensors, reused while large enough (at most a piece,
-        # CHUNK_ELEMENTS, per device and dtype).
+        # The last call's or block's work tensors, reused while large enough (at most a piece,
+        # CHUNK_ELEMENTS, per device and dtype; CPU only: Scratch.reusing).
         self._kept_work: _Scratch | None = None
         self._fsdp_checked: ModuleStructure | None = None
 
@@ -1008,25 +1012,21 @@ class WeightedGradientsAccumulator:
                 )
         positive = weight_value > 0
         counted_weight, new_total = self._counted_weight(weight, weight_value, mean=mean)
-        if positive and any(parameter.device.type == "cpu" for _, parameter in parameters):
+        if positive and binding.on_cpu:
             check_gradual_underflow("microbatch")
         work = None
         if positive and mean and not self._fused:
-            # One work tensor per binding, kept between blocks (allocating it per microbatch
-            # would fault its pages in every time).
-            if self._block_work is not None and self._block_work[0] is binding:
-                work = self._block_work[1]
-            else:
-                with _ordinary_tensors():
-                    work = _Scratch(
-                        (parameter.device, self._dtype, _chunk_numel(parameter.shape))
-                        for _, parameter in parameters
-                    )
-                self._block_work = (binding, work)
+            with _ordinary_tensors():
+                work = _Scratch.reusing(
+                    self._kept_work,
+                    ((device, self._dtype, numel) for device, numel in binding.pieces.items()),
+                )
 
         def commit() -> None:
             with _COMMIT:
                 self._work = None
+                if work is not None:
+                    self._kept_work = work
                 self._binding = binding
                 self._grad_versions = {
                     name: buffer._version for name, buffer in self._pending.items()
