@@ -267,10 +267,12 @@ class ReferenceAccumulator:
             self._issued += 1
             self._zero_weight += 1
             return
+        # The environment before any arithmetic, as wacc_torch checks it (semantics §5 Reading:
+        # the order of the checks), then whether w_D survives D, then the overflow of W.
+        _check_gradual_underflow()
         w_counted = converted_mean_weight(w, self._dtype) if mean else w
         # round_64(W + w), or exact; a W that overflows float64 is refused, as wacc_torch does.
         new_total = total_after(self._total_weight, w, w_counted)
-        _check_gradual_underflow()
         new_pending = dict(self._pending)
         for name, gradient in checked.items():
             if self._exact:

@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 import torch
 
+from wacc_torch._environment import check_gradual_underflow
 from wacc_torch._scalars import FLOAT_DTYPES, read_real
 from wacc_torch.errors import InvalidLossScaleError, WeightedAccumulationError
 
@@ -55,7 +56,15 @@ def op_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def to_work_dtype(value: float, dtype: torch.dtype) -> float:
-    """§2 conv_D of a Python float, exactly as ``torch.tensor(value, dtype=dtype)`` does it."""
+    """§2 conv_D of a Python float, exactly as ``torch.tensor(value, dtype=dtype)`` does it.
+
+    The conversion runs on the CPU in the calling thread: a value below D's smallest normal
+    number (a subnormal result) is refused under flush-to-zero
+    (:class:`~wacc_torch.errors.UnsupportedEnvironmentError`), where the mode would change it;
+    any other value converts alike in every mode.
+    """
+    if value != 0.0 and abs(value) < torch.finfo(dtype).tiny:
+        check_gradual_underflow(f"converting {value!r} to {dtype}")
     # On the CPU explicitly: under torch.set_default_device("cuda") this would be a device
     # round trip (a sync per call), under "meta" it would hold no value at all.
     return float(torch.tensor(value, dtype=dtype, device="cpu").item())

@@ -4,13 +4,11 @@ Walking ``named_parameters()`` costs about 1 µs per parameter, more than accumu
 tensor; within a window the tracked set is fixed, so the walk is done once, when the window binds,
 and every later call compares what can change against that snapshot in C-speed passes: which
 objects each submodule's ``_parameters`` and ``_modules`` hold (a parameter or submodule replaced,
-added or deleted) and every parameter's ``requires_grad`` (frozen or unfrozen). Anything
-different sends the caller back to the full check, which names the change.
-
-Not compared (it would cost as much again): a parameter's ``.data`` reassigned in place (a move
-to another device, a new shape). The gradients handed in are still checked against the tracked
-shapes and devices, which is what accumulation needs; ``apply_to`` checks shapes and converts
-devices when it writes ``.grad``.
+added or deleted), each submodule's class (``fully_shard`` swaps it in place), and every
+parameter's ``requires_grad``, shape, device and dtype (a ``.data`` reassigned, a parameter
+frozen). Anything different sends the caller back to the full check, which names the change or
+accepts the new structure; so the snapshot accepts a subset of what the full check accepts
+(the suite checks both on random mutations of real modules).
 """
 
 from __future__ import annotations
@@ -22,7 +20,9 @@ from torch import nn
 
 __all__ = ["ModuleStructure"]
 
-_REQUIRES_GRAD = attrgetter("requires_grad")
+_PARAMETER_STATE = attrgetter("requires_grad", "shape", "device", "dtype")
+_PARAMETER_DICT = attrgetter("_parameters")
+_MODULE_DICT = attrgetter("_modules")
 
 
 class ModuleStructure:
@@ -31,16 +31,18 @@ class ModuleStructure:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         modules = list(module.modules())
-        self._parameter_dicts = [sub._parameters for sub in modules]
-        self._module_dicts = [sub._modules for sub in modules]
+        self._parameter_dicts = list(map(_PARAMETER_DICT, modules))
+        self._module_dicts = list(map(_MODULE_DICT, modules))
+        self._dict_ids = self._current_dicts(modules)
         self._parameter_ids = self._current_parameters()
         self._module_ids = self._current_modules()
+        self._classes = tuple(map(type, modules))
         # Held, so that their ids stay theirs; also every submodule, for checks of their kind.
         self.modules = modules
         self._parameters = [
             p for p in chain.from_iterable(map(dict.values, self._parameter_dicts)) if p is not None
         ]
-        self._flags = tuple(map(_REQUIRES_GRAD, self._parameters))
+        self._states = tuple(map(_PARAMETER_STATE, self._parameters))
 
     # Identities, not objects: == on tensors would compare their elements. The snapshot holds
     # the objects themselves, so no id can be reused while it lives.
@@ -50,11 +52,19 @@ class ModuleStructure:
     def _current_modules(self) -> tuple[int, ...]:
         return tuple(map(id, chain.from_iterable(map(dict.values, self._module_dicts))))
 
+    @staticmethod
+    def _current_dicts(modules: list[nn.Module]) -> tuple[int, ...]:
+        # A submodule's _parameters or _modules replaced wholesale (the snapshot holds the old
+        # dicts, so their ids stay theirs).
+        return tuple(map(id, chain(map(_PARAMETER_DICT, modules), map(_MODULE_DICT, modules))))
+
     def unchanged(self, module: nn.Module) -> bool:
         """Whether ``module`` is the snapshot's module with the same parameter structure."""
         return (
             module is self.module
+            and self._current_dicts(self.modules) == self._dict_ids
             and self._current_parameters() == self._parameter_ids
             and self._current_modules() == self._module_ids
-            and tuple(map(_REQUIRES_GRAD, self._parameters)) == self._flags
+            and tuple(map(type, self.modules)) == self._classes
+            and tuple(map(_PARAMETER_STATE, self._parameters)) == self._states
         )

@@ -54,21 +54,25 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from wacc_torch._dtypes import dtype_name, to_work_dtype
-from wacc_torch.accumulator import (
-    AccumulatedGradients,
-    WeightedGradientsAccumulator,
-    normalize_sums,
-)
+from wacc_torch._dtypes import dtype_name
+from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._weights import count_weight, read_weight
+from wacc_torch.accumulator import WeightedGradientsAccumulator
 from wacc_torch.distributed import (
     _exchange,
     _GlobalLayout,
-    _is_real,
     _membership,
     _problem_report,
     _RankReport,
 )
-from wacc_torch.errors import InvalidWeightError, WeightedAccumulationError
+from wacc_torch.errors import (
+    InvalidWeightError,
+    UnsupportedEnvironmentError,
+    WeightedAccumulationError,
+    ZeroCopyError,
+)
+from wacc_torch.normalize import normalize_sums
+from wacc_torch.results import AccumulatedGradients
 
 __all__ = ["WeightedAllReduceHook"]
 
@@ -111,6 +115,13 @@ class WeightedAllReduceHook:
                 "accumulator must be a WeightedGradientsAccumulator, got "
                 f"{type(accumulator).__name__}"
             )
+        if accumulator.state.zero_copy:
+            raise ZeroCopyError(
+                "WeightedAllReduceHook needs a buffered accumulator: its last microbatch is a "
+                "plain DDP backward, which would add into the zero-copy window's .grad. With "
+                "zero_copy=True run every microbatch in `with ddp.no_sync(), acc.microbatch(...)` "
+                "and reduce with wacc_torch.all_reduce_mean"
+            )
         self._module = model.module
         self._accumulator = accumulator
         self._group = group if group is not None else model.process_group
@@ -144,31 +155,16 @@ class WeightedAllReduceHook:
     def _report(self, weight: object, *, mean: bool, caller: str) -> tuple[_RankReport, float]:
         """This rank's view of the whole window, the last microbatch included; a bad weight
         becomes a problem report so that every rank raises together."""
-        value = weight.item() if isinstance(weight, torch.Tensor) and weight.dim() == 0 else weight
-        if not (isinstance(value, float | int) and _is_real(value)) or not (
-            math.isfinite(value) and value >= 0
-        ):
-            return _problem_report(
-                InvalidWeightError,
-                f"{caller}: the weight must be a finite real >= 0, got {weight!r}",
-            ), 0.0
         state = self._accumulator.state
-        counted = float(value)
-        if mean and counted > 0.0:
-            counted = to_work_dtype(counted, state.dtype)
-            if counted == 0.0 or not math.isfinite(counted):
-                return _problem_report(
-                    InvalidWeightError,
-                    f"{caller}: weight {weight!r} does not survive the work dtype "
-                    f"{state.dtype}: it converts to {counted!r}",
-                ), 0.0
-        total = state.total_weight + counted  # round_64(W + w), the accumulator's own order
-        if not math.isfinite(total):
-            return _problem_report(
-                InvalidWeightError,
-                f"{caller}: weight {weight!r} makes the window's weight overflow "
-                f"({state.total_weight!r} + {counted!r})",
-            ), 0.0
+        try:
+            # One rule for numbers, one rounding of W + w (wacc_torch._weights), and the
+            # host arithmetic checked for flush-to-zero in this thread.
+            value = read_weight(weight)
+            counted, total = count_weight(
+                state.total_weight, weight, value, dtype=state.dtype, mean=mean, caller=caller
+            )
+        except (InvalidWeightError, UnsupportedEnvironmentError) as error:
+            return _problem_report(type(error), f"{caller}: {error}"), 0.0
         devices = {p.device.type for p in self._module.parameters() if p.requires_grad}
         if len(devices) != 1:
             return _problem_report(
@@ -184,9 +180,9 @@ class WeightedAllReduceHook:
             device_type=devices.pop(),
             weight=total,
             issued=state.issued + 1,
-            zero_weight=state.zero_weight + (counted == 0.0),
+            zero_weight=state.zero_weight + (value == 0),
         )
-        return report, counted
+        return report, float(counted)
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         armed = self._armed
@@ -196,11 +192,15 @@ class WeightedAllReduceHook:
                 "without last_microbatch_sum/_mean() first; DDP would average it by the world "
                 "size, which is the error this hook exists to avoid"
             )
+        buffer = bucket.buffer()
+        if buffer.device.type == "cpu":
+            # The arithmetic below runs in autograd's thread, which last_microbatch_* (checked
+            # with the others, collectively) need not be: a last, local refusal.
+            check_gradual_underflow("WeightedAllReduceHook (in the backward's thread)")
         if armed.pending is None:
             # The first ready bucket of the last backward takes over the window's buffers.
             armed.pending = self._accumulator.finish_sums()
         dtype = self._accumulator.state.dtype
-        buffer = bucket.buffer()
         parameters = bucket.parameters()
         names = [self._names[id(p)] for p in parameters]
         pieces = []

@@ -39,15 +39,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from wacc_torch._dtypes import WORK_DTYPES
-from wacc_torch.accumulator import AccumulatedGradients, normalize_sums
+from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale
+from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._weights import read_total_weight
 from wacc_torch.errors import (
     InvalidLossScaleError,
     InvalidWeightError,
     ParameterMismatchError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
+from wacc_torch.normalize import normalize_sums
+from wacc_torch.results import AccumulatedGradients
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -88,6 +92,7 @@ _ERROR_CLASSES: Mapping[str, type[Exception]] = {
         InvalidLossScaleError,
         InvalidWeightError,
         ParameterMismatchError,
+        UnsupportedEnvironmentError,
         ZeroTotalWeightError,
     )
 }
@@ -99,6 +104,7 @@ class _GlobalLayout:
 
     dtype: torch.dtype | None  # None when no rank has any buffer
     device_type: str | None
+    loss_scale: float
     names: tuple[str, ...]  # rank 0's order
     shapes: Mapping[str, tuple[int, ...]]  # parameters with a buffer on at least one rank
     weight: float
@@ -155,7 +161,7 @@ def _all_reduce(
     # From here on the input is known to be a valid AccumulatedGradients on every rank.
     reduced = _reduce_buffers(sums.grads, layout=layout, group=group)
     grads: dict[str, torch.Tensor | None] = {name: reduced.get(name) for name in sums.grads}
-    loss_scale = float(sums.loss_scale)
+    loss_scale = layout.loss_scale
     if normalize:
         # in_place: the reduced tensors are this call's own copies, never the caller's buffers.
         grads = normalize_sums(
@@ -234,24 +240,22 @@ def _local_report(sums: object, *, caller: str) -> _RankReport:
             "with normalized=True (finish_mean() or a reduced mean); S and W would be divided "
             "out twice",
         )
-    weight, issued, zero_weight = sums.weight, sums.issued, sums.zero_weight
-    if not (_is_real(weight) and math.isfinite(weight) and weight >= 0):
-        return _problem_report(
-            InvalidWeightError,
-            f"{caller}: the weight must be a finite float >= 0, got {weight!r}",
-        )
+    # One rule for numbers (wacc_torch._weights): W exactly a float64, finite, >= 0.
+    try:
+        weight = read_total_weight(sums.weight, positive=False)
+    except WeightedAccumulationError as error:
+        return _problem_report(InvalidWeightError, f"{caller}: the weight: {error}")
+    issued, zero_weight = sums.issued, sums.zero_weight
     if not (_is_count(issued) and _is_count(zero_weight) and 0 <= zero_weight <= issued):
         return _problem_report(
             WeightedAccumulationError,
             f"{caller}: the counters need 0 <= zero_weight <= issued, got "
             f"zero_weight={zero_weight!r}, issued={issued!r}",
         )
-    loss_scale = sums.loss_scale
-    if not (_is_real(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0):
-        return _problem_report(
-            InvalidLossScaleError,
-            f"{caller}: the loss scale must be a finite float > 0, got {loss_scale!r}",
-        )
+    try:
+        loss_scale = check_loss_scale(sums.loss_scale, torch.float64)
+    except InvalidLossScaleError as error:
+        return _problem_report(InvalidLossScaleError, f"{caller}: {error}")
     names: list[str] = []
     shapes: list[tuple[int, ...] | None] = []
     dtypes: dict[torch.dtype, str] = {}
@@ -289,22 +293,28 @@ def _local_report(sums: object, *, caller: str) -> _RankReport:
             f"{caller}: pending buffers of dtype {dtype} are not in a work dtype "
             f"{sorted(WORK_DTYPES)}",
         )
+    if dtype is not None:
+        try:
+            check_loss_scale(loss_scale, WORK_DTYPES[dtype])
+        except InvalidLossScaleError as error:
+            return _problem_report(InvalidLossScaleError, f"{caller}: {error}")
+    # The weights are summed on the host (math.fsum) and divided there: flush-to-zero in this
+    # thread is reported, so that every rank raises together instead of one rank alone.
+    try:
+        check_gradual_underflow(caller)
+    except UnsupportedEnvironmentError as error:
+        return _problem_report(UnsupportedEnvironmentError, str(error))
     return _RankReport(
         problem=None,
         dtype=dtype,
-        loss_scale=float(loss_scale),
+        loss_scale=loss_scale,
         names=tuple(names),
         shapes=tuple(shapes),
         device_type=next(iter(devices)).type if devices else None,
-        weight=float(weight),
+        weight=weight,
         issued=issued,
         zero_weight=zero_weight,
     )
-
-
-def _is_real(value: object) -> bool:
-    # bool is an int subclass, but True is no weight or scale
-    return isinstance(value, float | int) and not isinstance(value, bool)
 
 
 def _is_count(value: object) -> bool:
@@ -397,6 +407,7 @@ def _agree(reports: Sequence[_RankReport], *, caller: str, world_size: int) -> _
     return _GlobalLayout(
         dtype=WORK_DTYPES[dtypes.pop()] if dtypes else None,
         device_type=device_types.pop() if device_types else None,
+        loss_scale=first.loss_scale,
         names=first.names,
         shapes=shapes,
         weight=weight,

@@ -43,7 +43,6 @@ if it is a rank's last one, run the backward of its loss sum over no tokens (exa
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,15 +50,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale, dtype_name
-from wacc_torch.accumulator import AccumulatedGradients, normalize_sums
+from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._weights import count_weight, read_weight
 from wacc_torch.distributed import (
     _exchange,
-    _is_real,
     _membership,
     _problem_report,
     _RankReport,
 )
-from wacc_torch.errors import InvalidWeightError, WeightedAccumulationError
+from wacc_torch.errors import UnsupportedEnvironmentError, WeightedAccumulationError
+from wacc_torch.normalize import normalize_sums
+from wacc_torch.results import AccumulatedGradients
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -111,13 +112,18 @@ class FSDPWeightedWindow:
 
     def add_weight(self, weight: float) -> None:
         """Count a microbatch of ``weight`` tokens (after its backward); local, no communication."""
-        if not _is_real(weight) or not (math.isfinite(weight) and weight >= 0):
-            raise InvalidWeightError(f"weight must be a finite real >= 0, got {weight!r}")
-        total = self._total_weight + float(weight)
-        if not math.isfinite(total):
-            raise InvalidWeightError(f"weight {weight!r} makes the window's weight overflow")
+        # One rule for numbers and one rounding of W + w (wacc_torch._weights).
+        value = read_weight(weight)
+        _, total = count_weight(
+            self._total_weight,
+            weight,
+            value,
+            dtype=self._dtype,
+            mean=False,
+            caller="FSDPWeightedWindow.add_weight",
+        )
         self._issued += 1
-        self._zero_weight += weight == 0
+        self._zero_weight += value == 0
         self._total_weight = total
 
     def finish_mean(self) -> AccumulatedGradients:
@@ -131,6 +137,12 @@ class FSDPWeightedWindow:
         world_size = _membership(self._group, caller=caller)
         shards: dict[str, torch.Tensor | None] = {}
         problem: _RankReport | None = None
+        try:
+            # The division runs in this thread (and the weights on the host): a rank that
+            # flushes subnormals is reported, so that every rank raises together.
+            check_gradual_underflow(caller)
+        except UnsupportedEnvironmentError as error:
+            problem = _problem_report(UnsupportedEnvironmentError, str(error))
         for name, parameter in self._parameters:
             grad = parameter.grad
             local = None if grad is None else getattr(grad, "_local_tensor", grad)

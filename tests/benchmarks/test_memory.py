@@ -71,7 +71,7 @@ def test_real_accumulate_counts_its_buffer_not_the_callers_gradients() -> None:
     with log:
         grad = torch.ones(1, elements)
         accumulator.accumulate_sum(module, 2, grads={"weight": grad})
-    (buffer,) = accumulator._pending.values()
+    (buffer,) = accumulator._mode.window.pending.values()
     key = buffer.untyped_storage().data_ptr()
     index = log._live[key]
     assert log.records[index].nbytes == elements * 4 and log.records[index].gradient

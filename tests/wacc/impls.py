@@ -15,6 +15,7 @@ from torch import nn
 
 import wacc_torch
 from wacc.zero_copy import ZeroCopyAdapter
+from wacc_torch.zero_copy import ZeroCopyMode
 
 
 class _Delegating:
@@ -154,22 +155,24 @@ def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
     return _RaisesOnMean(dtype, loss_scale)
 
 
-class _StealingZeroCopy(wacc_torch.WeightedGradientsAccumulator):
+class _StealingZeroCopyMode(ZeroCopyMode):
     """Zero-copy, but the window's first gradient of a parameter becomes its buffer (times the
     weight for a mean) instead of being added to a +0.0 buffer: a -0.0 gradient stays -0.0."""
 
-    def _add_into_grad(
+    def first_gradient(
         self, name: str, parameter: nn.Parameter, grad: torch.Tensor, *, weight: float, mean: bool
     ) -> None:
-        if name in self._pending:
-            super()._add_into_grad(name, parameter, grad, weight=weight, mean=mean)
-            return
         buffer = grad * weight if mean else grad.clone()  # the bug: no +0.0 start
         parameter.grad = buffer
-        self._pending[name] = buffer
-        self._grad_owners[name] = parameter
+        self.window.pending[name] = buffer
+        self.owners[name] = parameter
+        self.versions[name] = buffer._version
 
 
 def zero_copy_stealing(dtype: torch.dtype, loss_scale: float) -> Any:
     """The zero-copy mode with a hook that steals the first gradient (skips the +0.0 start)."""
-    return ZeroCopyAdapter(_StealingZeroCopy(dtype=dtype, loss_scale=loss_scale, zero_copy=True))
+    accumulator = wacc_torch.WeightedGradientsAccumulator(
+        dtype=dtype, loss_scale=loss_scale, zero_copy=True
+    )
+    accumulator._mode = _StealingZeroCopyMode(accumulator._mode.window)
+    return ZeroCopyAdapter(accumulator)

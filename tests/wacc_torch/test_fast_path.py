@@ -190,7 +190,7 @@ def test_a_resumed_window_goes_on_through_the_arena() -> None:
     first.accumulate_mean(module, 5, grads=_gradients(SHAPES, torch.float32, 1))
     second = WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=2.0)
     second.load_state_dict(first.state_dict(), Bag(SHAPES))
-    assert second._arenas, "the restored small buffers should live in an arena"
+    assert second._mode.arenas, "the restored small buffers should live in an arena"
     for accumulator in (first, second):
         accumulator.accumulate_mean(module, 7, grads=_gradients(SHAPES, torch.float32, 2))
     expected, actual = first.finish_mean(), second.finish_mean()
@@ -266,8 +266,8 @@ def test_any_window_of_small_tensors_matches_the_per_tensor_order(
         for name, grad in grads.items():
             getattr(fresh, f"accumulate_{kind}")(reference, weight, grads={name: grad})
     for name in shapes:
-        left = accumulator._pending.get(name)
-        right = fresh._pending.get(name)
+        left = accumulator._mode.window.pending.get(name)
+        right = fresh._mode.window.pending.get(name)
         assert (left is None) == (right is None), name
         if left is not None and right is not None:
             assert_bitwise_equal(left, right, name)

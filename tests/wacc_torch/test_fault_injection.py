@@ -2,7 +2,7 @@
 
 Every public mutating call of ``wacc_torch`` is run once under a torch function mode that counts
 the tensor operations (factories, conversions, kernels, attribute reads and writes) it performs
-before its commit phase (``wacc_torch.accumulator._COMMIT``), then once per such operation with
+before its commit phase (``wacc_torch._commit.COMMIT``), then once per such operation with
 that operation raising. Each time the accumulator's record, every pending buffer's bits, every
 ``.grad`` (identity and bits) and every tensor handed in must be exactly as before, and the call
 must re-raise the fault (nothing swallows it). Once a commit phase has begun, only operations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-import wacc_torch.accumulator
+import wacc_torch._commit
 from tests.wacc_torch.support import (
     TwoLayer,
     assert_bitwise_equal,
@@ -101,7 +101,7 @@ class FaultInjector(TorchFunctionMode):
 
 
 class _CommitMarker:
-    """Stands in for wacc_torch.accumulator._COMMIT: from the first commit on, the call is
+    """Stands in for wacc_torch._commit.COMMIT: from the first commit on, the call is
     committing (sticky: whatever follows the first write must not fail either)."""
 
     def __init__(self, injector: FaultInjector) -> None:
@@ -297,7 +297,7 @@ def _assert_same(before: Snapshot, case: Case, what: str) -> None:
 
 def _run(case: Case, injector: FaultInjector, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(wacc_torch.accumulator, "_COMMIT", _CommitMarker(injector))
+        patch.setattr(wacc_torch._commit, "COMMIT", _CommitMarker(injector))
         with injector:
             case.call()
 

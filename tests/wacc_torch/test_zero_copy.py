@@ -384,15 +384,31 @@ def test_a_foreign_grad_at_the_first_block_is_refused() -> None:
     frozen.check(acc, net)
 
 
-def test_a_grad_replaced_mid_window_is_refused() -> None:
-    """A pending .grad replaced by another tensor is refused at the next block, nothing changed."""
+@pytest.mark.parametrize("replacement", ["clone", "none"])
+def test_a_grad_replaced_or_removed_mid_window_is_refused_by_every_call(replacement: str) -> None:
+    """A pending .grad replaced by another tensor or removed (model.zero_grad()) between blocks
+    makes every call raise BrokenWindowError, changing nothing; nothing is recorded, so putting
+    the very same tensor back makes the window usable again."""
     acc, net, micros = _started()
-    assert net.first.weight.grad is not None
-    net.first.weight.grad = net.first.weight.grad.clone()
+    original = net.first.weight.grad
+    assert original is not None
     frozen = Frozen.of(acc, net)
-    with pytest.raises(ZeroCopyError, match="first.weight.*replaced"):
-        _feed_zero_copy(acc, net, micros[2])
+    net.first.weight.grad = original.clone() if replacement == "clone" else None
+    what = "replaced" if replacement == "clone" else "removed"
+    for call in (
+        acc.state_dict,
+        acc.state_dict_async,
+        acc.finish_mean,
+        acc.finish_sums,
+        lambda: _feed_zero_copy(acc, net, micros[2]),
+    ):
+        with pytest.raises(BrokenWindowError, match=f"first.weight.*{what}"):
+            call()
+    assert acc.state == frozen.state
+    net.first.weight.grad = original
     frozen.check(acc, net)
+    _feed_zero_copy(acc, net, micros[2])
+    assert acc.state.issued == 2
 
 
 @pytest.mark.parametrize(
