@@ -81,6 +81,31 @@ def test_flush_to_zero_is_refused_by_wacc_ref_with_the_same_class(flush_denormal
     assert reference.state.issued == 0
 
 
+@pytest.mark.parametrize(
+    ("dtype", "weight"),
+    [("float32", 1e-40), ("float32", 1e-50), ("float16", 1e6), ("bfloat16", 3.0)],
+    ids=["subnormal-w_D", "w_D-zero", "w_D-inf", "ordinary"],
+)
+def test_under_flush_to_zero_both_packages_refuse_a_mean_before_reading_its_weight(
+    dtype: str, weight: float, flush_denormals: None
+) -> None:
+    """The environment is checked before w_D and W are computed (semantics §5 Reading: the order
+    of the checks), in both packages: a mean weight whose w_D is subnormal in D, 0 or infinite
+    raises UnsupportedEnvironmentError like an ordinary one, never an InvalidWeightError that
+    flush-to-zero made up (1e-40 survives float32 as a subnormal)."""
+    production = wacc_torch.WeightedGradientsAccumulator(
+        dtype=getattr(torch, dtype), loss_scale=1.0
+    )
+    reference = ReferenceAccumulator(dtype=dtype, loss_scale=1.0)
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(2))
+    with pytest.raises(UnsupportedEnvironmentError):
+        production.accumulate_mean(module, weight, grads={"w": torch.ones(2)})
+    with pytest.raises(ReferenceEnvironmentError):
+        reference.accumulate_mean(PARAMS, weight, grads={"w": [1.0, 1.0]})
+    assert production.state.issued == 0 and reference.state.issued == 0
+
+
 def _run_window(module: nn.Module) -> tuple[dict[str, object], dict[str, object], object]:
     accumulator = wacc_torch.WeightedGradientsAccumulator(dtype=torch.bfloat16, loss_scale=4.0)
     cpu = torch.device("cpu")  # the caller's tensors; the accumulator's own get no device
