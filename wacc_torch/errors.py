@@ -53,19 +53,23 @@ class UnsupportedEnvironmentError(WeightedAccumulationError):
 
 
 class ZeroCopyError(WeightedAccumulationError):
-    """The zero-copy mode cannot keep the semantics here, or was asked for the wrong mode.
+    """The zero-copy mode cannot do this here, or was asked for the wrong mode.
 
-    Raised before anything changed: a parameter dtype other than D, a ``.grad`` the window does
-    not own, DDP outside ``no_sync()``, FSDP, a nested block, the buffered calls on a zero-copy
-    accumulator (or ``microbatch`` on a buffered one); inside a block (from the backward): a second
-    gradient for one parameter, ``create_graph=True``, a sparse gradient.
+    Raised before anything changed; remove the cause and call again: a parameter dtype other
+    than D, a ``.grad`` the window does not own on a parameter without a pending buffer, DDP
+    outside ``no_sync()``, FSDP, a nested block, the buffered calls on a zero-copy accumulator (or
+    ``microbatch`` on a buffered one); inside a block (from the backward): a second gradient for
+    one parameter (a second backward, ``retain_graph``, reentrant checkpointing of a parameter
+    used inside and outside the checkpoint), ``create_graph=True``, a sparse gradient. Every rule:
+    :mod:`wacc_torch.zero_copy`.
     """
 
 
 class BrokenWindowError(WeightedAccumulationError):
-    """The window holds part of a microbatch and cannot be completed (zero-copy mode only).
+    """The window's ``.grad`` no longer hold its sums (zero-copy mode only).
 
-    A backward that raised inside ``acc.microbatch()`` after some gradient was added, or a pending
-    ``.grad`` changed in place outside a block: a backward cannot be undone. Only ``discard()``
-    and ``load_state_dict()`` are accepted until then.
+    A backward that raised inside ``acc.microbatch()`` after some gradient was added (a backward
+    cannot be undone), or a pending ``.grad`` changed in place, replaced or removed. Only
+    ``discard()`` and ``load_state_dict()`` are accepted until then (a ``.grad`` edited outside a
+    block is found again by every call: putting the same tensor back also recovers).
     """

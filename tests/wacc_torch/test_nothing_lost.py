@@ -638,3 +638,113 @@ def test_the_ddp_hook_refuses_a_zero_copy_accumulator(one_rank_group: None) -> N
     model = DistributedDataParallel(nn.Linear(2, 1))
     with pytest.raises(ZeroCopyError, match="buffered accumulator"):
         WeightedAllReduceHook(model, _zero_copy())
+
+
+# ------------------------------------------------------- zero-copy: the rest of the .grad rule
+def test_a_parameter_re_registered_mid_window_breaks_the_window_until_it_is_put_back() -> None:
+    """A tracked parameter replaced in the module by another tensor of the same name and shape
+    leaves the window's sum on the old tensor: the next block raises BrokenWindowError with
+    nothing changed; with the old parameter back, the window goes on."""
+    acc, net = _started()
+    record = acc.state_dict()
+    old = net.table
+    net.table = nn.Parameter(old.detach().clone())
+    with pytest.raises(BrokenWindowError, match="'table'.*re-registered"):
+        _block(acc, net, 2, seed=7)
+    net.table = old
+    assert_records_equal(acc.state_dict(), record)
+    _block(acc, net, 2, seed=7)
+    assert acc.state.issued == 2
+
+
+def test_a_grad_removed_inside_a_block_after_the_backward_breaks_the_window() -> None:
+    """model.zero_grad() between backward() and the end of the block removes the window's sums
+    from .grad: leaving the block raises BrokenWindowError and the block is not counted."""
+    acc, net = _started()
+    with pytest.raises(BrokenWindowError, match="removed"):
+        with acc.microbatch(net, weight=2, kind="sum"):
+            _loss(net, 2, seed=8).backward()
+            net.zero_grad()
+    assert acc.state.issued == 1
+    with pytest.raises(BrokenWindowError):
+        acc.state_dict()
+
+
+def test_a_foreign_grad_set_inside_a_block_before_the_backward_is_refused_by_the_hook() -> None:
+    """A .grad set inside the block, before the backward, on a parameter the window has no
+    buffer for yet is refused by its hook (ZeroCopyError from backward); nothing was added, so
+    nothing changed and the window goes on once the stray tensor is gone."""
+    acc, net = _zero_copy(), Net()
+    with acc.microbatch(net, weight=1, kind="sum"):
+        (SCALE * net.layer(torch.ones(1, 3)).sum()).backward()  # table gets no gradient
+    record = acc.state_dict()
+    stray = torch.zeros_like(net.table)
+    with pytest.raises(ZeroCopyError, match="'table' got a .grad inside the microbatch block"):
+        with acc.microbatch(net, weight=1, kind="sum"):
+            net.table.grad = stray
+            (SCALE * net(torch.ones(1, 3), torch.tensor([0])).sum()).backward()
+    assert net.table.grad is stray
+    net.table.grad = None
+    assert_records_equal(acc.state_dict(), record)
+
+
+class _Checkpointed(nn.Module):
+    """``inner`` runs under activation checkpointing; with ``shared`` it is used outside too."""
+
+    def __init__(self, *, reentrant: bool, shared: bool) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.inner = nn.Linear(3, 3)
+        self.outer = nn.Linear(3, 1)
+        self.reentrant, self.shared = reentrant, shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        def segment(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.inner(t))
+
+        hidden = checkpoint(segment, x, use_reentrant=self.reentrant)
+        if self.shared:
+            hidden = hidden + self.inner(x)
+        return self.outer(hidden).sum()
+
+
+@pytest.mark.parametrize(
+    ("reentrant", "shared"),
+    [(False, False), (False, True), (True, False)],
+    ids=["non-reentrant", "non-reentrant-shared", "reentrant-inside-only"],
+)
+def test_activation_checkpointing_gives_the_buffered_bits(reentrant: bool, shared: bool) -> None:
+    """Non-reentrant checkpointing, and reentrant checkpointing of parameters used only inside
+    the segment, hand each parameter one gradient: the zero-copy window equals the buffered
+    one bit for bit."""
+    zero_copy, buffered = (
+        _zero_copy(),
+        WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE),
+    )
+    net_z = _Checkpointed(reentrant=reentrant, shared=shared)
+    net_b = _Checkpointed(reentrant=reentrant, shared=shared)
+    for tokens in (3, 1, 5):
+        x = torch.randn(tokens, 3, generator=torch.Generator().manual_seed(tokens))
+        x.requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+        with zero_copy.microbatch(net_z, weight=tokens, kind="mean"):
+            (SCALE * net_z(x) / tokens).backward()
+        (SCALE * net_b(x) / tokens).backward()
+        buffered.accumulate_mean(net_b, tokens)
+    assert zero_copy.state_dict()[CHECKSUM_KEY] == buffered.state_dict()[CHECKSUM_KEY]
+
+
+def test_reentrant_checkpointing_of_a_shared_parameter_is_refused_and_says_so() -> None:
+    """With use_reentrant=True a parameter used inside and outside the checkpointed segment gets
+    two gradients in one backward; the second is refused with a message naming reentrant
+    checkpointing, and the window, which already received part of the microbatch, is broken."""
+    acc, net = _zero_copy(), _Checkpointed(reentrant=True, shared=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(ZeroCopyError, match="reentrant activation checkpointing"):
+        with acc.microbatch(net, weight=2, kind="mean"):
+            net(x).backward()
+    with pytest.raises(BrokenWindowError, match="added to"):
+        acc.finish_mean()
+    acc.discard()
+    assert acc.state.issued == 0 and all(p.grad is None for p in net.parameters())
