@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from wacc_torch import WeightedGradientsAccumulator
 
 
@@ -21,3 +23,17 @@ def has_checksum_option() -> bool:
     """``acc.state_dict(checksum=False)`` exists (skips the record's SHA-256)."""
     parameters = inspect.signature(WeightedGradientsAccumulator.state_dict).parameters
     return "checksum" in parameters
+
+
+def pending_buffers(accumulator: WeightedGradientsAccumulator) -> dict[str, torch.Tensor]:
+    """The accumulator's pending buffers, without copying them (an internal the memory and record
+    benchmarks read: the window core's since the modes got modules of their own, the
+    accumulator's own field before). Raises rather than guess: a wrong guess would measure
+    nothing."""
+    mode = getattr(accumulator, "_mode", None)
+    if mode is not None:
+        return dict(mode.window.pending)
+    pending = getattr(accumulator, "_pending", None)
+    if pending is None:
+        raise AttributeError("cannot find the pending buffers of this wacc_torch version")
+    return dict(pending)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.features import has_checksum_option
+from benchmarks.features import has_checksum_option, pending_buffers
 from benchmarks.results import Row
 from benchmarks.settings import Settings
 from benchmarks.tensors import ManyParameters, gradients
@@ -123,7 +123,7 @@ def _accumulate_group(
 def _state_dict_rows(
     device: torch.device, accumulator: WeightedGradientsAccumulator, repeats: int, *, case: str
 ) -> list[Row]:
-    buffers = dict(accumulator._pending)
+    buffers = pending_buffers(accumulator)
 
     def copy() -> None:
         {name: b.detach().to("cpu", copy=True) for name, b in buffers.items()}

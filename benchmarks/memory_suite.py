@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import step
+from benchmarks.features import pending_buffers
 from benchmarks.memory import StorageLog
 from benchmarks.results import NOT_AVAILABLE, Row
 from benchmarks.settings import Settings
@@ -38,7 +39,8 @@ def _logged_step(trainer: step.Trainer) -> StorageLog:
     parameters = list(trainer.model.parameters())
 
     def sample() -> None:
-        pending = getattr(trainer.accumulator, "_pending", {})
+        accumulator = trainer.accumulator
+        pending = {} if accumulator is None else pending_buffers(accumulator)
         log.mark([p.grad for p in parameters] + list(pending.values()))
 
     trainer.after = sample
