@@ -16,9 +16,10 @@ candidate) and replace it with a hostile value (wrong types, hex overflow, integ
 digits, NaN/inf spellings, empty values, deep nesting, long strings, random JSON), delete it,
 add an unknown field or repeat a key; others edit the bytes. They run ``wacc.cli.main`` in
 process (an exception escaping it is what a user sees as a traceback); a few subprocess runs
-check that the in-process answer is what ``python -m wacc`` prints. To reproduce a failure,
-run the test named in it: the ``ci`` profile is derandomized, and the falsifying example is
-printed.
+check that the in-process answer is what ``python -m wacc`` prints. A failure names the edit
+and the answer; Hypothesis prints the falsifying example and a ``@reproduce_failure`` blob, and
+under the derandomized ``ci`` profile the same run finds it again:
+``HYPOTHESIS_PROFILE=ci python -m pytest tests/wacc/test_file_fuzz.py -k <test name>``.
 """
 
 from __future__ import annotations
@@ -854,11 +855,26 @@ def test_a_file_name_with_a_line_break_stays_one_line(folder: Path) -> None:
 def test_what_the_gate_writes_it_reads_back(
     folder: Path, entries: dict[str, Metrics], kind: str, shard: str
 ) -> None:
-    """``write_gate_file`` either writes a file that ``read_gate_file`` returns unchanged, or
-    refuses (UsageError naming the field) before writing anything."""
+    """``write_gate_file`` writes a file that ``read_gate_file`` returns unchanged, or refuses
+    before writing anything, exactly when the content breaks the rules (failing > scenarios,
+    which no run records; and in a baseline failing > 0, a shard other than 1/1 or an inf
+    corpus metric)."""
     from wacc.errors import UsageError
     from wacc.gate.baseline import read_gate_file
 
+    baseline = kind == BASELINE_FORMAT
+    breaks_rules = (
+        any(m.failing > m.scenarios for m in entries.values())
+        or baseline
+        and (
+            shard != "1/1"
+            or any(m.failing for m in entries.values())
+            or any(
+                k.endswith("/corpus") and math.inf in (m.max_ulps, m.max_ratio)
+                for k, m in entries.items()
+            )  # fmt: skip
+        )
+    )
     path = folder / "round-trip" / "file.json"
     path.unlink(missing_ok=True)
     gate_file = GateFile(kind=kind, implementation="x", entries=entries, shard=shard,
@@ -867,8 +883,10 @@ def test_what_the_gate_writes_it_reads_back(
         write_gate_file(gate_file, path)
     except UsageError as exc:
         event("refused")
+        assert breaks_rules, f"refused content within the rules: {exc}"
         assert not path.exists() and "could not be read back" in str(exc), str(exc)
         return
+    assert not breaks_rules, f"wrote content that breaks the rules: {entries}, {kind}, {shard}"
     back = read_gate_file(path, kind=kind)
     assert back.entries == entries and back.shard == shard and back.provenance == PROVENANCE
 
