@@ -321,23 +321,25 @@ class Scenario:
                 raise ScenarioError(f"{where}: {step.op} comes before any checkpoint step")
             elif isinstance(step, Accumulate):
                 for name, values in step.grads:
-                    grad = item(f"{where}.grads", name)
                     if name not in sizes:
                         raise ScenarioError(
-                            f"{grad}: gradient for unknown parameter {shown(name)}; "
+                            f"{item(f'{where}.grads', name)}: gradient for unknown parameter "
+                            f"{shown(name)}; "
                             f"parameters: {shown(list(sizes))}"
                         )
                     if values is None:
                         continue
                     if len(values) != sizes[name]:
                         raise ScenarioError(
-                            f"{grad}: parameter {shown(name)} has {shown(sizes[name])} elements, "
+                            f"{item(f'{where}.grads', name)}: parameter {shown(name)} has "
+                            f"{shown(sizes[name])} elements, "
                             f"got {len(values)} gradient values"
                         )
                     for position, value in enumerate(values):
                         if not formats.is_representable(value, self.grad_dtype):
                             raise ScenarioError(
-                                f"{item(grad, position)}: gradient value {value!r} "
+                                f"{item(item(f'{where}.grads', name), position)}: gradient "
+                                f"value {value!r} "
                                 f"({value.hex()}) is not representable in {self.grad_dtype}"
                             )
 

@@ -89,7 +89,8 @@ _KEY = re.compile(r"([a-z0-9]+)/([a-z0-9_]+)/(?:corpus|check)")
 
 
 class GateFile:
-    """A baseline or a shard's results: identity fields and metrics per key."""
+    """A baseline or a shard's results: identity fields and metrics per key (shards of one run
+    share implementation, corpus and Hypothesis version: wacc.commands.gate checks it)."""
 
     def __init__(
         self,
@@ -109,10 +110,6 @@ class GateFile:
         self.provenance = dict(provenance or {})
         self.corpus = dict(corpus or GATE_CORPUS)
         self.hypothesis = hypothesis
-
-    def identity(self) -> tuple[object, ...]:
-        """What two files must share to be compared or merged."""
-        return (self.implementation, tuple(sorted(self.corpus.items())), self.hypothesis)
 
 
 def _metric(value: object, where: str, *, finite: bool) -> float:
