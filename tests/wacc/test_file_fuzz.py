@@ -30,6 +30,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -641,6 +642,30 @@ def test_the_gate_defects_found_by_the_fuzzing_are_exit_2(folder: Path, path: st
         huge = text.replace('"provenance": {', '"provenance": {"big": ' + "9" * 5000 + ", ", 1)
         paths["shard-1"].write_text(huge, encoding="utf-8")
     assert_names(run_wacc(*gate_argv(paths)), paths["shard-1"], path)
+
+
+def test_a_shape_whose_product_python_cannot_print_is_exit_2(folder: Path) -> None:
+    """Found while fuzzing: dimensions of 3000 digits each made replay's size message raise
+    ValueError (str() of an int over 4300 digits); a dimension is now below 2**63, named."""
+
+    def edit(document: Any) -> None:  # no steps: the count is then only in replay's message
+        document["parameters"][0].update(shape=[10**3000, 10**3000])
+        document["steps"] = []
+
+    file = scenario_file(folder, edit)
+    assert_names(run_wacc("replay", str(file)), file, "parameters[0].shape[0]")
+
+
+def test_a_split_into_a_billion_shards_is_answered_at_once(folder: Path) -> None:
+    """Found while fuzzing: ``--merge`` listed every shard 1..N of the split to compare, so a
+    results file with shard ``1/999999999`` ran out of time and memory; the missing shards are
+    now found among the few the files hold, and the answer names the file and ``shard``."""
+    paths = gate_folder(folder, "billion")
+    edit_json(paths["shard-1"], lambda d: d.update(shard="1/999999999"))
+    edit_json(paths["shard-2"], lambda d: d.update(shard="2/999999999"))
+    started = time.perf_counter()
+    line = assert_names(run_wacc(*gate_argv(paths)), paths["shard-1"], "shard")
+    assert time.perf_counter() - started < 10 and "3/999999999" in line, line
 
 
 # ------------------------------------------------------------------------------ the decisions
