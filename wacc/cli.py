@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Every character str.splitlines() breaks at, mapped to its escape.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse prints the whole usage block; one line is the contract (exit 2 all the same).
@@ -68,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args._module.run(args))
     except UsageError as exc:
-        print(f"wacc: error: {exc}", file=sys.stderr)
+        # One line is the contract: a line break inside a message (a file name or an argument
+        # with one) is shown escaped rather than starting a second line.
+        print(f"wacc: error: {str(exc).translate(_LINE_BREAKS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("wacc: interrupted", file=sys.stderr)

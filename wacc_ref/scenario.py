@@ -30,6 +30,15 @@ with :meth:`float.hex` (``0x0.0p+0`` and ``-0x0.0p+0`` keep the sign of zero, ``
 comparison in this project looks at (a NaN is a NaN).  A failing scenario can therefore be saved
 with ``to_json`` and replayed with ``from_json``.
 
+:func:`from_json` reads strictly, by the rules of :mod:`wacc_ref.strict_json`: exactly the fields
+``to_json`` writes, none missing, unknown or repeated; every float spelled exactly as
+``float.hex`` writes it (``nan``, ``inf``, ``-0x0.0p+0``, negative weights are scenario data;
+``1.8p1``, ``0x1p+0``, ``infinity``, a decimal, and values beyond float64 such as
+``0x1.0p+1024`` are refused); ``version`` and shape dimensions JSON integers (never ``true``;
+a dimension below 2**63); ``fused`` and ``asynchronous`` ``true``/``false`` (never 0/1).  Every
+problem is a :class:`ScenarioError` of one line that starts with the field's path
+(``steps[2].grads['w'][0]: ...``).
+
 
 The step-by-step traces of a run live in :mod:`wacc_ref.traces`, the corrupted records of
 ``RestoreCorrupted`` in :mod:`wacc_ref.corruption`, and the oracles that compare an
@@ -50,6 +59,19 @@ import numpy as np
 from wacc_ref import formats
 from wacc_ref.bits import float_key
 from wacc_ref.corruption import CORRUPTION_KINDS
+from wacc_ref.strict_json import (
+    FieldError,
+    expect_bool,
+    expect_int,
+    expect_list,
+    expect_object,
+    expect_str,
+    field,
+    item,
+    loads,
+    parse_hex,
+    shown,
+)
 
 __all__ = [
     "JSON_FORMAT",
@@ -75,7 +97,8 @@ JSON_VERSION = 1
 
 
 class ScenarioError(ValueError):
-    """A scenario (or its JSON text) that is not well formed; the message names the value."""
+    """A scenario (or its JSON text) that is not well formed; the message is one line that
+    starts with the field's path (``steps[2].weight: ...``) and names the value."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +112,7 @@ GradEntries: TypeAlias = tuple[tuple[str, GradValues], ...]
 def _as_float(value: object, *, what: str) -> float:
     """``value`` as a Python float; only floats (numpy float64 included) are accepted."""
     if isinstance(value, bool) or not isinstance(value, float):
-        raise ScenarioError(f"{what} must be a float, got {value!r} ({type(value).__name__})")
+        raise ScenarioError(f"{what}: must be a float, got {shown(value)} ({type(value).__name__})")
     return float(value)
 
 
@@ -245,22 +268,23 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.work_dtype not in formats.WORK_DTYPES:
             raise ScenarioError(
-                f"work_dtype {self.work_dtype!r} is not one of {', '.join(formats.WORK_DTYPES)}"
+                f"work_dtype: {shown(self.work_dtype)} is not one of "
+                f"{', '.join(formats.WORK_DTYPES)}"
             )
         if self.grad_dtype not in formats.FORMATS:
             raise ScenarioError(
-                f"grad_dtype {self.grad_dtype!r} is not one of {', '.join(formats.FORMATS)}"
+                f"grad_dtype: {shown(self.grad_dtype)} is not one of {', '.join(formats.FORMATS)}"
             )
         scale = _as_float(self.loss_scale, what="loss_scale")
         if not (math.isfinite(scale) and scale > 0.0):
-            raise ScenarioError(f"loss_scale {scale!r} must be finite and > 0")
+            raise ScenarioError(f"loss_scale: {scale!r} must be finite and > 0")
         if not formats.is_representable(scale, self.work_dtype):
             raise ScenarioError(
-                f"loss_scale {scale!r} ({scale.hex()}) is not representable in {self.work_dtype}"
+                f"loss_scale: {scale!r} ({scale.hex()}) is not representable in {self.work_dtype}"
             )
         object.__setattr__(self, "loss_scale", scale)
         if not isinstance(self.fused, bool):
-            raise ScenarioError(f"fused must be a bool, got {self.fused!r}")
+            raise ScenarioError(f"fused: must be a bool, got {shown(self.fused)}")
         object.__setattr__(self, "parameters", self._checked_parameters())
         object.__setattr__(self, "steps", tuple(self.steps))
         self._check_steps()
@@ -268,52 +292,55 @@ class Scenario:
     def _checked_parameters(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         checked: list[tuple[str, tuple[int, ...]]] = []
         seen: set[str] = set()
-        for entry in self.parameters:
+        for position, entry in enumerate(self.parameters):
             name, shape = entry
+            where = item("parameters", position)
             if not isinstance(name, str) or not name:
-                raise ScenarioError(f"parameter name must be a non-empty str, got {name!r}")
+                raise ScenarioError(f"{where}.name: must be a non-empty str, got {shown(name)}")
             if name in seen:
-                raise ScenarioError(f"parameter {name!r} is listed twice")
+                raise ScenarioError(f"{where}.name: parameter {shown(name)} is listed twice")
             seen.add(name)
             dims = tuple(shape)
             if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-                raise ScenarioError(
-                    f"shape of parameter {name!r} must be non-negative ints, got {shape!r}"
-                )
+                raise ScenarioError(f"{where}.shape: must be non-negative ints, got {shown(shape)}")
             checked.append((name, dims))
         if not checked:
-            raise ScenarioError("a scenario needs at least one parameter, got none")
+            raise ScenarioError("parameters: a scenario needs at least one parameter, got none")
         return tuple(checked)
 
     def _check_steps(self) -> None:
         sizes = {name: _element_count(shape) for name, shape in self.parameters}
         checkpointed = False
         for index, step in enumerate(self.steps):
+            where = item("steps", index)
             if not isinstance(step, Accumulate | Finish | Checkpoint | Restore | RestoreCorrupted):
-                raise ScenarioError(f"step {index} is not a scenario step: {step!r}")
+                raise ScenarioError(f"{where}: not a scenario step: {shown(step)}")
             if isinstance(step, Checkpoint):
                 checkpointed = True
             elif isinstance(step, Restore | RestoreCorrupted) and not checkpointed:
-                raise ScenarioError(f"step {index} ({step.op}) comes before any checkpoint step")
+                raise ScenarioError(f"{where}: {step.op} comes before any checkpoint step")
             elif isinstance(step, Accumulate):
                 for name, values in step.grads:
                     if name not in sizes:
                         raise ScenarioError(
-                            f"step {index}: gradient for unknown parameter {name!r}; "
-                            f"parameters: {list(sizes)}"
+                            f"{item(f'{where}.grads', name)}: gradient for unknown parameter "
+                            f"{shown(name)}; "
+                            f"parameters: {shown(list(sizes))}"
                         )
                     if values is None:
                         continue
                     if len(values) != sizes[name]:
                         raise ScenarioError(
-                            f"step {index}: parameter {name!r} has {sizes[name]} elements, "
+                            f"{item(f'{where}.grads', name)}: parameter {shown(name)} has "
+                            f"{shown(sizes[name])} elements, "
                             f"got {len(values)} gradient values"
                         )
                     for position, value in enumerate(values):
                         if not formats.is_representable(value, self.grad_dtype):
                             raise ScenarioError(
-                                f"step {index}: gradient value {value!r} ({value.hex()}) of "
-                                f"{name!r}[{position}] is not representable in {self.grad_dtype}"
+                                f"{item(item(f'{where}.grads', name), position)}: gradient "
+                                f"value {value!r} "
+                                f"({value.hex()}) is not representable in {self.grad_dtype}"
                             )
 
     @property
@@ -343,15 +370,6 @@ class Scenario:
 
 def _hex(value: float) -> str:
     return float.hex(value)
-
-
-def _unhex(text: object, *, what: str) -> float:
-    if not isinstance(text, str):
-        raise ScenarioError(f"{what} must be a float.hex string, got {text!r}")
-    try:
-        return float.fromhex(text)
-    except ValueError:
-        raise ScenarioError(f"{what} is not a float.hex string: {text!r}") from None
 
 
 def _step_to_json(step: Step) -> dict[str, Any]:
@@ -386,96 +404,102 @@ def to_json(scenario: Scenario, *, indent: int | None = None) -> str:
     return json.dumps(document, indent=indent, allow_nan=False)
 
 
-def _expect_keys(obj: object, keys: set[str], *, what: str) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ScenarioError(f"{what} must be a JSON object, got {obj!r}")
-    missing = keys - obj.keys()
-    extra = obj.keys() - keys
-    if missing or extra:
-        raise ScenarioError(
-            f"{what} has missing keys {sorted(missing)} / unknown keys {sorted(extra)}"
-        )
-    return obj
-
-
-_STEP_KEYS: Mapping[str, set[str]] = MappingProxyType(
+_MAX_DIM = 2**63 - 1
+_TOP_FIELDS = ("format", "version", "work_dtype", "grad_dtype", "loss_scale", "fused",
+               "parameters", "steps")  # fmt: skip
+_STEP_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "accumulate_sum": {"op", "weight", "grads"},
-        "accumulate_mean": {"op", "weight", "grads"},
-        "finish_sums": {"op"},
-        "finish_mean": {"op"},
-        "checkpoint": {"op", "asynchronous"},
-        "restore": {"op"},
-        "restore_corrupted": {"op", "kind"},
+        "accumulate_sum": ("op", "weight", "grads"),
+        "accumulate_mean": ("op", "weight", "grads"),
+        "finish_sums": ("op",),
+        "finish_mean": ("op",),
+        "checkpoint": ("op", "asynchronous"),
+        "restore": ("op",),
+        "restore_corrupted": ("op", "kind"),
     }
 )
 
 
-def _step_from_json(obj: object, index: int) -> Step:
-    what = f"step {index}"
-    if not isinstance(obj, dict) or obj.get("op") not in _STEP_KEYS:
-        raise ScenarioError(f"{what} has no known 'op' ({sorted(_STEP_KEYS)}): {obj!r}")
-    op = obj["op"]
-    fields = _expect_keys(obj, _STEP_KEYS[op], what=f"{what} ({op})")
+def _step_from_json(obj: object, where: str) -> Step:
+    step = expect_object(obj, where)
+    if "op" not in step:
+        raise FieldError(field(where, "op"), "missing")
+    op = expect_str(step["op"], field(where, "op"), choices=_STEP_FIELDS)
+    fields = expect_object(step, where, _STEP_FIELDS[op])
     if op in ("accumulate_sum", "accumulate_mean"):
-        grads = fields["grads"]
-        if not isinstance(grads, dict):
-            raise ScenarioError(f"{what}: grads must be an object, got {grads!r}")
+        weight = parse_hex(fields["weight"], field(where, "weight"))
+        grads_at = field(where, "grads")
         entries: list[tuple[str, GradValues]] = []
-        for name, values in grads.items():
+        for name, values in expect_object(fields["grads"], grads_at).items():
+            at = item(grads_at, name)
             if values is None:
                 entries.append((name, None))
             elif isinstance(values, list):
                 entries.append(
-                    (name, tuple(_unhex(v, what=f"{what}: gradient of {name!r}") for v in values))
+                    (name, tuple(parse_hex(v, item(at, k)) for k, v in enumerate(values)))
                 )
             else:
-                raise ScenarioError(f"{what}: gradient of {name!r} must be a list or null")
+                raise FieldError(at, f"must be a JSON array or null, got {shown(values)}")
         kind: Literal["sum", "mean"] = "sum" if op == "accumulate_sum" else "mean"
-        return Accumulate(
-            kind=kind, weight=_unhex(fields["weight"], what=f"{what}: weight"), grads=tuple(entries)
-        )
+        return Accumulate(kind=kind, weight=weight, grads=tuple(entries))
     if op == "finish_sums":
         return Finish("sums")
     if op == "finish_mean":
         return Finish("mean")
     if op == "checkpoint":
-        return Checkpoint(asynchronous=fields["asynchronous"])
+        asynchronous = expect_bool(fields["asynchronous"], field(where, "asynchronous"))
+        return Checkpoint(asynchronous=asynchronous)
     if op == "restore":
         return Restore()
-    return RestoreCorrupted(kind=fields["kind"])
-
-
-def from_json(text: str) -> Scenario:
-    """The scenario written by :func:`to_json` (validated like any scenario)."""
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ScenarioError(f"not JSON: {exc}") from None
-    keys = {"format", "version", "work_dtype", "grad_dtype", "loss_scale", "fused"}
-    keys |= {"parameters", "steps"}
-    fields = _expect_keys(document, keys, what="scenario")
-    if fields["format"] != JSON_FORMAT or fields["version"] != JSON_VERSION:
-        raise ScenarioError(
-            f"format {fields['format']!r} version {fields['version']!r} is not "
-            f"{JSON_FORMAT!r} version {JSON_VERSION}"
-        )
-    if not isinstance(fields["parameters"], list) or not isinstance(fields["steps"], list):
-        raise ScenarioError("scenario parameters and steps must be lists")
-    parameters: list[tuple[str, tuple[int, ...]]] = []
-    for position, entry in enumerate(fields["parameters"]):
-        param = _expect_keys(entry, {"name", "shape"}, what=f"parameter {position}")
-        if not isinstance(param["shape"], list):
-            raise ScenarioError(f"parameter {position}: shape must be a list: {param['shape']!r}")
-        parameters.append((param["name"], tuple(param["shape"])))
-    return Scenario(
-        work_dtype=fields["work_dtype"],
-        grad_dtype=fields["grad_dtype"],
-        loss_scale=_unhex(fields["loss_scale"], what="loss_scale"),
-        fused=fields["fused"],
-        parameters=tuple(parameters),
-        steps=tuple(_step_from_json(step, i) for i, step in enumerate(fields["steps"])),
+    return RestoreCorrupted(
+        kind=expect_str(fields["kind"], field(where, "kind"), choices=CORRUPTION_KINDS)
     )
+
+
+def _from_document(document: object) -> Scenario:
+    top = expect_object(document, "")
+    # Format and version first: a file of another kind is named as such, not by its first field.
+    if top.get("format") != JSON_FORMAT:
+        raise FieldError("format", f"must be {JSON_FORMAT!r}, got {shown(top.get('format'))}")
+    version = top.get("version")
+    if type(version) is not int or version != JSON_VERSION:  # not True, not 1.0
+        raise FieldError("version", f"must be {JSON_VERSION}, got {shown(version)}")
+    expect_object(top, "", _TOP_FIELDS)
+    parameters: list[tuple[str, tuple[int, ...]]] = []
+    for position, entry in enumerate(expect_list(top["parameters"], "parameters")):
+        where = item("parameters", position)
+        param = expect_object(entry, where, ("name", "shape"))
+        shape_at = field(where, "shape")
+        shape = expect_list(param["shape"], shape_at)
+        # A dimension numpy and torch can index; it also keeps the element counts small ints.
+        dims = tuple(
+            expect_int(d, item(shape_at, k), minimum=0, maximum=_MAX_DIM)
+            for k, d in enumerate(shape)
+        )
+        parameters.append((expect_str(param["name"], field(where, "name")), dims))
+    steps = expect_list(top["steps"], "steps")
+    return Scenario(
+        work_dtype=expect_str(top["work_dtype"], "work_dtype"),
+        grad_dtype=expect_str(top["grad_dtype"], "grad_dtype"),
+        loss_scale=parse_hex(top["loss_scale"], "loss_scale"),
+        fused=expect_bool(top["fused"], "fused"),
+        parameters=tuple(parameters),
+        steps=tuple(_step_from_json(step, item("steps", i)) for i, step in enumerate(steps)),
+    )
+
+
+def from_json(text: str | bytes) -> Scenario:
+    """The scenario written by :func:`to_json`, read strictly and validated like any scenario.
+
+    Every problem is a :class:`ScenarioError` whose one-line message starts with the field's path
+    (``steps[2].grads['w'][0]: ...``) and shows the value; the reading rules (floats spelled
+    exactly as ``float.hex`` writes them, integers that are JSON integers and never ``true``, no
+    missing, unknown or repeated fields) are those of :mod:`wacc_ref.strict_json`.
+    """
+    try:
+        return _from_document(loads(text))
+    except FieldError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------

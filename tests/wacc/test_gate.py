@@ -140,9 +140,9 @@ def test_a_planted_regression_fails_the_gate(runs: Path) -> None:
     ("content", "fragment"),
     [
         (None, "no gate file"),
-        ("{not json", "not a readable JSON gate file"),
+        ("{not json", "(document): not JSON"),
         (json.dumps({"format": "something-else", "version": 1}), "expected 'wacc-gate-baseline'"),
-        (json.dumps({"format": "wacc-gate-baseline", "version": 1}), "field 'implementation'"),
+        (json.dumps({"format": "wacc-gate-baseline", "version": 1}), "implementation: missing"),
     ],
 )
 def test_a_missing_corrupt_or_foreign_baseline_is_exit_2(
@@ -157,7 +157,8 @@ def test_a_missing_corrupt_or_foreign_baseline_is_exit_2(
     (shards / "s1.json").write_text(
         json.dumps({"format": "wacc-gate-results", "version": 1, "implementation": "x",
                     "corpus": {"seed": 0, "size": "default"}, "hypothesis": "0", "entries": {},
-                    "provenance": {}, "shard": "1/1"}), encoding="utf-8")  # fmt: skip
+                    "provenance": {}, "shard": "1/1", "profile": "ci"}),
+        encoding="utf-8")  # fmt: skip
     result = gate("--merge", str(shards), "--baseline", str(baseline))
     assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
 

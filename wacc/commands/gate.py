@@ -55,6 +55,7 @@ from wacc.gate.outputs import table, write_junit, write_summary
 from wacc.implementation import DEFAULT_IMPL, load_implementation
 from wacc.report.corpus import build_corpus
 from wacc.report.provenance import collect_provenance
+from wacc_ref.strict_json import shown
 
 __all__ = ["add_arguments", "run"]
 
@@ -82,20 +83,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
     files = sorted(path for directory in directories for path in directory.glob("*.json"))
     if not files:
-        raise UsageError(f"no shard results (*.json) in {', '.join(map(str, directories))}")
+        shown_dirs = ", ".join(repr(str(d)) for d in directories)
+        raise UsageError(f"no shard results (*.json) in {shown_dirs}")
     parts = [read_gate_file(path, kind=RESULTS_FORMAT) for path in files]
-    identities = {part.identity() for part in parts}
-    if len(identities) != 1:
+    first, first_file = parts[0], str(files[0])
+    # Each problem names the file and the field, like the reader's own messages.
+    for path, part in zip(files, parts, strict=True):
+        where = repr(str(path))
+        if part.corpus != GATE_CORPUS:
+            raise UsageError(
+                f"{where}: corpus: recorded on {shown(part.corpus)}, the gate runs {GATE_CORPUS}"
+            )
+        for name in ("implementation", "hypothesis"):
+            if getattr(part, name) != getattr(first, name):
+                raise UsageError(
+                    f"{where}: {name}: {shown(getattr(part, name))} differs from "
+                    f"{shown(getattr(first, name))} in {first_file!r}: shards of one run only"
+                )
+    seen: dict[Shard, Path] = {}
+    for path, part in zip(files, parts, strict=True):
+        shard = Shard.parse(part.shard)  # validated by read_gate_file
+        if shard.count != Shard.parse(first.shard).count:
+            raise UsageError(
+                f"{str(path)!r}: shard: {part.shard} is not of the split of {first.shard} in "
+                f"{first_file!r}"
+            )
+        if shard in seen:
+            raise UsageError(f"{str(path)!r}: shard: {part.shard} is also in {str(seen[shard])!r}")
+        seen[shard] = path
+    count = Shard.parse(first.shard).count
+    missing: list[str] = []
+    index = 1
+    while index <= count and len(missing) < 6:  # N may be huge: stop at the first few missing
+        if Shard(index, count) not in seen:
+            missing.append(str(Shard(index, count)))
+        index += 1
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
         raise UsageError(
-            "the shard results come from different implementations, corpora or versions"
+            f"{first_file!r}: shard: {first.shard} is one of {count} shards, and no results file "
+            f"holds shard {', '.join(missing[:5])}{more}"
         )
-    shards = sorted(Shard.parse(part.shard) for part in parts)
-    count = shards[0].count
-    if [(s.index, s.count) for s in shards] != [(k, count) for k in range(1, count + 1)]:
-        raise UsageError(
-            f"the shard results are not shards 1..N of one split: {[p.shard for p in parts]}"
-        )
-    return parts[0].implementation, merge_metrics(part.entries for part in parts)
+    return first.implementation, merge_metrics(part.entries for part in parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shard = Shard.parse(args.shard)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"--shard: {exc}") from None
     if args.merge and (shard.count > 1 or args.results):
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
     if args.update_baseline and shard.count > 1:
@@ -137,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
         )
         write_gate_file(
             GateFile(kind=RESULTS_FORMAT, implementation=implementation, entries=metrics,
-                     shard=args.shard, provenance=provenance),
+                     shard=str(shard), provenance=provenance),
             path,
         )  # fmt: skip
-        print(f"wacc gate shard {args.shard}: {len(metrics)} keys, {failing} failing scenario(s); "
+        print(f"wacc gate shard {shard}: {len(metrics)} keys, {failing} failing scenario(s); "
               f"results in {path} ({seconds:.1f} s)")  # fmt: skip
         return 1 if failing else 0
     if args.update_baseline:
@@ -160,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     baseline = read_gate_file(args.baseline, kind=BASELINE_FORMAT)
     if baseline.corpus != GATE_CORPUS:
         raise UsageError(
-            f"{str(args.baseline)!r} was recorded on another corpus ({baseline.corpus}): update it"
+            f"{str(args.baseline)!r}: corpus: recorded on {shown(baseline.corpus)}, the gate runs "
+            f"{GATE_CORPUS}: update the baseline"
         )
     if baseline.hypothesis != hypothesis_version:
         # The gated corpus is frozen; only the check's examples (never compared) move with it.
@@ -171,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
             f"note: the baseline was recorded for {baseline.implementation}; "
             f"judging {implementation}"
         )
-    comparison = compare(metrics, baseline.entries)
+    try:
+        comparison = compare(metrics, baseline.entries)
+    except UsageError as exc:
+        raise UsageError(f"{str(args.baseline)!r}: {exc}") from None
     print(table(comparison))
     for title, items in (("FAILURE", comparison.failures), ("REGRESSION", comparison.regressions),
                          ("improvement", comparison.improvements)):  # fmt: skip

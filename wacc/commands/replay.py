@@ -8,8 +8,11 @@ examples:
   wacc replay wacc-check/divergence-01-float16-windows.json
   wacc replay scenario.json --impl mypkg.acc:make --device cuda
 
-exit codes: 0 = every step agrees, 1 = a step diverges, 2 = usage error (unreadable, malformed
-or oversized file, bad IMPL)
+The file is read strictly, as `wacc check` writes it (every float spelled exactly as Python's
+float.hex writes it, no field missing, unknown or repeated): see wacc_ref/strict_json.py.
+
+exit codes: 0 = every step agrees, 1 = a step diverges, 2 = usage error (an unreadable,
+malformed or oversized file: one line naming the file and the field; a bad IMPL)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from wacc.errors import UsageError
 from wacc.tables import format_metric, render_table
 from wacc.verdict import ScenarioVerdict, judge
 from wacc_ref.scenario import Scenario, ScenarioError, from_json
+from wacc_ref.strict_json import shown
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -51,34 +55,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_scenario_file(path: Path) -> Scenario:
-    """The scenario in ``path``; :class:`UsageError` naming the problem for anything else."""
+    """The scenario in ``path``; :class:`UsageError` naming the file and the field otherwise.
+
+    The file is read as :func:`wacc_ref.scenario.from_json` reads it (strictly: see
+    :mod:`wacc_ref.strict_json`), after a size limit, and its parameters and steps are limited
+    too: a replay file is a small test case.
+    """
+    name = str(path)
     try:
         size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise UsageError(
+                f"{name!r} has {size} bytes; a scenario file has at most {MAX_FILE_BYTES}"
+            )
+        data = path.read_bytes()
     except OSError as exc:
-        raise UsageError(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    if size > MAX_FILE_BYTES:
-        raise UsageError(
-            f"{str(path)!r} has {size} bytes; a scenario file has at most {MAX_FILE_BYTES}"
-        )
+        raise UsageError(f"cannot read {name!r}: {exc.strerror or exc}") from None
     try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {str(path)!r} as UTF-8 text: {exc}") from None
-    try:
-        scenario = from_json(text)
+        scenario = from_json(data)
     except ScenarioError as exc:
-        raise UsageError(f"{str(path)!r} is not a valid scenario: {exc}") from None
-    except RecursionError:
-        raise UsageError(f"{str(path)!r} is nested too deeply to be a scenario") from None
-    except (ValueError, TypeError) as exc:  # e.g. an integer with more digits than Python reads
-        raise UsageError(f"{str(path)!r} is not a valid scenario: {exc}") from None
+        raise UsageError(f"{name!r}: {exc}") from None
     elements = sum(math.prod(shape) for _, shape in scenario.parameters)
     if elements > MAX_TOTAL_ELEMENTS:
         raise UsageError(
-            f"{str(path)!r} declares {elements} parameter elements; at most {MAX_TOTAL_ELEMENTS}"
+            f"{name!r}: parameters: {shown(elements)} elements in all; a scenario file has at most "
+            f"{MAX_TOTAL_ELEMENTS}"
         )
     if len(scenario.steps) > MAX_STEPS:
-        raise UsageError(f"{str(path)!r} has {len(scenario.steps)} steps; at most {MAX_STEPS}")
+        raise UsageError(
+            f"{name!r}: steps: {len(scenario.steps)} steps; a scenario file has at most {MAX_STEPS}"
+        )
     return scenario
 
 
@@ -119,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     implementation = implementation_from(args)
     if implementation.fused != scenario.fused:
         raise UsageError(
-            f"the scenario has fused={scenario.fused}, but {args.impl} declares "
-            f"state.fused={implementation.fused}"
+            f"{str(args.file)!r}: fused: the scenario has {str(scenario.fused).lower()}, but "
+            f"{args.impl} declares state.fused={implementation.fused}"
         )
     verdict = judge(implementation, scenario, device=device, oracles=oracles_from(args))
     print(

@@ -1,23 +1,50 @@
 """The gate's files: the committed baseline and the per-shard results.
 
-Both are JSON objects::
+Both are JSON objects with exactly these fields::
 
     {"format": "wacc-gate-baseline" | "wacc-gate-results", "version": 1,
      "implementation": "<factory spec>", "corpus": {"seed": 0, "size": "default"},
-     "profile": "ci", "hypothesis": "<version>", "shard": "K/N" (results only),
-     "provenance": {...},
+     "profile": "ci", "hypothesis": "<version>", "shard": "K/N", "provenance": {...},
      "entries": {"<dtype>/<family>/<source>": {"scenarios": int, "failing": int,
                  "max_ulps": "<float.hex>", "max_ratio": "<float.hex>", "findings": [str]}}}
 
-Floats are ``float.hex`` strings (exact, inf included). Reading validates everything and raises
-:class:`~wacc.errors.UsageError` naming the file and the problem (missing, not JSON, another
-format or version, another implementation, corpus or Hypothesis version: a foreign baseline).
+Reading is strict (:mod:`wacc_ref.strict_json`) and every problem is a
+:class:`~wacc.errors.UsageError` (exit 2) of one line naming the file, the field's path
+(``entries['float32/sums/corpus'].max_ulps``) and the value, shortened. What a file may contain,
+and why (each rule strict where a lenient reading could hide a corrupt or hand-edited file;
+whatever :func:`write_gate_file` writes it reads back, and it checks that before writing):
+
+* ``format`` and ``version``: the kind asked for and the JSON integer 1 (``true`` and ``1.0``,
+  which equal 1 in Python, are refused); a file of another kind is named as such first.
+* No field missing, none unknown, no key twice in one object (``json`` would keep the last: a
+  merge conflict resolved by keeping both lines would silently change the baseline).
+* ``max_ulps`` and ``max_ratio``: spelled exactly as :meth:`float.hex` writes them (``inf``
+  included; not ``1.8p1``, ``0X1P+0``, ``infinity`` or anything else ``float.fromhex`` would also
+  read), ``>= 0``, never NaN or ``-0.0`` (maxima of absolute errors that start at +0.0), within
+  float64 (``0x1.0p+1024`` is refused, not an ``OverflowError``). In a **baseline**, the metrics
+  of a ``corpus`` key must be finite: ``inf`` would switch the regression check off for that key
+  (``x > inf`` never holds), and a passing run never records it; a ``check`` key's metrics are
+  shown, never compared, so ``inf`` is accepted there, as in results files.
+* ``scenarios`` and ``failing``: JSON integers (never ``true``), ``0 <= failing <= scenarios <
+  2**63``. A **baseline** records a passing run, so its ``failing`` is 0 everywhere
+  (``--update-baseline`` refuses a failing run; a hand-edited count is refused, not ignored).
+* ``shard``: ``K/N`` in ASCII digits without sign, space or leading zero (``int()`` would take
+  ``"+1"``, ``" 1"`` and ``"١"``), ``1 <= K <= N``; ``1/1`` in a baseline. ``--shard`` on the
+  command line follows the same rule, and results files record the shard in that spelling.
+* ``corpus``: exactly ``{"seed": int, "size": str}``; ``profile``: ``"ci"``; ``implementation``
+  a non-empty string; ``hypothesis`` a string; ``entries`` keys ``<work dtype>/<family>/corpus``
+  or ``.../check``; ``findings`` a list of strings; ``provenance`` any JSON object (recorded,
+  never read back) without integers too long for Python to read.
+
+A foreign file (another implementation, corpus or Hypothesis version) is judged by the command
+(:mod:`wacc.commands.gate`), also with exit 2.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +52,21 @@ from typing import Any
 from hypothesis import __version__ as hypothesis_version
 
 from wacc.errors import UsageError
-from wacc.gate.measure import GATE_CORPUS, Metrics
+from wacc.gate.measure import GATE_CORPUS, Metrics, Shard
+from wacc_ref import formats
+from wacc_ref.strict_json import (
+    FieldError,
+    check_free_json,
+    expect_int,
+    expect_list,
+    expect_object,
+    expect_str,
+    field,
+    item,
+    loads,
+    parse_hex,
+    shown,
+)
 
 __all__ = [
     "BASELINE_FORMAT",
@@ -40,10 +81,16 @@ BASELINE_FORMAT = "wacc-gate-baseline"
 RESULTS_FORMAT = "wacc-gate-results"
 VERSION = 1
 _MAX_BYTES = 16 * 2**20
+_MAX_COUNT = 2**63 - 1  # a count of scenarios; sums of a few stay printable (int's digit limit)
+_TOP_FIELDS = ("format", "version", "implementation", "corpus", "profile", "hypothesis", "shard",
+               "provenance", "entries")  # fmt: skip
+_ENTRY_FIELDS = ("scenarios", "failing", "max_ulps", "max_ratio", "findings")
+_KEY = re.compile(r"([a-z0-9]+)/([a-z0-9_]+)/(?:corpus|check)")
 
 
 class GateFile:
-    """A baseline or a shard's results: identity fields and metrics per key."""
+    """A baseline or a shard's results: identity fields and metrics per key (shards of one run
+    share implementation, corpus and Hypothesis version: wacc.commands.gate checks it)."""
 
     def __init__(
         self,
@@ -64,81 +111,111 @@ class GateFile:
         self.corpus = dict(corpus or GATE_CORPUS)
         self.hypothesis = hypothesis
 
-    def identity(self) -> tuple[object, ...]:
-        """What two files must share to be compared or merged."""
-        return (self.implementation, tuple(sorted(self.corpus.items())), self.hypothesis)
+
+def _metric(value: object, where: str, *, finite: bool) -> float:
+    number = parse_hex(value, where)
+    # The tool writes maxima of absolute errors that start at +0.0: never NaN, never negative.
+    if math.isnan(number) or math.copysign(1.0, number) < 0:
+        raise FieldError(where, f"must be >= 0 (and not -0.0), got {shown(value)}")
+    if finite and math.isinf(number):
+        raise FieldError(
+            where,
+            "must be finite in a baseline: inf would switch the regression check off for this "
+            "key (a passing run never records it)",
+        )
+    return number
 
 
-def _float(text: object, *, where: str) -> float:
-    if not isinstance(text, str):
-        raise UsageError(f"{where} must be a float.hex string, got {text!r}")
+def _entry(value: object, where: str, *, key: str, kind: str) -> Metrics:
+    entry = expect_object(value, where, _ENTRY_FIELDS)
+    scenarios = expect_int(entry["scenarios"], field(where, "scenarios"), minimum=0,
+                           maximum=_MAX_COUNT)  # fmt: skip
+    failing = expect_int(entry["failing"], field(where, "failing"), minimum=0, maximum=scenarios)
+    baseline = kind == BASELINE_FORMAT
+    if baseline and failing:
+        raise FieldError(
+            field(where, "failing"),
+            f"must be 0 in a baseline (only a passing run is recorded), got {shown(failing)}",
+        )
+    findings = expect_list(entry["findings"], field(where, "findings"))
+    for position, finding in enumerate(findings):
+        expect_str(finding, item(field(where, "findings"), position))
+    # Only the corpus keys are compared with the baseline (wacc.gate.compare).
+    finite = baseline and key.endswith("/corpus")
+    return Metrics(
+        scenarios=scenarios,
+        failing=failing,
+        max_ulps=_metric(entry["max_ulps"], field(where, "max_ulps"), finite=finite),
+        max_ratio=_metric(entry["max_ratio"], field(where, "max_ratio"), finite=finite),
+        findings=list(findings),
+    )
+
+
+def _gate_file(document: object, *, kind: str) -> GateFile:
+    """The :class:`GateFile` a parsed document holds; :class:`FieldError` for anything else."""
+    top = expect_object(document, "")
+    # Format and version first: a file of another kind is named as such, not by its first field.
+    if top.get("format") != kind:
+        raise FieldError("format", f"expected {kind!r}, got {shown(top.get('format'))}")
+    version = top.get("version")
+    if type(version) is not int or version != VERSION:  # not true, not 1.0
+        raise FieldError("version", f"expected {VERSION}, got {shown(version)}")
+    expect_object(top, "", _TOP_FIELDS)
+    implementation = expect_str(top["implementation"], "implementation")
+    if not implementation:
+        raise FieldError("implementation", "must name the implementation, got ''")
+    corpus = expect_object(top["corpus"], "corpus", ("seed", "size"))
+    expect_int(corpus["seed"], "corpus.seed")
+    expect_str(corpus["size"], "corpus.size")
+    expect_str(top["profile"], "profile", choices=("ci",))
+    hypothesis = expect_str(top["hypothesis"], "hypothesis")
+    shard_text = expect_str(top["shard"], "shard")
     try:
-        value = float.fromhex(text)
-    except ValueError:
-        raise UsageError(f"{where} is not a float.hex string: {text!r}") from None
-    if math.isnan(value) or value < 0:
-        raise UsageError(f"{where} must be >= 0, got {text!r}")
-    return value
-
-
-def _count(value: object, *, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"{where} must be an int >= 0, got {value!r}")
-    return value
+        shard = Shard.parse(shard_text)
+    except ValueError as exc:
+        raise FieldError("shard", str(exc)) from None
+    if kind == BASELINE_FORMAT and shard.count != 1:
+        raise FieldError(
+            "shard", f"must be '1/1' in a baseline (a whole run), got {shown(shard_text)}"
+        )
+    provenance = expect_object(top["provenance"], "provenance")
+    check_free_json(provenance, "provenance")
+    entries: dict[str, Metrics] = {}
+    for key, value in expect_object(top["entries"], "entries").items():
+        where = item("entries", key)
+        match = _KEY.fullmatch(key)
+        if match is None or match[1] not in formats.WORK_DTYPES:
+            raise FieldError(where, "not a <work dtype>/<family>/corpus|check key")
+        entries[key] = _entry(value, where, key=key, kind=kind)
+    return GateFile(
+        kind=kind,
+        implementation=implementation,
+        entries=entries,
+        shard=str(shard),
+        provenance=provenance,
+        corpus=corpus,
+        hypothesis=hypothesis,
+    )
 
 
 def read_gate_file(path: Path, *, kind: str) -> GateFile:
-    """Read and validate a gate file of ``kind`` (baseline or results)."""
+    """Read and validate a gate file of ``kind`` (baseline or results): :class:`UsageError`
+    naming the file, the field and the value for anything that breaks the rules above."""
     name = str(path)
     try:
         if path.stat().st_size > _MAX_BYTES:
             raise UsageError(f"{name!r} is larger than {_MAX_BYTES} bytes: not a gate file")
-        document = json.loads(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
     except FileNotFoundError:
         raise UsageError(
             f"no gate file at {name!r} (create a baseline with `wacc gate --update-baseline`)"
         ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise UsageError(f"{name!r} is not a readable JSON gate file: {exc}") from None
-    if not isinstance(document, dict):
-        raise UsageError(f"{name!r} is not a JSON object")
-    if document.get("format") != kind or document.get("version") != VERSION:
-        raise UsageError(
-            f"{name!r} has format {document.get('format')!r} version {document.get('version')!r}, "
-            f"expected {kind!r} version {VERSION}"
-        )
-    for field, kind_of in (
-        ("implementation", str), ("corpus", dict), ("hypothesis", str), ("entries", dict),
-        ("provenance", dict), ("shard", str),
-    ):  # fmt: skip
-        if not isinstance(document.get(field), kind_of):
-            raise UsageError(f"{name!r}: field {field!r} is missing or not a {kind_of.__name__}")
-    entries: dict[str, Metrics] = {}
-    for key, entry in document["entries"].items():
-        where = f"{name!r}: entries[{key!r}]"
-        if not isinstance(entry, dict) or set(entry) != {
-            "scenarios", "failing", "max_ulps", "max_ratio", "findings"
-        }:  # fmt: skip
-            raise UsageError(f"{where} must hold scenarios, failing, max_ulps, max_ratio, findings")
-        findings = entry["findings"]
-        if not isinstance(findings, list) or not all(isinstance(f, str) for f in findings):
-            raise UsageError(f"{where}.findings must be a list of strings")
-        entries[key] = Metrics(
-            scenarios=_count(entry["scenarios"], where=f"{where}.scenarios"),
-            failing=_count(entry["failing"], where=f"{where}.failing"),
-            max_ulps=_float(entry["max_ulps"], where=f"{where}.max_ulps"),
-            max_ratio=_float(entry["max_ratio"], where=f"{where}.max_ratio"),
-            findings=list(findings),
-        )
-    return GateFile(
-        kind=kind,
-        implementation=document["implementation"],
-        entries=entries,
-        shard=document["shard"],
-        provenance=document["provenance"],
-        corpus=document["corpus"],
-        hypothesis=document["hypothesis"],
-    )
+    except OSError as exc:
+        raise UsageError(f"{name!r} is not a readable gate file: {exc.strerror or exc}") from None
+    try:
+        return _gate_file(loads(data), kind=kind)
+    except FieldError as exc:
+        raise UsageError(f"{name!r}: {exc}") from None
 
 
 def write_gate_file(gate_file: GateFile, path: Path) -> Path:
@@ -163,6 +240,14 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
             for key, m in sorted(gate_file.entries.items())
         },
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(document, indent=1, sort_keys=True) + "\n"
+    try:  # what the tool writes, it reads back: checked before anything is written
+        _gate_file(loads(text), kind=gate_file.kind)
+    except FieldError as exc:
+        raise UsageError(f"not writing {str(path)!r}: it could not be read back: {exc}") from None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     return path

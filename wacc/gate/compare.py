@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from wacc.errors import UsageError
 from wacc.gate.measure import Metrics
+from wacc_ref.strict_json import item, shown
 
 __all__ = ["RATIO_HEADROOM_ULPS", "ULPS_HEADROOM", "Comparison", "compare", "headroom"]
 
@@ -65,11 +66,12 @@ class Comparison:
 
 def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comparison:
     """Judge ``run`` against ``baseline`` (see the module docstring)."""
+    # The UsageErrors name the baseline's field; the command puts the file's name in front.
     missing, extra = sorted(baseline.keys() - run.keys()), sorted(run.keys() - baseline.keys())
     if missing or extra:
         raise UsageError(
-            f"the baseline does not fit this run: keys only in the baseline {missing[:3]}, only "
-            f"in the run {extra[:3]} (update it with `wacc gate --update-baseline`)"
+            f"entries: do not fit this run: keys only in the baseline {shown(missing[:3])}, only "
+            f"in the run {shown(extra[:3])} (update it with `wacc gate --update-baseline`)"
         )
     result = Comparison()
     for key in sorted(run):
@@ -77,8 +79,9 @@ def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comp
         gated = key.endswith("/corpus")
         if gated and now.scenarios != base.scenarios:
             raise UsageError(
-                f"the baseline does not fit this run: {key} judged {now.scenarios} scenarios, "
-                f"the baseline {base.scenarios} (another corpus or version)"
+                f"{item('entries', key)}.scenarios: does not fit this run: {now.scenarios} "
+                f"scenarios judged, {shown(base.scenarios)} in the baseline (another corpus or "
+                "version)"
             )
         status = "ok"
         if now.failing:

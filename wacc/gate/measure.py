@@ -10,6 +10,7 @@ metrics (sums of counts, maxima of metrics: associative) equals the unsharded ru
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from wacc.implementation import Implementation
 from wacc.report.corpus import CorpusEntry, build_corpus
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref import formats
+from wacc_ref.strict_json import shown
 
 __all__ = [
     "GATE_CORPUS",
@@ -31,6 +33,7 @@ __all__ = [
     "units",
 ]
 
+_SHARD = re.compile(r"([1-9][0-9]{0,8})/([1-9][0-9]{0,8})")
 GATE_CORPUS_SEED = 0
 GATE_CORPUS_SIZE = "default"
 GATE_CORPUS: dict[str, int | str] = {"seed": GATE_CORPUS_SEED, "size": GATE_CORPUS_SIZE}
@@ -44,15 +47,24 @@ class Shard:
     count: int = 1
 
     @classmethod
-    def parse(cls, text: str) -> Shard:
-        """``"K/N"`` with ``1 <= K <= N``; ``ValueError`` naming the text otherwise."""
-        try:
-            index, count = (int(part) for part in text.split("/"))
-        except ValueError:
-            raise ValueError(f"--shard must be K/N with integers, got {text!r}") from None
-        if not 1 <= index <= count:
-            raise ValueError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    def parse(cls, text: object) -> Shard:
+        """``"K/N"`` with ``1 <= K <= N``; ``ValueError`` naming the text otherwise.
+
+        Only the spelling :meth:`__str__` writes: ASCII digits without sign, space or leading
+        zero (``int()`` would also take ``"+1"``, ``" 1"`` and ``"١"``), at most 9 of them.
+        """
+        match = _SHARD.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise ValueError(
+                f"must be K/N (decimal digits, no sign, space or leading zero), got {shown(text)}"
+            )
+        index, count = int(match[1]), int(match[2])
+        if not index <= count:
+            raise ValueError(f"K/N needs 1 <= K <= N, got {shown(text)}")
         return cls(index, count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
 
     def takes(self, position: int) -> bool:
         """Whether unit ``position`` of the ordered unit list is in this shard."""
