@@ -167,3 +167,13 @@ def test_usage_errors_are_exit_2() -> None:
     """A bad shard or contradictory options are refused with exit 2."""
     assert "--shard" in gate("--shard", "0/3").stderr
     assert gate("--shard", "1/2", "--update-baseline").returncode == 2
+
+
+def test_an_output_path_that_is_a_directory_is_exit_2_before_the_run(tmp_path: Path) -> None:
+    """--junit-xml / --summary-md naming a directory are refused with one line and exit 2 before
+    anything is measured, not with a traceback after the whole run."""
+    for option in ("--junit-xml", "--summary-md"):
+        result = gate(option, str(tmp_path))
+        assert result.returncode == 2, result.stderr
+        assert option in result.stderr and "is a directory" in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -135,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         shard = Shard.parse(args.shard)
     except ValueError as exc:
         raise UsageError(f"--shard: {exc}") from None
+    for option, path in (("--junit-xml", args.junit_xml), ("--summary-md", args.summary_md)):
+        # Found now, not after the whole run: an output that can never be written.
+        if path is not None and path.is_dir():
+            raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
     if args.merge and (shard.count > 1 or args.results):
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
     if args.update_baseline and shard.count > 1:
@@ -212,8 +216,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"{title}: {item}")
     verdict = "passed" if comparison.passed else "FAILED"
     print(f"wacc gate {verdict}: {implementation} against {args.baseline} ({seconds:.1f} s)")
-    if args.junit_xml:
-        write_junit(comparison, args.junit_xml, implementation=implementation, seconds=seconds)
-    if args.summary_md:
-        write_summary(comparison, args.summary_md, implementation=implementation, seconds=seconds)
+    for option, path, write in (
+        ("--junit-xml", args.junit_xml, write_junit),
+        ("--summary-md", args.summary_md, write_summary),
+    ):
+        if path is None:
+            continue
+        try:
+            write(comparison, path, implementation=implementation, seconds=seconds)
+        except OSError as exc:
+            raise UsageError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
     return 0 if comparison.passed else 1
