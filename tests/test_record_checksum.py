@@ -7,6 +7,8 @@ The checksum is verified last (after every field check), so each corruption kind
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +19,13 @@ import pytest
 import torch
 from torch import nn
 
+import wacc_ref.records
 import wacc_torch
+import wacc_torch.records
 from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_ref.corruption import applicable_corruptions, corrupt_record, corruption_field
 from wacc_ref.errors import RecordError as ReferenceRecordError
+from wacc_ref.formats import get_format
 from wacc_torch.records import CHECKSUM_KEY
 
 WORK_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -201,3 +206,132 @@ def test_records_without_a_checksum_still_load() -> None:
     reference_restored = ReferenceAccumulator(dtype="float16", loss_scale=4.0)
     reference_restored.load_state_dict(old_reference, PARAMS)
     assert reference_restored.state_dict()[CHECKSUM_KEY] == reference[CHECKSUM_KEY]
+
+
+# --------------------------------------------------------------------------------------------
+# NaNs: every sign and payload is hashed as D's canonical quiet NaN, in both packages
+# --------------------------------------------------------------------------------------------
+
+
+def _width(work_dtype: str) -> int:
+    return torch.finfo(getattr(torch, work_dtype)).bits
+
+
+_SIGNED = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def _nan_bits(work_dtype: str) -> tuple[int, list[int]]:
+    """D's canonical quiet NaN (sign +, exponent all ones, top mantissa bit only) and NaNs of
+    both signs with several payloads (quiet and signalling), from D's width and precision."""
+    width = _width(work_dtype)
+    mantissa = get_format(work_dtype).precision - 1
+    exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    canonical = exponent | 1 << (mantissa - 1)
+    payloads = (1 << (mantissa - 1), (1 << (mantissa - 1)) | 1, 1, 0b10, (1 << mantissa) - 1)
+    return canonical, [
+        sign | exponent | payload for sign in (0, 1 << (width - 1)) for payload in payloads
+    ]
+
+
+def _bits_of(buffer: torch.Tensor) -> list[int]:
+    """The unsigned bit patterns of a D tensor's elements."""
+    width = buffer.element_size() * 8
+    return [int(b) % (1 << width) for b in buffer.view(_SIGNED[width]).view(-1)]
+
+
+def _buffer(work_dtype: str, bits: list[int]) -> torch.Tensor:
+    """A D tensor holding exactly ``bits`` (unsigned patterns of D's width)."""
+    width = _width(work_dtype)
+    signed = [b - (1 << width) if b >> (width - 1) else b for b in bits]
+    return torch.tensor(signed, dtype=_SIGNED[width]).view(getattr(torch, work_dtype))
+
+
+# The record of the NaN test: the counters and S (the buffer is the test's).
+_FIELDS: dict[str, Any] = {
+    "loss_scale": 4.0,
+    "fused": False,
+    "issued": 2,
+    "zero_weight": 0,
+    "total_weight": 3.0,
+}
+
+
+def _documented_checksum(work_dtype: str, bits: list[int]) -> str:
+    """The checksum of the record of ``_FIELDS`` with one buffer "w" holding ``bits``, by the
+    documented layout (wacc_torch.records' docstring): the compact JSON header, then the bits
+    little-endian."""
+    header = [
+        1,  # format_version
+        work_dtype,
+        float(_FIELDS["loss_scale"]).hex(),
+        _FIELDS["fused"],
+        _FIELDS["issued"],
+        _FIELDS["zero_weight"],
+        float(_FIELDS["total_weight"]).hex(),
+        ["w"],
+        [[len(bits)]],
+        ["w"],
+    ]
+    digest = hashlib.sha256(json.dumps(header, separators=(",", ":")).encode())
+    digest.update(b"".join(b.to_bytes(_width(work_dtype) // 8, "little") for b in bits))
+    return "sha256:" + digest.hexdigest()
+
+
+@pytest.mark.parametrize("work_dtype", WORK_DTYPES)
+def test_every_nan_is_hashed_as_the_canonical_nan_in_both_packages(work_dtype: str) -> None:
+    """A buffer holding NaNs of both signs and several payloads (next to 1.0, -0.0 and -inf)
+    has the checksum of the same buffer with every NaN replaced by D's canonical quiet NaN,
+    written by the documented layout, in wacc_torch and in wacc_ref alike (semantics §9)."""
+    canonical, nans = _nan_bits(work_dtype)
+    ordinary = _bits_of(torch.tensor([1.0, -0.0, -math.inf], dtype=getattr(torch, work_dtype)))
+    bits = [*nans, *ordinary]
+    buffer = _buffer(work_dtype, bits)
+    assert buffer[: len(nans)].isnan().all() and not buffer[len(nans) :].isnan().any()
+    expected = _documented_checksum(work_dtype, [canonical] * len(nans) + ordinary)
+    production = wacc_torch.records.record_checksum(
+        dtype=getattr(torch, work_dtype),
+        param_names=["w"],
+        param_shapes=[[len(bits)]],
+        pending={"w": buffer},
+        **_FIELDS,
+    )
+    # The reference keeps D values in float64 arrays; the NaNs keep their signs there.
+    in_d = buffer.view(_SIGNED[_width(work_dtype)]).numpy().view(NUMPY_OF[work_dtype])
+    with np.errstate(invalid="ignore"):  # a signalling NaN is quieted, its sign kept
+        values = in_d.astype(np.float64)
+    signs = [b >> (_width(work_dtype) - 1) == 1 for b in bits]
+    assert np.signbit(values).tolist() == signs, values
+    reference = wacc_ref.records.record_checksum(
+        dtype=get_format(work_dtype),
+        binding=(("w", (len(bits),)),),
+        pending={"w": values},
+        **_FIELDS,
+    )
+    assert (production, reference) == (expected, expected), [hex(b) for b in bits]
+
+
+@pytest.mark.parametrize("work_dtype", WORK_DTYPES)
+def test_inf_minus_inf_gives_the_same_checksum_in_both_packages(work_dtype: str) -> None:
+    """+inf then -inf summed into one element gives a NaN (on the CPU, with the sign bit set in
+    most dtypes, in torch and in the reference alike) and the same record checksum in wacc_torch
+    and wacc_ref."""
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(3))
+    production = wacc_torch.WeightedGradientsAccumulator(
+        dtype=getattr(torch, work_dtype), loss_scale=1.0
+    )
+    reference = ReferenceAccumulator(dtype=work_dtype, loss_scale=1.0)
+    for gradient in ([math.inf, 1.0, -2.0], [-math.inf, 0.5, 2.0]):
+        production.accumulate_sum(
+            module, 1.0, grads={"w": torch.tensor(gradient, dtype=getattr(torch, work_dtype))}
+        )
+        reference.accumulate_sum({"w": (3,)}, 1.0, grads={"w": np.array(gradient)})
+    record, reference_record = production.state_dict(), reference.state_dict()
+    reference_pending = reference_record["pending"]
+    assert isinstance(reference_pending, dict)
+    buffer, reference_buffer = record["pending"]["w"], reference_pending["w"]
+    assert buffer[0].isnan() and math.isnan(reference_buffer[0])
+    assert record[CHECKSUM_KEY] == reference_record[CHECKSUM_KEY], (
+        _bits_of(buffer),
+        reference_buffer,
+    )

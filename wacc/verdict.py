@@ -10,8 +10,11 @@
   accumulate step, finished gradients against ``Σ c_k / S / W`` or ``Σ c_k``).
 * Oracle 3, ``semantics``: counters after every step, the same error class at the same step,
   the state unchanged after a raise, a checkpoint that changes nothing, a restore that reproduces
-  its checkpoint, a corrupted restore refused, and resume bit-identical: the finished results of
-  the scenario equal those of the same scenario without its checkpoints and restores.
+  its checkpoint, a corrupted restore refused (``RecordError`` for a record of the §9 schema, any
+  §11 error for an opaque one), and resume bit-identical: the finished results of the scenario
+  equal those of the same scenario without its checkpoints and restores. Where oracle 1 is not
+  applied (``--oracle bound``), oracle 3 also holds the None rule of §7: a value where the
+  reference has None (all ``+0.0`` is a note), or None where it has values, is a divergence.
 
 :func:`judge` runs a scenario on the reference and on an implementation and returns a
 :class:`ScenarioVerdict` with one :class:`StepVerdict` per step: the ops, both error classes,
@@ -265,12 +268,45 @@ def _counters_only(trace: ScenarioTrace) -> ScenarioTrace:
     )
 
 
+def _presence_differences(
+    expected: StepOutcome, actual: StepOutcome, *, what: str
+) -> tuple[list[str], list[str], list[tuple[str, np.ndarray, np.ndarray]]]:
+    """Which finished gradients are None (semantics §7, §12): (divergence lines, notes, and the
+    (name, expected, actual) pairs where both have values).
+
+    All ``+0.0`` (bit for bit: ``-0.0`` is not) where the reference has None is a note; any
+    other value where None is expected, or None where values are expected, is a divergence.
+    """
+    lines: list[str] = []
+    notes: list[str] = []
+    both: list[tuple[str, np.ndarray, np.ndarray]] = []
+    if expected.result is None or actual.result is None:
+        return lines, notes, both
+    act_grads = dict(actual.result.grads)
+    for name, exp_grad in expected.result.grads:
+        act_grad = act_grads.get(name)
+        if exp_grad is None and act_grad is None:
+            continue
+        if exp_grad is None and act_grad is not None:
+            zeros = np.zeros_like(act_grad)
+            if array_key(act_grad) == array_key(zeros):
+                notes.append(f"{what}: grads[{name!r}] is all +0.0 where the reference has None")
+            else:
+                lines.append(f"{what}: grads[{name!r}] expected None, got values")
+            continue
+        if act_grad is None:
+            lines.append(f"{what}: grads[{name!r}] is None, expected values")
+            continue
+        assert exp_grad is not None
+        both.append((name, exp_grad, act_grad))
+    return lines, notes, both
+
+
 def _value_differences(
     expected: StepOutcome, actual: StepOutcome, *, schema: bool, what: str
 ) -> tuple[list[str], list[str]]:
     """Oracle 1 for one step of the reproducible order: (divergence lines, notes)."""
     lines: list[str] = []
-    notes: list[str] = []
     if schema:
         exp_pending, act_pending = dict(expected.state.pending), dict(actual.state.pending)
         if exp_pending.keys() != act_pending.keys():
@@ -281,26 +317,10 @@ def _value_differences(
             lines += array_differences(
                 f"{what} pending[{name!r}]", exp_pending[name], act_pending[name]
             )
-    if expected.result is not None and actual.result is not None:
-        act_grads = dict(actual.result.grads)
-        for name, exp_grad in expected.result.grads:
-            act_grad = act_grads.get(name)
-            if exp_grad is None and act_grad is None:
-                continue
-            if exp_grad is None and act_grad is not None:
-                zeros = np.zeros_like(act_grad)
-                if array_key(act_grad) == array_key(zeros):
-                    notes.append(
-                        f"{what}: grads[{name!r}] is all +0.0 where the reference has None"
-                    )
-                else:
-                    lines.append(f"{what}: grads[{name!r}] expected None, got values")
-                continue
-            if act_grad is None:
-                lines.append(f"{what}: grads[{name!r}] is None, expected values")
-                continue
-            assert exp_grad is not None
-            lines += array_differences(f"{what} grads[{name!r}]", exp_grad, act_grad)
+    presence, notes, both = _presence_differences(expected, actual, what=what)
+    lines += presence
+    for name, exp_grad, act_grad in both:
+        lines += array_differences(f"{what} grads[{name!r}]", exp_grad, act_grad)
     return lines, notes
 
 
@@ -391,9 +411,13 @@ def judge(
         expected_view = _agnostic_expectations(scenario, expected_view, actual)
     else:
         expected_view = _checksum_optional(scenario, expected_view, actual)
+    # A corrupted restore: RecordError for a schema record, any §11 error for an opaque one.
+    if schema:
+        violations = trace_violations(actual, refusals=("RecordError",))
+    else:
+        violations = trace_violations(_counters_only(actual), refusals=SEMANTICS_ERRORS)
     semantics = _by_step(
-        trace_differences(expected_view, _counters_only(actual), limit=10**6)
-        + trace_violations(actual if schema else _counters_only(actual)),
+        trace_differences(expected_view, _counters_only(actual), limit=10**6) + violations,
         count,
     )
     fused_lines: list[list[str]] | None = None
@@ -435,6 +459,13 @@ def judge(
             if emulation:
                 failed.insert(0, "emulation")
                 lines = emulation + lines
+        elif "semantics" in applied:
+            # Without oracle 1 (and oracle 2 bounds values only), §7's None rule is oracle 3's.
+            presence, notes, _ = _presence_differences(exp, act, what=what)
+            if presence:
+                if "semantics" not in failed:
+                    failed.append("semantics")
+                lines += presence
         ulps = rel = ratio = 0.0
         terms = windows[index]
         observed: list[tuple[str, np.ndarray, np.ndarray | None, bool]] = []

@@ -6,8 +6,8 @@ class (or both None), same ``skipped``, and every number identical as a float64 
 compared, positions are); counters and flags with ``==``; pending buffers keyed by name, so the
 order in which an implementation allocated them does not matter.  An empty list means the traces
 are identical.  :func:`trace_violations` checks the semantics' invariants within a single trace (a
-raising step changes nothing, a corrupted restore raises ``RecordError``, a restore reproduces the
-checkpoint, a checkpoint changes nothing).
+raising step changes nothing, a corrupted restore raises ``RecordError`` or another refusal the
+caller allows, a restore reproduces the checkpoint, a checkpoint changes nothing).
 
 :func:`stepwise_differences` is the step-local form of the same comparison: before each step the
 reference loads the state the *actual* trace recorded after the previous step, runs the step, and
@@ -24,7 +24,7 @@ exactly the semantics' set.  For float32/float64 on CPU the fused result is the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,13 +75,17 @@ def trace_differences(
     return lines[:limit]
 
 
-def trace_violations(trace: ScenarioTrace) -> list[str]:
+def trace_violations(
+    trace: ScenarioTrace, *, refusals: Collection[str] = ("RecordError",)
+) -> list[str]:
     """The invariants of the semantics a single trace breaks (empty: none).
 
     * a step that raised left the state exactly as it was (semantics §11);
     * a checkpoint does not change the state, and its record equals the state (semantics §9);
     * a restore that did not raise gives exactly the state of the checkpoint it loaded;
-    * a corrupted restore that was not skipped raised ``RecordError`` (semantics §9).
+    * a corrupted restore that was not skipped raised one of ``refusals``: ``RecordError`` for
+      records of the §9 schema (the default); the judge passes every §11 class for an
+      implementation's opaque records (semantics §12).
     The state before the first step is not in the trace, so step 0 is never compared with a
     previous state (a checkpoint's record is still compared with its state).
     """
@@ -103,8 +107,10 @@ def trace_violations(trace: ScenarioTrace) -> list[str]:
         if outcome.op == "restore" and outcome.error is None and latest_record is not None:
             lines += latest_record.differences(outcome.state, what=f"{what} restored state")
         if outcome.op == "restore_corrupted" and not outcome.skipped:
-            if outcome.error != "RecordError":
-                lines.append(f"{what}: expected RecordError, got {outcome.error}")
+            if outcome.error not in refusals:
+                names = tuple(refusals)
+                expected = names[0] if len(names) == 1 else f"one of {', '.join(names)}"
+                lines.append(f"{what}: expected {expected}, got {outcome.error}")
         previous = outcome.state
     return lines
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import wacc_torch
+from wacc.implementation import Implementation
 from wacc.zero_copy import ZeroCopyAdapter
 from wacc_torch.zero_copy import ZeroCopyMode
 
@@ -120,6 +121,44 @@ class _Opaque(_Delegating):
 def opaque_records(dtype: torch.dtype, loss_scale: float) -> Any:
     """Correct, with records that do not follow wacc_torch's schema (judged format-agnostically)."""
     return _Opaque(dtype, loss_scale)
+
+
+class _RefusingWith:
+    """Forwards to ``inner``, whose every RecordError on load is raised as ``error`` instead."""
+
+    def __init__(self, inner: Any, error: type[Exception]) -> None:
+        self._inner = inner
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        try:
+            self._inner.load_state_dict(record, module)
+        except wacc_torch.RecordError as exc:
+            raise self._error(f"refused with {self._error.__name__}: {exc}") from None
+
+
+def refusing_with(error: type[Exception], *, opaque: bool) -> Implementation:
+    """wacc_torch (with schema records, or the opaque ones of :func:`opaque_records`) whose load
+    refuses every bad record with ``error`` instead of RecordError."""
+
+    def make(dtype: torch.dtype, loss_scale: float) -> _RefusingWith:
+        inner = (
+            _Opaque(dtype, loss_scale)
+            if opaque
+            else wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+        )
+        return _RefusingWith(inner, error)
+
+    layout = "opaque" if opaque else "schema"
+    return Implementation(
+        spec=f"tests.wacc.impls:refusing_with({error.__name__}, {layout})",
+        factory=make,
+        fused=False,
+        missing=(),
+    )
 
 
 def factory_raises(dtype: torch.dtype, loss_scale: float) -> Any:

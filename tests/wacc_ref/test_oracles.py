@@ -14,6 +14,13 @@ from tests.wacc_ref.scenario_support import (
     special_scenario,
 )
 from wacc_ref import formats
+from wacc_ref.errors import (
+    InvalidLossScaleError,
+    InvalidWeightError,
+    ParameterMismatchError,
+    WeightedAccumulationError,
+    ZeroTotalWeightError,
+)
 from wacc_ref.oracles import (
     run_reference,
     stepwise_differences,
@@ -264,6 +271,55 @@ def test_trace_violations_catches_a_raise_that_changed_state() -> None:
     lines = trace_violations(ScenarioTrace(outcomes=tuple(outcomes)))
     assert any(line.startswith("step 7 (finish_mean) raised but changed state") for line in lines)
     assert "step 3 (restore_corrupted): expected RecordError, got None" in lines
+
+
+def _corrupted_restore_raising(error: str | None) -> ScenarioTrace:
+    """The hand scenario's trace with its corrupted restore (step 3) raising ``error``."""
+    outcomes = list(run_reference(_hand_scenario()).outcomes)
+    corrupted = outcomes[3]
+    assert corrupted.op == "restore_corrupted" and corrupted.error == "RecordError"
+    outcomes[3] = dataclasses.replace(corrupted, error=error)
+    return ScenarioTrace(outcomes=tuple(outcomes))
+
+
+# The semantics' error classes (§11) other than RecordError, and what the judge records for an
+# exception outside them.
+OTHER_REFUSALS = (
+    *(
+        cls.__name__
+        for cls in (
+            InvalidLossScaleError,
+            InvalidWeightError,
+            ParameterMismatchError,
+            ZeroTotalWeightError,
+            WeightedAccumulationError,
+        )
+    ),
+    "unexpected ValueError",
+)
+
+
+def test_trace_violations_requires_record_error_for_a_corrupted_restore() -> None:
+    """By default a corrupted restore must raise RecordError (semantics §9): any other class,
+    another §11 error included, is a violation naming the step and the class."""
+    assert trace_violations(_corrupted_restore_raising("RecordError")) == []
+    for error in OTHER_REFUSALS:
+        lines = trace_violations(_corrupted_restore_raising(error))
+        assert lines == [f"step 3 (restore_corrupted): expected RecordError, got {error}"], error
+
+
+def test_trace_violations_accepts_exactly_the_refusals_it_is_given() -> None:
+    """With ``refusals`` (the judge's §11 family for opaque records), a corrupted restore raising
+    any of them holds and one raising anything else, or nothing, is a violation."""
+    family = ("RecordError", *OTHER_REFUSALS[:-1])
+    for allowed in family:
+        assert trace_violations(_corrupted_restore_raising(allowed), refusals=family) == [], allowed
+    for refused in ("unexpected ValueError", None):
+        lines = trace_violations(_corrupted_restore_raising(refused), refusals=family)
+        assert len(lines) == 1 and lines[0].startswith("step 3 (restore_corrupted): expected "), (
+            lines
+        )
+        assert lines[0].endswith(f", got {refused}") and all(name in lines[0] for name in family)
 
 
 # --------------------------------------------------------------------------------------------
