@@ -14,7 +14,7 @@ the same checksum for the same state):
    zero_weight, total_weight.hex(), param_names, param_shapes, pending names in param_names
    order]`` (``json.dumps(..., separators=(",", ":"))``);
 2. then each pending buffer in that order: its bit patterns in D, little-endian, row-major,
-   every NaN written as D's canonical quiet NaN (sign +, top mantissa bit only), because the
+   every NaN written as D's canonical quiet NaN (sign +, top mantissa bit only), because
    the semantics treats all NaNs alike and the reference keeps values, not payloads.
 
 It is verified on load AFTER every field check, so a damaged field is still reported by name
