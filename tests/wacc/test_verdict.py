@@ -16,6 +16,7 @@ import torch
 
 import wacc.verdict
 import wacc_torch
+import wacc_torch.buffered
 from tests.wacc.impls import refusing_with
 from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
 from wacc.verdict import ORACLE_SETS, ScenarioVerdict, judge
@@ -131,13 +132,10 @@ def test_the_sequential_division_is_within_the_bound_where_s_times_w_overflows()
 def test_a_single_rounding_add_is_caught_by_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Adding the float32 gradient straight into the bf16 buffer fails oracle 1 at its step."""
 
-    def single_rounding_add(
-        self: object, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool
-    ) -> None:
-        del self, weight, mean
+    def single_rounding_add(buffer: torch.Tensor, grad: torch.Tensor, **_: object) -> None:
         buffer.add_(grad)  # one rounding in the promoted type: the bug the semantics warn of
 
-    monkeypatch.setattr(wacc_torch.WeightedGradientsAccumulator, "_add", single_rounding_add)
+    monkeypatch.setattr(wacc_torch.buffered, "add_into", single_rounding_add)
     verdict = judge(load_implementation(DEFAULT_IMPL), _convert_then_add())
     assert verdict.failed_oracles == ("emulation",), _verdict_text(verdict)
     assert verdict.steps[1].failed == ("emulation",) and verdict.steps[1].max_ulps == 1.0
@@ -158,12 +156,11 @@ def test_a_wrong_fused_step_leaves_the_accepted_set(monkeypatch: pytest.MonkeyPa
     assert not judge(fused, scenario).failed
 
     def weight_applied_twice(
-        self: object, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool
+        buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, **_: object
     ) -> None:
-        del self, mean
         buffer.add_(grad.to(buffer.dtype), alpha=weight * weight)
 
-    monkeypatch.setattr(wacc_torch.WeightedGradientsAccumulator, "_add", weight_applied_twice)
+    monkeypatch.setattr(wacc_torch.buffered, "add_into", weight_applied_twice)
     verdict = judge(fused, scenario)
     assert "emulation" in verdict.steps[0].failed and "bound" in verdict.failed_oracles
     assert any("pending['weight'][flat 0]" in line for line in verdict.describe())
@@ -182,13 +179,10 @@ def test_the_bound_oracle_alone_accepts_value_differences_within_the_bound(
 ) -> None:
     """``--oracle bound`` does not apply oracle 1: a one-ulp single-rounding add passes it."""
 
-    def single_rounding_add(
-        self: object, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool
-    ) -> None:
-        del self, weight, mean
+    def single_rounding_add(buffer: torch.Tensor, grad: torch.Tensor, **_: object) -> None:
         buffer.add_(grad)
 
-    monkeypatch.setattr(wacc_torch.WeightedGradientsAccumulator, "_add", single_rounding_add)
+    monkeypatch.setattr(wacc_torch.buffered, "add_into", single_rounding_add)
     verdict = judge(
         load_implementation(DEFAULT_IMPL), _convert_then_add(), oracles=ORACLE_SETS["bound"]
     )
