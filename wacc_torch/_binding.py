@@ -133,12 +133,15 @@ def check_bound(module: nn.Module, binding: Binding, *, issued: int) -> Paramete
     return ordered
 
 
+_Cached = tuple[Binding, ModuleStructure, Parameters]
+
+
 class Binder:
     """Binds windows to modules and checks modules against the binding, caching the last check
     that passed (the module, its structure snapshot and its parameters) within one window."""
 
     def __init__(self) -> None:
-        self._cache: tuple[Binding, ModuleStructure, Parameters] | None = None
+        self._cache: _Cached | None = None
 
     def check(
         self, module: nn.Module, binding: Binding | None, *, issued: int
@@ -156,6 +159,15 @@ class Binder:
         parameters = check_bound(module, binding, issued=issued)
         self._cache = (binding, ModuleStructure(module), parameters)
         return binding, parameters
+
+    def snapshot(self, module: nn.Module, binding: Binding, parameters: Parameters) -> _Cached:
+        """What :meth:`prime` installs: ``module`` checked (by the caller) to hold ``binding``'s
+        parameters, in binding order (may allocate; changes nothing)."""
+        return (binding, ModuleStructure(module), parameters)
+
+    def prime(self, cached: _Cached | None) -> None:
+        """Commit: remember a module checked elsewhere (a load), or nothing."""
+        self._cache = cached
 
     @property
     def structure(self) -> ModuleStructure | None:

@@ -237,10 +237,18 @@ class WindowMode:
                 devices=tuple(device_of[name] for name in validated.param_names),
             )
         restored, commit = self.prepare_restore(validated, binding, parameters)
+        # The module as checked here, so that the window's next calls compare rather than walk
+        # it again (and the zero-copy mode can tell its .grad owners from the module's).
+        checked = None
+        if binding is not None:
+            by_name = dict(parameters)
+            ordered = [(name, by_name[name]) for name in binding.names]
+            checked = window.binder.snapshot(module, binding, ordered)
         with _commit.COMMIT:
             window.snapshots.await_copies()
             self.release()
             window.reset()
+            window.binder.prime(checked)
             window.binding = binding
             window.pending = restored
             window.issued = validated.issued
