@@ -6,13 +6,13 @@ unfrozen, an optional extra parameter) are trained side by side with real ``back
 one through the zero-copy mode (Z: ``acc.microbatch(...)``, ``.grad`` IS the pending buffer), one
 through the buffered mode (B: a plain backward, then ``accumulate_sum`` / ``accumulate_mean``).
 The reference model (``wacc_ref``'s :class:`ReferenceAccumulator`) is fed exactly the gradients B
-took. The oracle is ``/work/spec-issue15.md`` (the intended behaviour of the issue-15 rewrite) on
-top of ``docs/semantics.md``.
+took. The oracle is ``docs/semantics.md`` — §3's Readings on the tracked set, §6's on the
+zero-copy mode and its ``.grad``, §11 — and the rules listed in :mod:`wacc_torch.zero_copy`.
 
 After every step (the invariant ``modes_agree``): the three hold the same counters; B's record and
 the reference's have the same checksum and pending values; Z's record equals B's field by field,
 with the same checksum, and every pending buffer of Z is the parameter's ``.grad``, bit for bit
-(or Z refuses ``state_dict`` with exactly the error the spec gives for its present condition);
+(or Z refuses ``state_dict`` with exactly the error the semantics give for its condition);
 both models hold the same parameters, bit for bit. Each rule also checks its own outcome: the
 same error class in B and the reference; in Z the documented error, and a refused call changed
 nothing (counters, record, every ``.grad``'s identity and bits); a broken window refuses every
@@ -57,14 +57,14 @@ between windows (both bind anew; a plain backward after a resize works).
 put back, left (Z refuses until resynchronised), or Z restored from B's record.
 ``resize_inside_block``: ``.data`` resized or reshaped between a block's entry and its backward.
 
-Readings (choices where the spec is silent; each is marked ``READING n`` where it is used)
-------------------------------------------------------------------------------------------
+Readings (choices where the semantics are silent; each marked ``READING n`` where it is used)
+--------------------------------------------------------------------------------------------
 1. A zero-weight block under flush-to-zero in the backward's thread is accepted, like B's
    zero-weight accumulate and Z's zero-weight entry: its gradients are never read, so no CPU
    arithmetic runs ("Z's block entry (w > 0) and each hook").
 2. ``discard()`` keeps the tracked binding (names and shapes), as ``finish_*`` does (semantics §3:
    "it outlives the window"); the reference, which has no ``discard``, finishes its window.
-3. ``.data`` resized between a block's entry and its backward: the spec says the hook raises
+3. ``.data`` resized between a block's entry and its backward: the hook raises
    ``ParameterMismatchError``. When the new shape cannot be expanded from the old one, PyTorch's
    engine itself refuses first (``RuntimeError``: "returned an invalid gradient", checked against
    the AccumulateGrad node that the block holds since its entry, before the hook runs), so both
@@ -74,7 +74,7 @@ Readings (choices where the spec is silent; each is marked ``READING n`` where i
    ``finish_*`` refuse it (``ZeroCopyError``) only when ``issued > 0``; the parameters looked at
    there are the ones the window last bound (the accumulator has no module argument then).
 5. Where two conditions hold at once (say a broken window and an invalid weight), either class is
-   accepted: the spec orders the checks of one mode, not Z's own conditions against them.
+   accepted: the semantics order the checks of one call, not Z's own conditions against them.
 6. The accumulator's calls inside a block (``state_dict``, ``finish_sums``, ``discard``, a nested
    ``microbatch``) raise ``ZeroCopyError`` and change nothing (the existing suite's contract).
 7. A record that binds parameters whose shapes no longer match the module (a window finished, the
@@ -593,7 +593,7 @@ class TrainingLoopMachine(RuleBasedStateMachine):
         self.acc_z = self._new(zero_copy=True)
         self.acc_b = self._new(zero_copy=False)
         self.ref = ReferenceAccumulator(dtype=str(dtype).removeprefix("torch."), loss_scale=scale)
-        # Z's window as the spec describes it: each pending buffer's parameter, tensor and
+        # Z's window as the semantics describe it: each pending buffer's parameter, tensor and
         # version (the buffer IS .grad), whether a block broke the window, and the parameters
         # the window last bound.
         self.zbuf: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
@@ -618,7 +618,7 @@ class TrainingLoopMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the model of Z
     def z_faults(self, call: str) -> set[type[BaseException]]:
         """The errors Z must raise for ``call`` (``"entry"``, ``"finish"``, ``"state_dict"``)
-        from its own conditions (spec: BrokenWindowError, ZeroCopyError); empty: none."""
+        from its own conditions (BrokenWindowError, ZeroCopyError); empty: none."""
         faults: set[type[BaseException]] = set()
         if self.z_broken:
             faults.add(BrokenWindowError)
@@ -1052,7 +1052,7 @@ class TrainingLoopMachine(RuleBasedStateMachine):
         self, micro: Micro, positive: bool, touched: bool
     ) -> tuple[str | None, bool, bool]:
         """(the error leaving an entered block, whether the window is then broken, whether the
-        block is counted), per the spec's "Blocks (Z)"."""
+        block is counted), as wacc_torch.zero_copy's docstring says."""
         twist = micro.twist
         if twist == "raise_early":
             return "RuntimeError", False, False  # nothing added yet: unchanged
@@ -1230,16 +1230,7 @@ class TrainingLoopMachine(RuleBasedStateMachine):
         faults = self.z_faults("state_dict")
         record_z = None
         if faults:
-            for call_name, call in (
-                ("state_dict", self.acc_z.state_dict),
-                ("state_dict_async", lambda: self.acc_z.state_dict_async().result()),
-            ):
-                error = _outcome(call)
-                self.check(
-                    _name(error) in _names(faults),
-                    "Z",
-                    f"{call_name} must raise one of {sorted(_names(faults))}, got {error!r}",
-                )
+            self.expect_records_refused(faults)
         else:
             raw = self.acc_z.state_dict_async().result() if use_async else self.acc_z.state_dict()
             record_z = _roundtrip(raw)
@@ -1327,25 +1318,29 @@ class TrainingLoopMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.ready)
     @rule(op=st.sampled_from(EDIT_OPS), param=st.sampled_from((*EDIT_TARGETS, "frozen", "extra")))
+    def expect_records_refused(self, faults: set[type[BaseException]]) -> None:
+        """Z's state_dict and state_dict_async both raise one of ``faults``' classes."""
+        for call_name, call in (
+            ("state_dict", self.acc_z.state_dict),
+            ("state_dict_async", lambda: self.acc_z.state_dict_async().result()),
+        ):
+            error = _outcome(call)
+            self.check(
+                _name(error) in _names(faults),
+                "Z",
+                f"{call_name} must raise one of {sorted(_names(faults))}, got {error!r}",
+            )
+
     def edit_grads(self, op: str, param: str) -> None:
         """Out of any block: both loops edit .grad. B takes what it finds at its next accumulate;
-        Z refuses what the spec says from the next call on."""
+        Z refuses what the semantics say from the next call on."""
         self.step = f"edit_grads({op=}, {param=})"
         for net in (self.net_z, self.net_b):
             _apply_edit(net, op, param)
         snapshot = self.z_snapshot()
         faults = self.z_faults("state_dict")
         if faults:
-            for call_name, call in (
-                ("state_dict", self.acc_z.state_dict),
-                ("state_dict_async", lambda: self.acc_z.state_dict_async().result()),
-            ):
-                error = _outcome(call)
-                self.check(
-                    _name(error) in _names(faults),
-                    "Z",
-                    f"{call_name} must raise one of {sorted(_names(faults))}, got {error!r}",
-                )
+            self.expect_records_refused(faults)
         faults = self.z_faults("finish")
         if faults:
             for call_name in ("finish_sums", "finish_mean"):
