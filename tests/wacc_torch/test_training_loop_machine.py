@@ -1316,8 +1316,6 @@ class TrainingLoopMachine(RuleBasedStateMachine):
             )
         self.zbuf, self.z_bound, self.z_broken = {}, {}, False
 
-    @precondition(lambda self: self.ready)
-    @rule(op=st.sampled_from(EDIT_OPS), param=st.sampled_from((*EDIT_TARGETS, "frozen", "extra")))
     def expect_records_refused(self, faults: set[type[BaseException]]) -> None:
         """Z's state_dict and state_dict_async both raise one of ``faults``' classes."""
         for call_name, call in (
@@ -1331,6 +1329,8 @@ class TrainingLoopMachine(RuleBasedStateMachine):
                 f"{call_name} must raise one of {sorted(_names(faults))}, got {error!r}",
             )
 
+    @precondition(lambda self: self.ready)
+    @rule(op=st.sampled_from(EDIT_OPS), param=st.sampled_from((*EDIT_TARGETS, "frozen", "extra")))
     def edit_grads(self, op: str, param: str) -> None:
         """Out of any block: both loops edit .grad. B takes what it finds at its next accumulate;
         Z refuses what the semantics say from the next call on."""
