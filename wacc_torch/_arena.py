@@ -12,10 +12,7 @@ bits are the same.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
-from functools import partial
-from operator import attrgetter
 
 import torch
 from torch import nn
@@ -25,9 +22,6 @@ __all__ = ["SMALL_ELEMENTS", "Arena", "concatenated", "small_groups"]
 # A parameter of at most this many elements goes to the arena: below it, the per-tensor cost is
 # mostly call overhead; above it, concatenating would be an extra pass over memory worth avoiding.
 SMALL_ELEMENTS = 1 << 14
-
-_IS_NONE = partial(operator.is_, None)
-_DTYPE = attrgetter("dtype")
 
 
 def small_groups(
@@ -65,18 +59,17 @@ class Arena:
             offset += size
 
 
-def concatenated(grads: Sequence[torch.Tensor | None], *, arena: Arena) -> torch.Tensor | None:
+def concatenated(
+    grads: Sequence[torch.Tensor | None], *, arena: Arena, dtype: torch.dtype | None
+) -> torch.Tensor | None:
     """The gradients of ``arena``'s members (shapes checked) flattened back to back in a new
-    tensor of their dtype, or None when one is missing or their dtypes differ (then they are
-    added one by one)."""
-    if any(map(_IS_NONE, grads)):
-        return None
-    dtypes = set(map(_DTYPE, grads))
-    if len(dtypes) != 1:
+    tensor of their common ``dtype``, or None when they have none (one is missing or their
+    dtypes differ: then they are added one by one)."""
+    if dtype is None:
         return None
     first = grads[0]
     assert first is not None
-    flat = torch.empty(arena.storage.numel(), dtype=first.dtype, device=first.device)
+    flat = torch.empty(arena.storage.numel(), dtype=dtype, device=first.device)
     # One kernel for the whole list; any strides (a transposed or expanded gradient) are read
     # as the tensor's logical elements, like reshape(-1).
     if arena.flat_members:

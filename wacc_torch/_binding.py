@@ -88,8 +88,11 @@ def binding_of(parameters: Parameters) -> Binding:
 
 def check_bound(module: nn.Module, binding: Binding, *, issued: int) -> Parameters:
     """The full check inside a window: ``module``'s tracked parameters in binding order, or
-    :class:`ParameterMismatchError` naming what changed (a parameter frozen, missing, added, of
-    another shape or device, or not floating point)."""
+    :class:`ParameterMismatchError` naming what changed (a parameter frozen, missing or added).
+
+    The parameters' ``.data`` is not read (semantics §3 Reading): the buffered mode checks each
+    gradient against the binding's shapes and devices, and the zero-copy mode compares the
+    parameters themselves at every block."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     every = dict(module.named_parameters())
@@ -110,27 +113,7 @@ def check_bound(module: nn.Module, binding: Binding, *, issued: int) -> Paramete
             f"(issued={issued}); parameter(s) {'; '.join(problems)}. The tracked set can change "
             f"only between windows (after finish_sums/finish_mean or discard)"
         )
-    ordered = [(name, by_name[name]) for name in binding.names]
-    for (name, parameter), shape, device in zip(
-        ordered, binding.shapes, binding.devices, strict=True
-    ):
-        if not parameter.is_floating_point():
-            raise ParameterMismatchError(
-                f"parameter {name!r} has dtype {parameter.dtype}: only floating-point "
-                f"parameters can be accumulated"
-            )
-        if parameter.shape != shape:
-            raise ParameterMismatchError(
-                f"parameter {name!r} has shape {list(parameter.shape)}, tracked shape is "
-                f"{list(shape)} (its .data changed mid-window; the tracked set can change only "
-                f"between windows)"
-            )
-        if parameter.device != device:
-            raise ParameterMismatchError(
-                f"parameter {name!r} is on {parameter.device}, tracked device is {device} "
-                f"(mid-window; the tracked set can change only between windows)"
-            )
-    return ordered
+    return [(name, by_name[name]) for name in binding.names]
 
 
 _Cached = tuple[Binding, ModuleStructure, Parameters]

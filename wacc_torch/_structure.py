@@ -4,11 +4,17 @@ Walking ``named_parameters()`` costs about 1 µs per parameter, more than accumu
 tensor; within a window the tracked set is fixed, so the walk is done once, when the window binds,
 and every later call compares what can change against that snapshot in C-speed passes: which
 objects each submodule's ``_parameters`` and ``_modules`` hold (a parameter or submodule replaced,
-added or deleted), each submodule's class (``fully_shard`` swaps it in place), and every
-parameter's ``requires_grad``, shape, device and dtype (a ``.data`` reassigned, a parameter
-frozen). Anything different sends the caller back to the full check, which names the change or
-accepts the new structure; so the snapshot accepts a subset of what the full check accepts
-(the suite checks both on random mutations of real modules).
+added or deleted; a dict replaced wholesale), each submodule's class (``fully_shard`` swaps it in
+place), and every parameter's ``requires_grad`` (frozen or unfrozen). Anything different sends the
+caller back to the full check (:func:`wacc_torch._binding.check_bound`), which names the change or
+accepts the new structure; the full check looks at nothing else, so the snapshot accepts exactly
+what it accepts (the suite checks both on random mutations of real modules).
+
+Not part of either (semantics §3 Reading): a parameter's ``.data`` (shape, device, dtype). The
+buffered mode reads gradients, never parameters' values, and checks each gradient against the
+tracked shapes and devices; reading three attributes of every parameter at every call would cost
+as much again as the rest of a call on small tensors. The zero-copy mode, whose buffers are the
+parameters' ``.grad``, compares them at every block itself.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import nn
 
 __all__ = ["ModuleStructure"]
 
-_PARAMETER_STATE = attrgetter("requires_grad", "shape", "device", "dtype")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 _PARAMETER_DICT = attrgetter("_parameters")
 _MODULE_DICT = attrgetter("_modules")
 
@@ -42,7 +48,7 @@ class ModuleStructure:
         self._parameters = [
             p for p in chain.from_iterable(map(dict.values, self._parameter_dicts)) if p is not None
         ]
-        self._states = tuple(map(_PARAMETER_STATE, self._parameters))
+        self._flags = tuple(map(_REQUIRES_GRAD, self._parameters))
 
     # Identities, not objects: == on tensors would compare their elements. The snapshot holds
     # the objects themselves, so no id can be reused while it lives.
@@ -66,5 +72,5 @@ class ModuleStructure:
             and self._current_parameters() == self._parameter_ids
             and self._current_modules() == self._module_ids
             and tuple(map(type, self.modules)) == self._classes
-            and tuple(map(_PARAMETER_STATE, self._parameters)) == self._states
+            and tuple(map(_REQUIRES_GRAD, self._parameters)) == self._flags
         )

@@ -127,9 +127,8 @@ class WindowMode:
     A subclass feeds the window and overrides the steps where it differs: :meth:`check_readable`
     (may the window be read or handed over now), :meth:`check_loadable` (may it be replaced),
     :meth:`division_targets` (what ``finish_mean`` divides), :meth:`prepare_restore` (where
-    restored buffers live),
-    :meth:`end_window` (what the mode drops with the window) and :meth:`release` (what
-    ``discard`` gives back).
+    restored buffers live), :meth:`end_window` (what the mode drops with the window) and
+    :meth:`release` (what ``discard`` gives back).
     """
 
     zero_copy = False
@@ -140,6 +139,9 @@ class WindowMode:
     # ------------------------------------------------------------------ steps to override
     def check_readable(self) -> None:
         """Raise if the window cannot be read or handed over now (default: it always can)."""
+
+    def check_loadable(self) -> None:
+        """Raise if the window cannot be replaced (a load, ``discard``) now (default: it can)."""
 
     def division_targets(self) -> dict[str, torch.Tensor | None]:
         """The tensors ``finish_mean`` divides in place (default: each pending buffer)."""
@@ -256,9 +258,6 @@ class WindowMode:
             window.total_weight = validated.total_weight
             self.end_window()
             commit()
-
-    def check_loadable(self) -> None:
-        """Raise if a record cannot be loaded now (default: it always can)."""
 
     def discard(self) -> None:
         """Drop the window: counters to 0, buffers released (see the accumulator's method)."""

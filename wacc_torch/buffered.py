@@ -188,7 +188,9 @@ class BufferedMode(WindowMode):
                     for name, grad in zip(arena.names, small, strict=True):
                         if grad is not None and name not in pending:
                             new_buffers[name] = arena.views[name]
-                flat = concatenated(small, arena=arena)
+                flat = concatenated(
+                    small, arena=arena, dtype=self.gradients.common_dtype(indices, small)
+                )
                 if flat is not None:
                     adds.append((arena.storage, flat))
                     covered.update(indices)

@@ -32,9 +32,11 @@ Every rule of the mode is in this file. What it refuses:
   added. A backward cannot be undone: the window is then *broken*, its counters are not advanced,
   and only :meth:`~wacc_torch.WeightedGradientsAccumulator.discard` and ``load_state_dict`` are
   accepted.
-* :class:`~wacc_torch.errors.ParameterMismatchError` — as in the buffered mode, a tracked
-  parameter that changed mid-window (shape or device of its ``.data``, frozen, removed, added),
-  at entry or, for a change made inside the block, from the parameter's hook.
+* :class:`~wacc_torch.errors.ParameterMismatchError` — a tracked parameter that changed
+  mid-window: frozen, removed or added (as in the buffered mode), or, since its ``.grad`` is the
+  buffer, the shape or device of its ``.data`` (which the buffered mode never reads: semantics §3
+  Reading) — at entry or, for a change made inside the block, from the parameter's hook (PyTorch's
+  own "invalid gradient" ``RuntimeError`` may come first, for a shape its node cannot sum to).
 * :class:`~wacc_torch.errors.UnsupportedEnvironmentError` — flush-to-zero in the thread that
   computes: the one entering the block (the weight and W, host arithmetic) and the one running
   the backward (each hook of a CPU buffer), which may differ.
@@ -241,7 +243,18 @@ class ZeroCopyMode(WindowMode):
         structure = window.binder.structure
         if structure is None or structure is not self.fsdp_checked:
             refuse_fsdp(list(module.modules()) if structure is None else structure.modules)
-        for name, parameter in parameters:
+        for (name, parameter), shape, device in zip(
+            parameters, binding.shapes, binding.devices, strict=True
+        ):
+            # The parameters themselves, at every block (semantics §3 Reading): autograd hands
+            # the hooks gradients of the parameter's shape, device and dtype, and its .grad is
+            # the buffer, so a .data changed mid-window cannot be accumulated here.
+            if parameter.shape != shape or parameter.device != device:
+                raise ParameterMismatchError(
+                    f"parameter {name!r} has shape {list(parameter.shape)} on "
+                    f"{parameter.device}, tracked shape is {list(shape)} on {device} (its .data "
+                    f"changed mid-window; the tracked set can change only between windows)"
+                )
             if parameter.dtype != window.dtype:
                 raise ZeroCopyError(
                     f"parameter {name!r} has dtype {parameter.dtype} but the work dtype is "

@@ -163,7 +163,7 @@ def test_the_structure_snapshot_accepts_exactly_what_the_full_check_accepts(
     """After any mutations of a bound module (reshaped, resized or re-typed .data, frozen,
     replaced, deleted or added parameters, a replaced parameter dict or submodule), the binder's
     cached check mid-window gives the full check's answer: the same parameters, or the same
-    ParameterMismatchError."""
+    ParameterMismatchError (neither reads .data: semantics §3 Reading)."""
     module = _module(shapes, nested)
     binder = Binder()
     binding, _ = binder.check(module, None, issued=0)
@@ -259,7 +259,7 @@ def test_the_gradient_signature_cache_accepts_exactly_what_the_full_check_accept
 
     def full() -> object:
         listed = [grads.get(name) for name in binding.names]
-        check_gradients(binding, parameters, listed)  # type: ignore[arg-type]
+        check_gradients(binding, listed)  # type: ignore[arg-type]
         return listed
 
     def cached() -> object:
@@ -277,22 +277,21 @@ def test_the_gradient_signature_cache_accepts_exactly_what_the_full_check_accept
 
 
 def test_the_properties_can_fail() -> None:
-    """The structure property notices a snapshot that ignores parameter shapes (the bug it
-    exists for): with the shape left out of the snapshot, a reshaped .data is accepted by the
-    cache and refused by the full check."""
+    """The structure property notices a snapshot that ignores a parameter's requires_grad: a
+    parameter frozen mid-window is then accepted by the cache and refused by the full check."""
     import wacc_torch._structure as structure
 
-    module = _module([(4,)], nested=False)
+    module = _module([(4,), (3,)], nested=False)
     binder = Binder()
     binding, _ = binder.check(module, None, issued=0)
-    original = structure._PARAMETER_STATE
+    original = structure._REQUIRES_GRAD
     try:
-        structure._PARAMETER_STATE = lambda p: p.requires_grad  # type: ignore[assignment]
+        structure._REQUIRES_GRAD = lambda p: True  # type: ignore[assignment]
         binder.check(module, binding, issued=1)
-        _reshape(0)(module)
+        _freeze(0)(module)
         cached = _outcome(lambda: binder.check(module, binding, issued=1)[1])
     finally:
-        structure._PARAMETER_STATE = original
+        structure._REQUIRES_GRAD = original
     full = _outcome(lambda: check_bound(module, binding, issued=1))
     assert cached[0] == "accepted" and full[0] == "ParameterMismatchError"
 

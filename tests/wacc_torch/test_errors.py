@@ -193,7 +193,11 @@ BAD_MODULES = [
         id="extra-parameter",
     ),
     pytest.param(_reshape_layer, r"'second.weight'.*\[4, 3\].*\[2, 3\]", id="shape"),
-    pytest.param(_move_to_meta, "'second.bias' is on meta", id="device"),
+    pytest.param(
+        _move_to_meta,
+        "gradient of 'second.bias' is on meta, the tracked device is cpu",
+        id="device",
+    ),
     pytest.param(
         _freeze_layer,
         r"frozen \(requires_grad=False\) since it was bound: \['second.bias'\]",
@@ -207,16 +211,27 @@ BAD_MODULES = [
 def test_module_that_left_the_tracked_set_raises_and_changes_nothing(
     change: Callable[[TwoLayer], nn.Module], message: str, method: str
 ) -> None:
-    """After binding, a module with missing/extra parameters, other shapes or devices is refused."""
+    """After binding, a module with missing/extra parameters, or whose gradients (from .grad)
+    have other shapes or devices than the tracked ones, is refused, nothing changed."""
     module = TwoLayer()
     accumulator = _busy_accumulator(module)
     changed = change(module)
     for parameter in changed.parameters():
-        if parameter.device.type != "meta":
-            parameter.grad = torch.full_like(parameter, 2.5)
+        parameter.grad = torch.full_like(parameter, 2.5)
+    on_meta = {n: p.grad for n, p in changed.named_parameters() if p.device.type == "meta"}
+    for parameter in changed.parameters():
+        if parameter.device.type == "meta":
+            parameter.grad = None  # a meta tensor has no bits to compare: identity below
     record, grads = accumulator.state_dict(), grads_snapshot(changed)
+    for name, parameter in changed.named_parameters():
+        if name in on_meta:
+            parameter.grad = on_meta[name]
     with pytest.raises(ParameterMismatchError, match=message):
         getattr(accumulator, method)(changed, 1)
+    for name, parameter in changed.named_parameters():
+        if name in on_meta:
+            assert parameter.grad is on_meta[name]
+            parameter.grad = None
     assert_unchanged(accumulator, record, changed, grads)
 
 

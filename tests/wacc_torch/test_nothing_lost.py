@@ -355,21 +355,30 @@ def _two() -> nn.Module:
 
 
 @pytest.mark.parametrize("complete", [True, False], ids=["complete", "partial"])
-def test_defect_6_old_shape_gradients_after_a_reshape_are_refused_complete_or_not(
+def test_defect_6_after_a_reshape_gradients_are_judged_by_the_tracked_shape_alone(
     complete: bool,
 ) -> None:
-    """After .data is reshaped mid-window, gradients of the old (tracked) shape are refused as
-    the parameter's change, whether the set is complete (before: accepted by the gradient
-    signature cache) or not (refused)."""
+    """After .data is reshaped mid-window, the buffered mode judges each gradient against the
+    tracked shape, whether the set is complete (the signature cache) or not (the full check):
+    gradients of the tracked shape are accumulated in both cases (before: accepted by the cache,
+    refused by the full check), one of the new shape is refused in both, changing nothing; and
+    the finished result does not fit the reshaped parameter, which apply_to refuses."""
     module = _two()
     acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     grads = {"p": torch.ones(4), "q": torch.ones(3)}
     acc.accumulate_sum(module, 1, grads=grads)
-    record = acc.state_dict()
     module.p.data = torch.zeros(2, 2)
-    with pytest.raises(ParameterMismatchError, match="'p' has shape \\[2, 2\\]"):
-        acc.accumulate_sum(module, 1, grads=grads if complete else {"p": torch.ones(4)})
+    record = acc.state_dict()
+    new_shape = {"p": torch.ones(2, 2), "q": torch.ones(3)} if complete else {"p": torch.ones(2, 2)}
+    with pytest.raises(ParameterMismatchError, match="'p' has shape \\[2, 2\\], the tracked"):
+        acc.accumulate_sum(module, 1, grads=new_shape)
     assert_records_equal(acc.state_dict(), record)
+    acc.accumulate_sum(module, 1, grads=grads if complete else {"p": torch.ones(4)})
+    assert acc.state.issued == 2
+    result = acc.finish_sums()
+    with pytest.raises(ParameterMismatchError, match="'p' has shape \\[4\\]"):
+        result.apply_to(module)
+    assert module.p.grad is None and module.q.grad is None
 
 
 class _TensorLike:
