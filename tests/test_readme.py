@@ -188,9 +188,9 @@ def test_quickstart_is_two_commands_install_and_report_then_the_tests() -> None:
     assert commands[0].startswith("pip install torch==2.13.0 && ") and commands[0].endswith(
         "&& wacc report"
     )
-    assert commands[1] == "python -m pytest"
+    assert commands[1].startswith("python -m pytest")
     ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
-    assert "\npython -m pytest\n" in ci and "wacc gate" in ci
+    assert f"\n{commands[1]}\n" in ci and "wacc gate" in ci
 
 
 def test_readme_points_nowhere_outside_the_repository() -> None:

@@ -47,6 +47,7 @@ against the real ``dist.GradBucket`` and ``Future[Tensor]`` objects.
 """
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -230,8 +231,13 @@ class WeightedAllReduceHook:
                 flat.add_(product)
         layout = armed.layout
         loss_scale = self._accumulator.state.loss_scale
+        shapes = self._shapes
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         assert work is not None
+        # The callback runs, and is released, in the process group's worker thread: holding the
+        # hook strongly there (and through it the group) would let the group's last reference die
+        # in its own thread, whose destructor then joins itself and aborts the process.
+        hook = weakref.ref(self)
 
         def normalize(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             normalize_sums(
@@ -240,20 +246,21 @@ class WeightedAllReduceHook:
             buffer.copy_(flat)  # into the parameters' dtype, as apply_to's .to(dtype)
             offset = 0
             for name in names:
-                shape = self._shapes[name]
+                shape = shapes[name]
                 numel = math.prod(shape)
                 armed.reduced[name] = flat[offset : offset + numel].view(shape)
                 offset += numel
-            if len(armed.reduced) == len(self._shapes):
-                self.result = AccumulatedGradients(
-                    grads={name: armed.reduced[name] for name in self._shapes},
+            owner = hook()
+            if owner is not None and len(armed.reduced) == len(shapes):
+                owner.result = AccumulatedGradients(
+                    grads={name: armed.reduced[name] for name in shapes},
                     weight=layout.weight,
                     loss_scale=loss_scale,
                     issued=layout.issued,
                     zero_weight=layout.zero_weight,
                     normalized=True,
                 )
-                self._armed = None
+                owner._armed = None
             return buffer
 
         return work.get_future().then(normalize)

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from wacc_ref.formats import FORMATS, Format
 from wacc_torch import WeightedGradientsAccumulator
+from wacc_torch.ddp_hook import WeightedAllReduceHook
 from wacc_torch.records import CHECKSUM_KEY
 
 CUDA_AVAILABLE = torch.cuda.is_available()
@@ -201,3 +203,20 @@ def awkward_values(
     zeros = torch.rand(count, generator=generator, dtype=torch.float64) < 0.05
     values = torch.where(zeros, torch.copysign(torch.zeros(()), mantissas), values)
     return values.to(dtype).reshape(shape)
+
+
+def hooked_window_weight(weight: object, *, mean: bool) -> float:
+    """The global W the DDP hook computes for a window of one sum (weight 1) and a last
+    microbatch of ``weight``, after its real backward (a process group must be initialized)."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(2, 1))
+    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    hook = WeightedAllReduceHook(model, acc)
+    with model.no_sync():
+        model(torch.ones(1, 2)).sum().backward()
+        acc.accumulate_sum(model.module, 1)
+    loss = model(torch.ones(1, 2)).sum()
+    (hook.last_microbatch_mean if mean else hook.last_microbatch_sum)(weight)
+    loss.backward()
+    assert hook.result is not None
+    return hook.result.weight

@@ -12,14 +12,13 @@ preallocated work tensors, attribute reads and ``.grad`` assignments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -346,16 +345,6 @@ def test_the_injector_sees_a_commit_that_fails() -> None:
         case.call()
     with pytest.raises(AssertionError):
         _assert_same(before, case, "a commit that failed half-way")
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real single-process gloo group (world size 1), destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("helper", [all_reduce_sums, all_reduce_mean], ids=lambda f: f.__name__)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -28,6 +27,7 @@ from tests.wacc_torch.support import (
     assert_bitwise_equal,
     assert_records_equal,
     grads_snapshot,
+    hooked_window_weight,
 )
 from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_torch import (
@@ -428,16 +428,6 @@ def test_defect_8_apply_to_refuses_to_convert_under_flush_to_zero(flush_denormal
 
 
 # ------------------------------------------------------------ 9, 10. distributed entry points
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real single-process gloo group (world size 1), destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 WEIGHTS_THE_ACCUMULATOR_TAKES = [
     np.int64(3),
     np.uint8(7),
@@ -450,25 +440,6 @@ WEIGHTS_THE_ACCUMULATOR_TAKES = [
 ]
 
 
-def _hook_window_weight(weight: object, *, mean: bool) -> float:
-    """The global W the DDP hook computes for a window of one sum (weight 1) and a last
-    microbatch of ``weight``, after its real backward on one rank."""
-    from wacc_torch.ddp_hook import WeightedAllReduceHook
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(2, 1))
-    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
-    hook = WeightedAllReduceHook(model, acc)
-    with model.no_sync():
-        model(torch.ones(1, 2)).sum().backward()
-        acc.accumulate_sum(model.module, 1)
-    loss = model(torch.ones(1, 2)).sum()
-    (hook.last_microbatch_mean if mean else hook.last_microbatch_sum)(weight)
-    loss.backward()
-    assert hook.result is not None
-    return hook.result.weight
-
-
 def test_defect_9_the_ddp_hook_adds_a_big_integer_weight_with_one_rounding(
     one_rank_group: None,
 ) -> None:
@@ -479,7 +450,7 @@ def test_defect_9_the_ddp_hook_adds_a_big_integer_weight_with_one_rounding(
     acc.accumulate_sum(module, 1, grads={})
     acc.accumulate_sum(module, 2**53 + 1, grads={})
     assert acc.state.total_weight == 2.0**53 + 2
-    assert _hook_window_weight(2**53 + 1, mean=False) == 2.0**53 + 2
+    assert hooked_window_weight(2**53 + 1, mean=False) == 2.0**53 + 2
 
 
 @pytest.mark.parametrize("weight", WEIGHTS_THE_ACCUMULATOR_TAKES, ids=repr)
@@ -493,7 +464,7 @@ def test_defect_10_the_ddp_hook_takes_every_number_the_accumulator_takes(
         module = _two()
         acc.accumulate_sum(module, 1, grads={})
         (acc.accumulate_mean if mean else acc.accumulate_sum)(module, weight, grads={})  # type: ignore[arg-type]
-        assert _hook_window_weight(weight, mean=mean) == acc.state.total_weight
+        assert hooked_window_weight(weight, mean=mean) == acc.state.total_weight
 
 
 def _fsdp_window() -> tuple[nn.Module, object]:
