@@ -411,14 +411,14 @@ def judge(
         expected_view = _agnostic_expectations(scenario, expected_view, actual)
     else:
         expected_view = _checksum_optional(scenario, expected_view, actual)
+    actual_view = _counters_only(actual)
     # A corrupted restore: RecordError for a schema record, any §11 error for an opaque one.
     if schema:
         violations = trace_violations(actual, refusals=("RecordError",))
     else:
-        violations = trace_violations(_counters_only(actual), refusals=SEMANTICS_ERRORS)
+        violations = trace_violations(actual_view, refusals=SEMANTICS_ERRORS)
     semantics = _by_step(
-        trace_differences(expected_view, _counters_only(actual), limit=10**6) + violations,
-        count,
+        trace_differences(expected_view, actual_view, limit=10**6) + violations, count
     )
     fused_lines: list[list[str]] | None = None
     if implementation.fused and schema and "emulation" in applied:

@@ -158,6 +158,9 @@ def expect_object(value: object, path: str, fields: Iterable[str] | None = None)
     duplicates = getattr(value, "duplicates", ())
     if duplicates:
         raise FieldError(item(path, duplicates[0]), "appears twice in the same object")
+    for name in value:
+        if not _unicode(name):
+            raise FieldError(item(path, name), "the key must be Unicode text (a lone surrogate)")
     if fields is not None:
         expected = list(fields)
         for name in expected:
@@ -178,10 +181,22 @@ def expect_list(value: object, path: str) -> list[Any]:
     return value
 
 
+def _unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode text: JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no UTF-8 output (a terminal, a pipe, a summary file) can write."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def expect_str(value: object, path: str, *, choices: Iterable[str] | None = None) -> str:
-    """``value`` as a JSON string (one of ``choices`` when given)."""
+    """``value`` as a JSON string of Unicode text (one of ``choices`` when given)."""
     if not isinstance(value, str):
         raise FieldError(path, f"must be a string, got {shown(value)}")
+    if not _unicode(value):
+        raise FieldError(path, f"must be Unicode text, got {shown(value)} (a lone surrogate)")
     if choices is not None:
         allowed = list(choices)
         if value not in allowed:

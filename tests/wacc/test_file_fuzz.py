@@ -73,6 +73,10 @@ def run_wacc(*argv: str) -> Outcome:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(argv))
+    # A real stdout or stderr is UTF-8: what cannot be written there (a lone surrogate read
+    # from a file) would be a traceback, which StringIO alone would hide.
+    out.getvalue().encode("utf-8")
+    err.getvalue().encode("utf-8")
     return Outcome(code, out.getvalue(), err.getvalue())
 
 
@@ -319,7 +323,8 @@ HOSTILE_TEXT = [
     "1.0", "0.5", "1e999", "-1e999", "NaN", "Infinity", "-Infinity", "null",
     # strings: empty, shards spelled otherwise, digits Python's int() reads, long, line breaks
     '""', '"+1/2"', '" 1/2"', '"1/2 "', '"\\u0661/\\u0662"', '"01/2"', '"0/2"', '"3/2"', '"1/2"',
-    '"2/2"', '"1/1"', '"a/b"', '"1/2/3"', '"' + "x" * 100_000 + '"', '"a\\nb\\u2028c"',
+    '"2/2"', '"1/1"', '"a/b"', '"1/2/3"', '"' + "x" * 100_000 + '"', '"a\\nb\\u2028c"', '"\\ud800"',
+    '"a\\udfffb"',
     '"wacc-scenario"', '"wacc-gate-baseline"', '"wacc-gate-results"', '"ci"', '"float64"',
     '"finish_mean"', '"restore"', '"checkpoint"', '"accumulate_sum"', '"w"',
     # containers: empty, deep, long
@@ -654,6 +659,32 @@ def test_a_shape_whose_product_python_cannot_print_is_exit_2(folder: Path) -> No
 
     file = scenario_file(folder, edit)
     assert_names(run_wacc("replay", str(file)), file, "parameters[0].shape[0]")
+
+
+def test_a_lone_surrogate_in_every_gate_file_is_exit_2_naming_the_field(folder: Path) -> None:
+    """Found in review: ``"\\ud800"`` (a JSON escape of a lone surrogate) as the implementation of
+    the baseline and of every shard merged, then printed in the verdict line, raised
+    UnicodeEncodeError on a real (UTF-8) stdout; it is now exit 2 naming the field."""
+    paths = gate_folder(folder, "surrogate")
+    for name in ("baseline", "shard-1", "shard-2"):
+        text = paths[name].read_text(encoding="utf-8")
+        paths[name].write_text(text.replace('"wacc_torch"', '"\\ud800"'), encoding="utf-8")
+    line = error_line(run_wacc(*gate_argv(paths)))
+    assert "implementation: must be Unicode text" in line, line
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63 - 1, 2**63 - 1], [2**62, 2**62, 0]], ids=repr)
+def test_a_zero_size_shape_with_huge_dimensions_is_exit_2(folder: Path, shape: list[int]) -> None:
+    """Found in review: a shape with no element passed the size limit, and torch then failed
+    computing its strides (RuntimeError, a traceback); each zero-size dimension now counts as 1."""
+
+    def edit(document: Any) -> None:
+        document["parameters"][0].update(shape=shape)
+        document["steps"] = []
+
+    file = scenario_file(folder, edit)
+    line = error_line(run_wacc("replay", str(file)), str(shape))
+    assert "parameters:" in line and "zero-size dimension counted as 1" in line, line
 
 
 def test_a_split_into_a_billion_shards_is_answered_at_once(folder: Path) -> None:

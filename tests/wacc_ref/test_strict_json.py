@@ -18,6 +18,7 @@ from wacc_ref.strict_json import (
     check_free_json,
     expect_int,
     expect_object,
+    expect_str,
     loads,
     parse_hex,
     shown,
@@ -84,3 +85,15 @@ def test_shown_is_short_for_any_value() -> None:
         text = shown(value)
         assert len(text) <= SHOWN_CHARS and "\n" not in text, text
     assert "5000 digits" in shown(10**5000)
+
+
+def test_a_lone_surrogate_is_refused_as_a_value_and_as_a_key() -> None:
+    """JSON's ``\\ud800`` escape decodes to a lone surrogate, which no UTF-8 output can print:
+    a string value or an object key holding one is a FieldError naming its path."""
+    document = loads('{"name": "a\\ud800", "grads": {"\\udfff": 1}}')
+    with pytest.raises(FieldError, match=r"^name: must be Unicode text"):
+        expect_str(document["name"], "name")
+    key_path = re.escape("grads['\\udfff']: the key must be Unicode text")
+    with pytest.raises(FieldError, match=f"^{key_path}"):
+        expect_object(document["grads"], "grads")
+    assert expect_str(loads('"\\ud83d\\ude00"'), "ok") == "\U0001f600"  # a pair is text

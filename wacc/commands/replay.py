@@ -75,11 +75,13 @@ def load_scenario_file(path: Path) -> Scenario:
         scenario = from_json(data)
     except ScenarioError as exc:
         raise UsageError(f"{name!r}: {exc}") from None
-    elements = sum(math.prod(shape) for _, shape in scenario.parameters)
+    # Each zero-size dimension counted as 1: torch computes a tensor's strides from its other
+    # dimensions, so [0, 2**62, 2**62] (no element) would still overflow there.
+    elements = sum(math.prod(max(d, 1) for d in shape) for _, shape in scenario.parameters)
     if elements > MAX_TOTAL_ELEMENTS:
         raise UsageError(
-            f"{name!r}: parameters: {shown(elements)} elements in all; a scenario file has at most "
-            f"{MAX_TOTAL_ELEMENTS}"
+            f"{name!r}: parameters: {shown(elements)} elements in all (a zero-size dimension "
+            f"counted as 1); a scenario file has at most {MAX_TOTAL_ELEMENTS}"
         )
     if len(scenario.steps) > MAX_STEPS:
         raise UsageError(
