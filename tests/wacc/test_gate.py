@@ -1,4 +1,5 @@
-"""``wacc gate``: the verdict rules, and real runs through subprocesses (shards, baselines)."""
+"""``wacc gate``: real runs through subprocesses (shards, baselines); the verdict rules are
+``test_gate_compare.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from wacc.gate.compare import ULPS_HEADROOM, compare, headroom
-from wacc.gate.measure import Metrics, Shard, merge_metrics
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -21,45 +19,6 @@ def gate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "wacc", "gate", "--quiet", *args],
         cwd=cwd, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
-
-
-def test_headroom_is_exact_for_ulps_and_one_rounding_for_ratios() -> None:
-    """ulps allow nothing above the baseline; a ratio allows exactly one float64 step up."""
-    assert headroom("max_ulps", 3.0) == 3.0 + ULPS_HEADROOM == 3.0
-    assert headroom("max_ratio", 0.5) == 0.5 + 2.0**-53
-    assert headroom("max_ratio", float("inf")) == float("inf")
-
-
-def test_compare_separates_failures_regressions_and_improvements() -> None:
-    """A failing key is a failure, a worse corpus metric a regression, a better one an
-    improvement; a check key's metrics and counts are shown, never compared."""
-    keys = ("a/w/corpus", "b/w/corpus", "c/w/corpus", "d/w/corpus", "e/w/check")
-    base = {k: Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5) for k in keys}
-    run = {
-        "a/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5),
-        "b/w/corpus": Metrics(scenarios=10, failing=1, max_ratio=7.0, findings=["step 1: boom"]),
-        "c/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5 + 2.0**-40),
-        "d/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.25),
-        "e/w/check": Metrics(scenarios=37, max_ulps=5.0, max_ratio=0.9),
-    }
-    result = compare(run, base)
-    assert [row[3] for row in result.rows] == ["ok", "FAIL", "REGRESSION", "improved", "ok"]
-    assert len(result.failures) == 1 and "boom" in result.failures[0]
-    assert len(result.regressions) == 2 and not result.passed  # b's ratio, c's ratio
-
-
-def test_shards_partition_the_units_and_merging_is_order_free() -> None:
-    """Shards K/N take disjoint slices covering all units; merging sums counts, keeps maxima."""
-    shards = [Shard(k, 3) for k in (1, 2, 3)]
-    assert all(sum(s.takes(i) for s in shards) == 1 for i in range(50))
-    parts = [
-        {"k": Metrics(scenarios=2, max_ratio=0.1)},
-        {"k": Metrics(scenarios=3, failing=1, max_ulps=4.0)},
-    ]
-    merged = merge_metrics(parts)["k"]
-    assert (merged.scenarios, merged.failing, merged.max_ulps, merged.max_ratio) == (5, 1, 4.0, 0.1)
-    with pytest.raises(ValueError, match="'3/2'"):
-        Shard.parse("3/2")
 
 
 @pytest.fixture(scope="module")

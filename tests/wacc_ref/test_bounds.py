@@ -570,6 +570,96 @@ def test_double_conversion_nearly_attains_the_bound(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_single_conversion_nearly_attains_the_bound(dtype: str) -> None:
+    """1 + u (in float32, not in D) is a tie conv_D rounds to 1: error u, 1 - u of the bound."""
+    u = _u(dtype)
+    g = 1.0 + float(u)
+    # float32 D: the gradient is a float64 (one rounding, Step 1); float16/bfloat16 D: it is a
+    # float32 value, so conv_D rounds it once (the float32 rounding is exact, E1).
+    grad_dtype = "float64" if dtype == "float32" else "float32"
+    assert is_representable(g, grad_dtype) and not is_representable(g, dtype)
+    assert conv_to(g, dtype) == 1.0
+    window = Window(
+        dtype=dtype,
+        kind="sum",
+        fused=False,
+        variant="two_step",
+        finish="sums",
+        loss_scale=1.0,
+        weights=(1.0,),
+        grads=(np.array([g]),),
+        grad_dtype=grad_dtype,
+    )
+    # Derivation (Step 1, one rounding): |g| u + η; the first addition into +0 is exact (E4).
+    closed_form = Fraction(g) * u + _eta(dtype)
+    ratio = _check_tight(window, error=u, closed_form=closed_form, at_least=1 - 2 * u)
+    print(f"\n[bounds] single conversion {dtype}: error/bound {ratio:.6f}")
+
+
+def _division_window(dtype: str, *, loss_scale: float, weight: float) -> tuple[Window, Fraction]:
+    """One sum of g = 3 + 4u, finished by mean with S * W = 3: x = g / 3 = 1 + 4u/3 rounds to
+    1 + 2u (the nearer neighbour), error 2u/3 at the rounding into D; returns it exactly."""
+    u = _u(dtype)
+    g = 3.0 + 4 * float(u)
+    assert is_representable(g, dtype)
+    window = Window(
+        dtype=dtype,
+        kind="sum",
+        fused=False,
+        variant="two_step",
+        finish="mean",
+        loss_scale=loss_scale,
+        weights=(weight,),
+        grads=(np.array([g]),),
+        grad_dtype=dtype,
+    )
+    x = Fraction(g) / 3
+    op = op_format(dtype).name
+    # ÷S rounds into D; ÷W rounds into op(D), then into D: either way, the result is x rounded.
+    result = Fraction(round_to(round_to(x, op), dtype)) if weight == 3.0 else Fraction(1 + 2 * u)
+    assert result == 1 + 2 * u
+    return window, abs(x - result)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPES)
+def test_loss_scale_division_nearly_attains_two_thirds_of_the_bound(dtype: str) -> None:
+    """y = round_D(g / 3), S = 3 not a power of two: error 2u/3 against a bound of u |x| (1 + u).
+
+    2u/3 is the largest error a division by 3 can make next to 1 (x is k/3 of an ulp away from a
+    float, k = 1 or 2): the bound's u_1 term is reached to 2/3, and doubling it would give 1/3.
+    """
+    u = _u(dtype)
+    window, error = _division_window(dtype, loss_scale=3.0, weight=1.0)
+    # Derivation (Step 3): W = W_op = 1 (ψ = 1, ÷W exact, so q = y is in D: u_2 = u_3 = 0 and
+    # η_2 = η_3 = 0); ÷S has u_1 = u, η_1 = η: |c| u / (S W) + η_1.
+    closed_form = Fraction(3 + 4 * u) * u / 3 + _eta(dtype)
+    ratio = _check_tight(
+        window, error=error, closed_form=closed_form, at_least=Fraction(2, 3) * (1 - 2 * u)
+    )
+    print(f"\n[bounds] division by S {dtype}: error/bound {ratio:.6f}")
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPES)
+def test_weight_division_nearly_attains_two_thirds_of_the_bound(dtype: str) -> None:
+    """q = round_op(y / 3), out = round_D(q), W = 3: error about 2u/3, the bound about u |x|."""
+    u = _u(dtype)
+    u_o, eta_o = _second_rounding(dtype)
+    window, error = _division_window(dtype, loss_scale=1.0, weight=3.0)
+    # Derivation (Step 3): S = 1 (÷S exact), W = W_op = 3 (ψ = 1); ÷W_op rounds in op(D)
+    # (u_2, η_2) = (u_o, η_o) or (u, η) when op(D) = D, then round_D (u_3, η_3) = (u, η) when
+    # op(D) != D, else exact: |c| ((1 + u_2)(1 + u_3) - 1) / (S W) + η_2 (1 + u_3) + η_3.
+    if op_format(dtype).name == dtype:
+        factor, constant = 1 + u, _eta(dtype)
+    else:
+        factor, constant = (1 + u_o) * (1 + u), eta_o * (1 + u) + _eta(dtype)
+    closed_form = Fraction(3 + 4 * u) * (factor - 1) / 3 + constant
+    ratio = _check_tight(
+        window, error=error, closed_form=closed_form, at_least=Fraction(2, 3) * (1 - 4 * u)
+    )
+    print(f"\n[bounds] division by W {dtype}: error/bound {ratio:.6f}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_underflow_terms_are_attained(dtype: str) -> None:
     """A product and a loss-scale division that land on the tie min_subnormal/2 err by exactly η."""
     tiny = get_format(dtype).min_subnormal

@@ -1,0 +1,190 @@
+"""``python -m mutation``: run mutmut, write the report, run the CI smoke sample.
+
+Examples::
+
+    python -m mutation run                       # mutmut run (every module), timed
+    python -m mutation report                    # reports/mutation/ and the README's table
+    python -m mutation run 'wacc_ref.bounds.*'   # one module's mutants (then `report`)
+    python -m mutation smoke                     # the CI sample (at most a few minutes)
+
+Exit status: 0 when the report meets its targets with every survivor triaged (or the sample is
+all killed), 1 when it does not, 2 for a usage error or a file that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from mutation.outcomes import read_outcomes
+from mutation.report import (
+    HEADLINE_BEGIN,
+    headline,
+    judge,
+    markdown,
+    replace_headline,
+    write_csv,
+)
+from mutation.scope import ROOT, mutmut_config
+from mutation.smoke import SmokeError, read_samples, run_smoke
+from mutation.triage import TriageError, read_triage
+
+REPORT_DIR = ROOT / "reports" / "mutation"
+RUN_RECORD = "mutants/wacc-run.json"  # under the root the run was made in
+
+
+def _git_commit(root: Path = ROOT) -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
+    env = dict(os.environ, HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    started = time.monotonic()
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    code = subprocess.call(command + list(args.mutants), cwd=ROOT, env=env)
+    seconds = time.monotonic() - started
+    if not args.mutants:  # only a full run sets the run time the report states
+        (ROOT / RUN_RECORD).write_text(
+            json.dumps(
+                {
+                    "started": when,
+                    "seconds": round(seconds, 1),
+                    "max_children": args.max_children,
+                    "cpu_count": os.cpu_count(),
+                    "git_commit": _git_commit(),
+                }
+            ),
+            encoding="utf-8",
+        )
+    print(f"mutmut run: exit {code} after {seconds:.0f} s", flush=True)
+    return 0 if code == 0 else 1
+
+
+def _provenance(root: Path) -> dict[str, str]:
+    import importlib.metadata
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "git commit (report)": _git_commit(root),
+        "command": "python -m mutation run && python -m mutation report (tox -e mutation)",
+        "mutmut": importlib.metadata.version("mutmut"),
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "hypothesis profile": "ci",
+        "tests run": " ".join(mutmut_config(root)["pytest_add_cli_args_test_selection"]),  # type: ignore[arg-type]
+        "CPU cores visible": str(os.cpu_count()),
+        "platform": platform.platform(),
+    }
+    record = root / RUN_RECORD
+    if record.exists():
+        run = json.loads(record.read_text(encoding="utf-8"))
+        info["full run"] = (
+            f"started {run['started']} at commit {run['git_commit']}, {run['seconds']:.0f} s "
+            f"wall ({run['seconds'] / 60:.1f} min), {run['max_children']} workers on "
+            f"{run['cpu_count']} cores"
+        )
+    else:
+        info["full run"] = "not recorded (mutants/ came from a partial or manual run)"
+    return info
+
+
+def _report(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        verdicts = read_triage(REPORT_DIR / "triage.csv")
+    except TriageError as exc:
+        print(f"mutation report: {exc}", file=sys.stderr)
+        return 2
+    try:
+        outcomes = read_outcomes(Path(args.root))
+    except FileNotFoundError as exc:
+        print(f"mutation report: {exc}", file=sys.stderr)
+        return 2
+    findings = judge(outcomes, verdicts)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.md").write_text(
+        markdown(findings, _provenance(Path(args.root))), encoding="utf-8"
+    )
+    write_csv(out / "results.csv", findings)
+    if args.readme:
+        readme = Path(args.readme)
+        text = readme.read_text(encoding="utf-8")
+        if HEADLINE_BEGIN in text:
+            readme.write_text(replace_headline(text, headline(findings)), encoding="utf-8")
+    print(headline(findings))
+    for problem in findings.problems:
+        print(f"- {problem}")
+    return 1 if findings.problems else 0
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    try:
+        samples = read_samples(REPORT_DIR / "smoke.csv", REPORT_DIR / "results.csv")
+    except (SmokeError, OSError) as exc:
+        print(f"mutation smoke: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    problems = run_smoke(ROOT, samples, timeout=args.timeout)
+    seconds = time.monotonic() - started
+    for problem in problems:
+        print(f"mutation smoke: {problem}", file=sys.stderr)
+    print(
+        f"mutation smoke: {len(samples) - len(problems)} of {len(samples)} sampled mutants "
+        f"killed in {seconds:.0f} s",
+        flush=True,
+    )
+    return 1 if problems else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mutation", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run mutmut (all mutants, or the names/globs given)")
+    run.add_argument("mutants", nargs="*", help="mutmut names or globs (default: every mutant)")
+    run.add_argument(
+        "--max-children", type=int, default=os.cpu_count() or 2, help="parallel mutant workers"
+    )
+    run.set_defaults(handler=_run)
+    report = commands.add_parser("report", help="write reports/mutation/ from mutants/")
+    report.add_argument("--out", default=str(REPORT_DIR), help="directory (default: %(default)s)")
+    report.add_argument(
+        "--root", default=str(ROOT), help="where `mutmut run` ran (default: this repository)"
+    )
+    report.add_argument(
+        "--readme", default=str(ROOT / "README.md"), help="README whose score table to update"
+    )
+    report.set_defaults(handler=_report)
+    smoke = commands.add_parser("smoke", help="kill the sampled mutants again (CI)")
+    smoke.add_argument("--timeout", type=float, default=300.0, help="seconds (default: 300)")
+    smoke.set_defaults(handler=_smoke)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
