@@ -57,25 +57,32 @@ def _git_commit(root: Path = ROOT) -> str:
 def _run(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
     env = dict(os.environ, HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    had_state = (ROOT / "mutants").is_dir()
     started = time.monotonic()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = subprocess.call(command + list(args.mutants), cwd=ROOT, env=env)
     seconds = time.monotonic() - started
-    if not args.mutants:  # only a full run sets the run time the report states
-        (ROOT / RUN_RECORD).write_text(
-            json.dumps(
-                {
-                    "started": when,
-                    "seconds": round(seconds, 1),
-                    "max_children": args.max_children,
-                    "cpu_count": os.cpu_count(),
-                    "git_commit": _git_commit(),
-                }
-            ),
-            encoding="utf-8",
-        )
+    if not args.mutants:  # only runs over every mutant count toward the run time stated
+        _record_segment(when, seconds, args.max_children, fresh=not had_state)
     print(f"mutmut run: exit {code} after {seconds:.0f} s", flush=True)
     return 0 if code == 0 else 1
+
+
+def _record_segment(when: str, seconds: float, workers: int, *, fresh: bool) -> None:
+    """Add this run to ``mutants/wacc-run.json``: a run that found no ``mutants/`` starts the
+    record; a resumed one (mutmut keeps every result already decided) adds a segment to it."""
+    path = ROOT / RUN_RECORD
+    record = {"segments": []} if fresh or not path.exists() else json.loads(path.read_text("utf-8"))
+    record["segments"].append(
+        {
+            "started": when,
+            "seconds": round(seconds, 1),
+            "max_children": workers,
+            "cpu_count": os.cpu_count(),
+            "git_commit": _git_commit(),
+        }
+    )
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
 def _provenance(root: Path) -> dict[str, str]:
@@ -95,14 +102,20 @@ def _provenance(root: Path) -> dict[str, str]:
     }
     record = root / RUN_RECORD
     if record.exists():
-        run = json.loads(record.read_text(encoding="utf-8"))
-        info["full run"] = (
-            f"started {run['started']} at commit {run['git_commit']}, {run['seconds']:.0f} s "
-            f"wall ({run['seconds'] / 60:.1f} min), {run['max_children']} workers on "
-            f"{run['cpu_count']} cores"
+        segments = json.loads(record.read_text(encoding="utf-8"))["segments"]
+        total = sum(segment["seconds"] for segment in segments)
+        first = segments[0]
+        info["run time"] = (
+            f"{total:.0f} s ({total / 60:.1f} min) wall, {first['max_children']} workers on "
+            f"{first['cpu_count']} cores, in {len(segments)} segment(s) (a resumed run keeps "
+            f"every result already decided): "
+            + "; ".join(
+                f"{seg['started']} at {seg['git_commit']}, {seg['seconds']:.0f} s"
+                for seg in segments
+            )
         )
     else:
-        info["full run"] = "not recorded (mutants/ came from a partial or manual run)"
+        info["run time"] = "not recorded (mutants/ came from a partial or manual run)"
     return info
 
 

@@ -7,6 +7,7 @@ sources themselves; the diff of a mutant is rebuilt from them.  These are mutmut
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterator
@@ -75,11 +76,42 @@ def _in(directory: Path) -> Iterator[None]:
         os.chdir(before)
 
 
+def _changes(path: Path, names: list[str]) -> dict[str, str]:
+    """Each mutant's change, from the mutated file's line index (read once): the unmutated copy
+    and the mutant, both renamed to the function's own name, diffed as text.  libcst keeps the
+    source text exactly, so this is mutmut's own diff without parsing 6000 functions; a name the
+    index does not hold falls back to mutmut's ``get_diff_for_mutant``."""
+    from mutmut.mutation.data import MutantLineSpans
+    from mutmut.mutation.diff_apply import generated_function_names, get_diff_for_mutant
+
+    spans = MutantLineSpans.load(path)
+    lines = (Path("mutants") / path).read_text(encoding="utf-8").splitlines()
+    changes = {}
+    for name in names:
+        orig, mutant = generated_function_names(name)
+        if (
+            spans is None
+            or orig not in spans.span_by_function_name
+            or (mutant not in spans.span_by_function_name)
+        ):
+            changes[name] = change_of(get_diff_for_mutant(name, path=path))
+            continue
+        texts = []
+        for generated in (orig, mutant):
+            span = spans.span_by_function_name[generated]
+            text = lines[span.start - 1 : span.end]
+            at = next(i for i, line in enumerate(text) if f"def {generated}(" in line)
+            text[at] = text[at].replace(f"def {generated}(", "def _(", 1)  # renamed alike
+            texts.append(text)
+        diff = difflib.unified_diff(texts[0], texts[1], lineterm="", n=0)
+        changes[name] = change_of("\n".join(diff))
+    return changes
+
+
 def read_outcomes(root: Path) -> list[Outcome]:
     """Every mutant of the last ``mutmut run`` in ``root``, in file and mutant order."""
     from mutmut.configuration import reset_config
     from mutmut.mutation.data import SourceFileMutationData
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
     from mutmut.stats import status_by_exit_code
     from mutmut.utils.file_utils import walk_mutatable_files
 
@@ -91,6 +123,7 @@ def read_outcomes(root: Path) -> list[Outcome]:
         for path in sorted(walk_mutatable_files(), key=str):
             data = SourceFileMutationData(path=path)
             data.load()
+            changes = _changes(path, list(data.exit_code_by_key))
             for name, exit_code in data.exit_code_by_key.items():
                 outcomes.append(
                     Outcome(
@@ -98,7 +131,7 @@ def read_outcomes(root: Path) -> list[Outcome]:
                         path=str(path),
                         function=function_of(name),
                         status=status_by_exit_code[exit_code],
-                        change=change_of(get_diff_for_mutant(name, path=path)),
+                        change=changes[name],
                     )
                 )
     return outcomes

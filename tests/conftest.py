@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -16,6 +17,15 @@ from wacc.profiles import register_profiles
 # derandomized so that a red CI run reproduces exactly; "dev" explores new examples.
 register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection created (torch, the packages, the test modules) out of the cyclic
+    garbage collector's reach: it lives for the whole run anyway, so a full collection (a test's
+    ``gc.collect()``, or an automatic one) then walks only what the tests make. In a process
+    forked after collection (mutmut's workers, ``python -m mutation``) walking the inherited heap
+    would also copy every page of it: seconds per test, enough to pass for a hang."""
+    gc.freeze()
 
 
 def _global_precision() -> tuple[object, ...]:

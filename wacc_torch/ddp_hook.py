@@ -165,7 +165,11 @@ class WeightedAllReduceHook:
                 state.total_weight, weight, value, dtype=state.dtype, mean=mean, caller=caller
             )
         except (InvalidWeightError, UnsupportedEnvironmentError) as error:
-            return _problem_report(type(error), f"{caller}: {error}"), 0.0
+            # Named once: count_weight's and the flush-to-zero check's messages start with it.
+            message = str(error)
+            if not message.startswith(f"{caller}: "):
+                message = f"{caller}: {message}"
+            return _problem_report(type(error), message), 0.0
         devices = {p.device.type for p in self._module.parameters() if p.requires_grad}
         if len(devices) != 1:
             return _problem_report(

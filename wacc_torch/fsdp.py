@@ -146,8 +146,8 @@ class FSDPWeightedWindow:
         for name, parameter in self._parameters:
             grad = parameter.grad
             local = None if grad is None else getattr(grad, "_local_tensor", grad)
-            if local is not None and local.dtype != self._dtype:
-                problem = _problem_report(
+            if problem is None and local is not None and local.dtype != self._dtype:
+                problem = _problem_report(  # the first problem is the one reported
                     WeightedAccumulationError,
                     f"{caller}: the gradient of {name!r} has dtype {local.dtype}, the "
                     f"parameters {self._dtype}",

@@ -19,9 +19,10 @@ import wacc_torch
 import wacc_torch.buffered
 from tests.wacc.impls import refusing_with
 from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
+from wacc.runner import in_module_order
 from wacc.verdict import ORACLE_SETS, ScenarioVerdict, judge
 from wacc_ref.bounds import error_ratio, window_error_bound
-from wacc_ref.corruption import CORRUPTION_KINDS
+from wacc_ref.corruption import CHECKSUM_KINDS, CORRUPTION_KINDS
 from wacc_ref.oracles import run_reference
 from wacc_ref.scenario import (
     Accumulate,
@@ -32,6 +33,7 @@ from wacc_ref.scenario import (
     Scenario,
     to_json,
 )
+from wacc_ref.traces import ScenarioTrace
 
 LARGEST_FLOAT64 = float.fromhex("0x1.fffffffffffffp+1023")
 
@@ -379,7 +381,8 @@ def test_an_opaque_record_may_be_refused_with_any_error_of_the_family(
 @pytest.mark.parametrize("error", [ValueError, KeyError, RuntimeError], ids=lambda e: e.__name__)
 def test_an_opaque_record_refused_with_a_foreign_error_fails(error: type[Exception]) -> None:
     """Semantics §12: an opaque record's corruption refused with an error outside the §11 family
-    (a plain ValueError is not one) fails oracle 3 at each such restore."""
+    (a plain ValueError is not one) fails oracle 3 at each such restore, where RecordError was
+    expected."""
     verdict = judge(refusing_with(error, opaque=True), _every_corruption())
     refused = _refused_steps(verdict)
     assert refused, _verdict_text(verdict)
@@ -388,6 +391,11 @@ def test_an_opaque_record_refused_with_a_foreign_error_fails(error: type[Excepti
         step = verdict.steps[index]
         assert step.actual_error == f"unexpected {error.__name__}", step
         assert step.failed == ("semantics",), step
+        # Judged against RecordError (what the reference raises), not against the error raised.
+        assert step.lines[0] == (
+            f"step {index} (restore_corrupted): error expected RecordError, "
+            f"got unexpected {error.__name__}"
+        ), step.lines
 
 
 # --------------------------------------------------------------------- the bound (oracle 2)
@@ -613,3 +621,780 @@ def test_none_where_the_reference_has_values_fails_without_oracle_1() -> None:
     finish = verdict.steps[-1]
     assert finish.failed == ("semantics",), _verdict_text(verdict)
     assert finish.lines == ("step 1 (finish_sums): grads['weight'] is None, expected values",)
+
+
+# ------------------------------------------------------------------ the metrics, by hand
+
+SMALLEST_SUBNORMAL32 = 2.0**-149
+
+# (expected, actual, work dtype, max ulps): |a - e| over D's spacing at the EXPECTED value;
+# ±0 are 0 apart, NaN matches NaN (sign and payload not compared), any other NaN/inf mismatch
+# is infinitely far.
+ULPS_CASES: dict[str, tuple[tuple[float, ...], tuple[float, ...], str, float]] = {
+    "equal": ((1.0, -3.5), (1.0, -3.5), "float32", 0.0),
+    "one float32 spacing above 1": ((1.0,), (1.0 + 2.0**-23,), "float32", 1.0),
+    "spacing at the expected value, not the actual": ((2.0,), (1.0,), "float32", 2.0**22),
+    "the other way round": ((1.0,), (2.0,), "float32", 2.0**23),
+    "in bfloat16's spacing": ((1.0,), (1.5,), "bfloat16", 64.0),
+    "in float16's spacing": ((1.0,), (1.0 + 2.0**-10,), "float16", 1.0),
+    "the maximum over elements": ((1.0, 1.0, 1.0), (1.0, 1.0 + 2.0**-21, 1.0), "float32", 4.0),
+    "+0.0 and -0.0": ((0.0, -0.0), (-0.0, 0.0), "float32", 0.0),
+    "zero to the smallest subnormal": ((0.0,), (SMALLEST_SUBNORMAL32,), "float32", 1.0),
+    "subnormals": ((SMALLEST_SUBNORMAL32,), (3 * SMALLEST_SUBNORMAL32,), "float32", 2.0),
+    "NaN and NaN": ((math.nan,), (-math.nan,), "float32", 0.0),
+    "NaN and NaN, then one spacing": ((math.nan, 1.0), (math.nan, 2.0), "float32", 2.0**23),
+    "inf and inf, then one spacing": ((math.inf, 1.0), (math.inf, 2.0), "float32", 2.0**23),
+    "inf and -inf": ((math.inf,), (-math.inf,), "float32", math.inf),
+    "inf expected, finite got": ((math.inf,), (1.0,), "float32", math.inf),
+    "finite expected, -inf got": ((1.0,), (-math.inf,), "float32", math.inf),
+    "NaN expected, finite got": ((math.nan,), (1.0,), "float32", math.inf),
+    "finite expected, NaN got": ((1.0,), (math.nan,), "float32", math.inf),
+    "inf expected, NaN got": ((math.inf,), (math.nan,), "float32", math.inf),
+}
+
+
+@pytest.mark.parametrize("case", list(ULPS_CASES))
+def test_ulps_is_the_distance_in_spacings_of_the_work_dtype_at_the_expected_value(
+    case: str,
+) -> None:
+    """_ulps: max over elements of |a - e| / spacing_D(e), 0 for ±0 against each other and for
+    NaN against NaN, +inf where a NaN or an infinity is not matched (values derived by hand)."""
+    expected, actual, dtype, ulps = ULPS_CASES[case]
+    got = wacc.verdict._ulps(np.array(expected), np.array(actual), dtype)
+    assert got == ulps, (case, got, ulps)
+
+
+def test_relative_error_is_taken_over_the_nonzero_exact_values_only() -> None:
+    """_rel_error: max |a - x| / |x| computed exactly over the elements whose exact value x is
+    nonzero (an exact zero is skipped whatever sits there, ±0, inf or NaN); a NaN or an
+    infinity against a nonzero x, or a ratio beyond float64, is +inf; any shape is flattened."""
+    rel_error = wacc.verdict._rel_error
+    # x = 0 first (skipped), then |1.5 - 1| / 1 = 1/2 and |-3 + 4| / 4 = 1/4.
+    assert rel_error(np.array([5.0, 1.5, -3.0]), [Fraction(0), Fraction(1), Fraction(-4)]) == 0.5
+    # Exact, not in float: |1/4 - 1/3| / (1/3) = 1/4.
+    assert rel_error(np.array([0.25]), [Fraction(1, 3)]) == 0.25
+    assert rel_error(np.array([[0.25, 1.5]]), [Fraction(1, 3), Fraction(1)]) == 0.5
+    assert rel_error(np.array([1.0, -2.0]), [Fraction(1), Fraction(-2)]) == 0.0
+    assert rel_error(np.array([-0.0, math.inf, math.nan]), [Fraction(0)] * 3) == 0.0
+    assert rel_error(np.array([-0.0]), [Fraction(1, 2**200)]) == 1.0
+    assert rel_error(np.array([1.0, math.nan]), [Fraction(1), Fraction(1)]) == math.inf
+    assert rel_error(np.array([-math.inf]), [Fraction(1)]) == math.inf
+    assert rel_error(np.array([LARGEST_FLOAT64]), [Fraction(1, 2**1074)]) == math.inf
+    assert rel_error(np.array([]), []) == 0.0
+
+
+def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
+    """The judge's helpers pair arrays element by element and traces step by step: inputs of
+    different lengths are a ValueError, never a comparison of the common prefix."""
+    verdict = wacc.verdict
+    with pytest.raises(ValueError):
+        verdict._ulps(np.array([1.0, 2.0]), np.array([1.0]), "float32")
+    with pytest.raises(ValueError):
+        verdict._rel_error(np.array([1.0]), [Fraction(1), Fraction(2)])
+    scenario = _every_corruption()
+    trace = run_reference(scenario)
+    short = ScenarioTrace(outcomes=trace.outcomes[:-1], implementation=trace.implementation)
+    with pytest.raises(ValueError):
+        verdict._windows(scenario, short)
+    with pytest.raises(ValueError):
+        verdict._strip_interruptions(scenario, short)
+    for helper in (verdict._agnostic_expectations, verdict._checksum_optional):
+        with pytest.raises(ValueError):
+            helper(scenario, trace, short)
+        with pytest.raises(ValueError):
+            helper(scenario, short, trace)
+
+
+# ----------------------------------------------------------------- the windows of oracle 2
+
+
+def test_the_window_model_follows_errors_checkpoints_and_restores() -> None:
+    """_windows: after each accumulate the open window (a refused one adds nothing), at a
+    finish the window it closed (None if it raised), None at checkpoints and restores; a
+    restore reopens its checkpoint's window, a skipped corrupted restore changes nothing."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (1,)),),
+        (
+            Checkpoint(),  # of the empty window: the pending kinds do not apply to it
+            Accumulate.of("sum", 2.0, {"weight": (1.0,)}),
+            RestoreCorrupted("pending_unknown_parameter"),  # skipped
+            Accumulate.of("mean", 3.0, {"weight": (2.0,)}),
+            Checkpoint(),
+            Accumulate.of("sum", 5.0, {"weight": (4.0,)}),
+            Restore(),
+            Accumulate.of("sum", -1.0, {"weight": (8.0,)}),  # InvalidWeightError
+            Finish("sums"),
+            Finish("mean"),  # ZeroTotalWeightError: the window is empty
+        ),
+    )
+    expected = run_reference(scenario)
+    assert expected.outcomes[2].skipped and expected.outcomes[2].error is None
+    assert expected.outcomes[7].error == "InvalidWeightError"
+    assert expected.outcomes[9].error == "ZeroTotalWeightError"
+    windows = wacc.verdict._windows(scenario, expected)
+    shown = [None if window is None else [(t.kind, t.weight) for t in window] for window in windows]
+    two = [("sum", 2.0), ("mean", 3.0)]
+    assert shown == [
+        None,
+        [("sum", 2.0)],
+        None,
+        two,
+        None,
+        [*two, ("sum", 5.0)],
+        None,
+        two,
+        two,
+        None,
+    ]
+
+
+# ------------------------------------------------- implementations with one deviation each
+
+
+class _Wrapping:
+    """wacc_torch (reproducible), every attribute forwarded; subclasses change one method."""
+
+    def __init__(self, dtype: torch.dtype, loss_scale: float) -> None:
+        self._inner = wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _implementation(cls: type[_Wrapping], what: str) -> Implementation:
+    return Implementation(spec=f"wacc_torch {what}", factory=cls, fused=False, missing=())
+
+
+class _WithoutChecksum(_Wrapping):
+    """Records without the optional ``checksum`` field (semantics §9)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict(checksum=False)
+
+    def state_dict_async(self) -> wacc_torch.StateDictHandle:
+        return self._inner.state_dict_async(checksum=False)
+
+
+class _RecordsOtherBuffers(_Wrapping):
+    """Accumulates correctly, but its record leaves out the buffer of ``bias`` and holds the
+    negation of the buffer of ``weight``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        record = self._inner.state_dict(checksum=False)
+        pending = dict(record["pending"])
+        pending.pop("bias", None)
+        if "weight" in pending:
+            pending["weight"] = -pending["weight"]
+        return {**record, "pending": pending}
+
+
+class _MisreadsPendingOnLoad(_Wrapping):
+    """Its restore loads the negation of every pending buffer of the record."""
+
+    def load_state_dict(self, record: dict[str, Any], module: torch.nn.Module) -> None:
+        changed = {key: value for key, value in record.items() if key != "checksum"}
+        changed["pending"] = {name: -buffer for name, buffer in record["pending"].items()}
+        self._inner.load_state_dict(changed, module)
+
+
+class _MeanOfNothing(_Wrapping):
+    """finish_mean of a window with W == 0 returns the (empty) sums instead of raising
+    ZeroTotalWeightError."""
+
+    def finish_mean(self) -> wacc_torch.AccumulatedGradients:
+        try:
+            return self._inner.finish_mean()
+        except wacc_torch.ZeroTotalWeightError:
+            return self._inner.finish_sums()
+
+
+RESUME_LINE = (
+    "resume is not bit-identical: the finished results differ from the same scenario run "
+    "without its checkpoints and restores"
+)
+
+
+# -------------------------------------------------------------- the verdict's own summaries
+
+
+def test_maximum_is_the_largest_value_of_a_metric_over_the_steps() -> None:
+    """ScenarioVerdict.maximum: the largest max_ulps / max_rel_error / max_ratio of any step,
+    0.0 for a scenario without steps. Dividing an fp16 mean by S = 2**15 a second time flushes
+    (1.5 * 2**-12, -2**-13) to ±0: 1.5 * 2**-12 / 2**-22 = 1536 ulps, relative error 1."""
+    scenario = CORPUS["fp16 S=2**15, W=4096: S*W overflows, sequential division does not"]
+    verdict = judge(load_implementation("tests.wacc.impls:double_unscale"), scenario)
+    assert verdict.maximum("max_ulps") == 1536.0, _verdict_text(verdict)
+    assert verdict.maximum("max_rel_error") == 1.0
+    finish = verdict.steps[-1]
+    assert verdict.maximum("max_ratio") == finish.max_ratio > 1.0
+    assert all(step.max_ratio < finish.max_ratio for step in verdict.steps[:-1])
+    empty = judge(load_implementation(DEFAULT_IMPL), _scenario("float32", (("weight", (1,)),), ()))
+    assert empty.steps == () and not empty.failed and empty.describe() == []
+    for metric in ("max_ulps", "max_rel_error", "max_ratio"):
+        assert empty.maximum(metric) == 0.0 and isinstance(empty.maximum(metric), float)
+
+
+def test_describe_prefixes_each_line_with_its_failed_oracles_and_stops_at_the_limit() -> None:
+    """ScenarioVerdict.describe: the scenario-level lines first, then every step's lines, each
+    prefixed with the oracles that failed there ("[emulation, bound] ..."), the first 12 by
+    default and the first ``limit`` when given."""
+    scenario = CORPUS["fp16 S=2**15, W=4096: S*W overflows, sequential division does not"]
+    verdict = judge(load_implementation("tests.wacc.impls:double_unscale"), scenario)
+    lines = verdict.describe()
+    assert lines[:2] == [
+        "[emulation, bound] step 2 (finish_mean) grads['weight'][flat 0]: "
+        "expected 0x1.8000000000000p-12, got 0x0.0p+0",
+        "[emulation, bound] step 2 (finish_mean) grads['weight'][flat 1]: "
+        "expected -0x1.0000000000000p-13, got -0x0.0p+0",
+    ], lines
+    assert lines[2].startswith("[emulation, bound] step 2 (finish_mean): 'weight' error/bound = ")
+    assert len(lines) == 3
+
+    refused = judge(refusing_with(ValueError, opaque=False), _every_corruption())
+    every = refused.describe(limit=1000)
+    assert len(every) > 13, every
+    assert refused.describe() == every[:12]
+    assert refused.describe(limit=5) == every[:5]
+    assert every[:2] == [
+        "[semantics] step 2 (restore_corrupted): error expected RecordError, "
+        "got unexpected ValueError",
+        "[semantics] step 2 (restore_corrupted): expected RecordError, got unexpected ValueError",
+    ]
+
+
+# ---------------------------------------------------------------- values (oracle 1) in detail
+
+
+def test_pending_buffers_are_compared_by_name_then_by_value() -> None:
+    """Oracle 1 on a schema record: a missing pending buffer is reported with both name lists,
+    and the buffers both have are compared element by element, each line naming the buffer."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (2,)), ("bias", ())),
+        (
+            Accumulate.of("sum", 1.0, {"weight": (1.0, -2.0), "bias": (0.5,)}),
+            Finish("sums"),
+        ),
+    )
+    verdict = judge(_implementation(_RecordsOtherBuffers, "recording other buffers"), scenario)
+    step = verdict.steps[0]
+    assert step.failed[0] == "emulation", _verdict_text(verdict)
+    assert step.lines[:3] == (
+        "step 0 (accumulate_sum): pending buffers ['weight'], expected ['bias', 'weight']",
+        "step 0 (accumulate_sum) pending['weight'][flat 0]: "
+        "expected 0x1.0000000000000p+0, got -0x1.0000000000000p+0",
+        "step 0 (accumulate_sum) pending['weight'][flat 1]: "
+        "expected -0x1.0000000000000p+1, got 0x1.0000000000000p+1",
+    ), step.lines
+    assert not verdict.steps[1].failed, _verdict_text(verdict)  # the finished sums are right
+
+
+def _presence_mix(name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Parameter a: None (as expected); b: +0.0 where None is expected; c: None where values
+    are expected; d: negated."""
+    if name == "b":
+        return torch.zeros(2)
+    if name == "c":
+        return None
+    if name == "d" and grad is not None:
+        return -grad
+    return grad
+
+
+@pytest.mark.parametrize("oracles", ["strict", "bound"])
+def test_every_parameter_of_a_finished_result_is_judged(oracles: str) -> None:
+    """Each finished gradient is judged in turn, whatever came before it: None on both sides is
+    fine, +0.0 where None is expected is a note, None where values are expected is a line, and
+    (under oracle 1) a wrong value is a line per element naming the parameter."""
+    scenario = _scenario(
+        "float32",
+        (("a", (2,)), ("b", (2,)), ("c", (2,)), ("d", (2,))),
+        (Accumulate.of("sum", 1.0, {"c": (1.0, 2.0), "d": (3.0, -4.0)}), Finish("sums")),
+    )
+    verdict = judge(
+        _finishing_with(_presence_mix, "a mix of None and values"),
+        scenario,
+        oracles=ORACLE_SETS[oracles],
+    )
+    finish = verdict.steps[-1]
+    assert finish.notes == (
+        "step 1 (finish_sums): grads['b'] is all +0.0 where the reference has None",
+    ), _verdict_text(verdict)
+    missing = "step 1 (finish_sums): grads['c'] is None, expected values"
+    if oracles == "strict":
+        assert finish.lines[:3] == (
+            missing,
+            "step 1 (finish_sums) grads['d'][flat 0]: "
+            "expected 0x1.8000000000000p+1, got -0x1.8000000000000p+1",
+            "step 1 (finish_sums) grads['d'][flat 1]: "
+            "expected -0x1.0000000000000p+2, got 0x1.0000000000000p+2",
+        ), finish.lines
+    else:
+        assert finish.lines[0] == missing, finish.lines
+    assert finish.lines[-1].startswith("step 1 (finish_sums): 'd' error/bound = ")
+
+
+@pytest.mark.parametrize("oracles", ["strict", "bound"])
+def test_a_result_where_the_reference_raises_fails_semantics_only(oracles: str) -> None:
+    """finish_mean of an empty window must raise ZeroTotalWeightError; an implementation that
+    returns a result there fails oracle 3 at that step (with no value to compare or bound)."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (2,)),),
+        (Accumulate.of("sum", 1.0, {"weight": (1.0, 2.0)}), Finish("sums"), Finish("mean")),
+    )
+    verdict = judge(
+        _implementation(_MeanOfNothing, "returning the mean of nothing"),
+        scenario,
+        oracles=ORACLE_SETS[oracles],
+    )
+    assert [step.failed for step in verdict.steps] == [(), (), ("semantics",)], _verdict_text(
+        verdict
+    )
+    finish = verdict.steps[-1]
+    assert finish.expected_error == "ZeroTotalWeightError" and finish.actual_error is None
+    assert finish.lines[0] == "step 2 (finish_mean): error expected ZeroTotalWeightError, got None"
+    assert finish.max_ulps == finish.max_rel_error == finish.max_ratio == 0.0
+
+
+# ----------------------------------------------------------------- records (oracle 3) in detail
+
+
+def test_records_without_checksum_skip_the_checksum_corruptions() -> None:
+    """The checksum is optional (semantics §9): for records without one, the two checksum
+    corruption kinds do not apply, the run skips them, and the judge accepts that."""
+    implementation = _implementation(_WithoutChecksum, "without checksums")
+    scenario = _every_corruption()
+    checksum_steps = [
+        index
+        for index, step in enumerate(scenario.steps)
+        if isinstance(step, RestoreCorrupted) and step.kind in CHECKSUM_KINDS
+    ]
+    assert len(checksum_steps) == len(CHECKSUM_KINDS)
+    with_checksum = judge(load_implementation(DEFAULT_IMPL), scenario)
+    assert [with_checksum.steps[i].actual_error for i in checksum_steps] == ["RecordError"] * 2
+    verdict = judge(implementation, scenario)
+    assert not verdict.failed, _verdict_text(verdict)
+    assert [verdict.steps[i].actual_error for i in checksum_steps] == [None, None]
+    assert all(verdict.steps[i].expected_error == "RecordError" for i in checksum_steps)
+
+
+def test_a_restore_that_changes_the_results_fails_resume() -> None:
+    """Oracle 3's resume check: when every restore loads a checkpoint taken right before it
+    (corrupted restores in between allowed), the finished results must equal those of the same
+    scenario without checkpoints and restores; a restore that misreads the buffers fails it, and
+    describe() shows that line first."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (2,)),),
+        (
+            Accumulate.of("sum", 1.0, {"weight": (1.0, 2.0)}),
+            Checkpoint(),
+            RestoreCorrupted("issued_negative"),
+            Restore(),
+            Finish("sums"),
+        ),
+    )
+    verdict = judge(_implementation(_MisreadsPendingOnLoad, "misreading buffers"), scenario)
+    assert verdict.scenario_lines == (RESUME_LINE,), _verdict_text(verdict)
+    assert verdict.describe()[0] == RESUME_LINE
+    assert "semantics" in verdict.failed_oracles
+
+
+ROLLBACKS: dict[str, tuple[Any, ...]] = {
+    # The restore drops the accumulate after the checkpoint: not the straight run's result.
+    "an accumulate rolled back": (
+        Checkpoint(),
+        Accumulate.of("sum", 1.0, {"weight": (1.0, 2.0)}),
+        Restore(),
+        Accumulate.of("sum", 2.0, {"weight": (3.0, 4.0)}),
+        Finish("sums"),
+    ),
+    # The restore reopens a finished window.
+    "a finish rolled back": (
+        Accumulate.of("sum", 1.0, {"weight": (1.0, 2.0)}),
+        Checkpoint(),
+        Finish("sums"),
+        Restore(),
+        Finish("mean"),
+    ),
+    # A resume where a finish raises (W == 0): no result to compare, on either side.
+    "a finish that raises": (
+        Checkpoint(),
+        Restore(),
+        Finish("mean"),
+        Accumulate.of("mean", 2.0, {"weight": (3.0, 4.0)}),
+        Finish("mean"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROLLBACKS))
+def test_a_correct_implementation_passes_restores_that_roll_back(name: str) -> None:
+    """The resume check applies only where every restore follows its checkpoint directly; a
+    restore that rolls steps back (and a resumed finish that raises) is no failure for a correct
+    implementation."""
+    scenario = _scenario("float32", (("weight", (2,)),), ROLLBACKS[name])
+    verdict = judge(load_implementation(DEFAULT_IMPL), scenario)
+    assert not verdict.failed, _verdict_text(verdict)
+
+
+RESTORE_ORDERS: dict[str, tuple[tuple[Any, ...], bool]] = {
+    "no restore": ((Accumulate.of("sum", 1.0, {"weight": (1.0,)}), Finish("sums")), True),
+    "checkpoint, restore": ((Checkpoint(), Restore()), True),
+    "checkpoint, restore, restore": ((Checkpoint(), Restore(), Restore()), True),
+    "corrupted restores in between": (
+        (
+            Accumulate.of("sum", 1.0, {"weight": (1.0,)}),
+            Checkpoint(),
+            RestoreCorrupted("issued_negative"),
+            Restore(),
+        ),
+        True,
+    ),
+    "an accumulate in between": (
+        (Checkpoint(), Accumulate.of("sum", 1.0, {"weight": (1.0,)}), Restore()),
+        False,
+    ),
+    "a finish in between": ((Checkpoint(), Finish("sums"), Restore()), False),
+    "a second restore after an accumulate": (
+        (Checkpoint(), Restore(), Accumulate.of("sum", 1.0, {"weight": (1.0,)}), Restore()),
+        False,
+    ),
+    "a new checkpoint after the accumulate": (
+        (
+            Checkpoint(),
+            Accumulate.of("sum", 1.0, {"weight": (1.0,)}),
+            Checkpoint(),
+            Restore(),
+        ),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RESTORE_ORDERS))
+def test_restores_follow_checkpoints_only_with_nothing_but_corrupted_restores_between(
+    name: str,
+) -> None:
+    """_restores_follow_checkpoints: True when each restore has only its checkpoint, other
+    restores or corrupted restores before it since the last checkpoint (resume is then exact)."""
+    steps, follows = RESTORE_ORDERS[name]
+    scenario = _scenario("float32", (("weight", (1,)),), steps)
+    assert wacc.verdict._restores_follow_checkpoints(scenario) is follows
+
+
+# ------------------------------------------------------------------ what a verdict records
+
+
+def test_the_verdict_records_the_scenario_the_implementation_weights_and_messages() -> None:
+    """A ScenarioVerdict names the scenario judged (in module order) and the implementation's
+    spec, keeps each raising step's exception message by step index, and each StepVerdict the
+    weight of its accumulate step (None for other steps)."""
+    scenario = _every_corruption()
+    implementation = refusing_with(ValueError, opaque=False)
+    verdict = judge(implementation, scenario)
+    assert verdict.scenario == in_module_order(scenario)
+    assert verdict.implementation == "tests.wacc.impls:refusing_with(ValueError, schema)"
+    assert [step.weight for step in verdict.steps] == [3.0] + [None] * (len(scenario.steps) - 1)
+    refused = _refused_steps(verdict)
+    assert sorted(verdict.messages) == refused, verdict.messages
+    first = "field 'format_version' must be 1, got 2"
+    assert verdict.messages[2] == f"ValueError: refused with ValueError: {first}"
+    clean = judge(load_implementation(DEFAULT_IMPL), scenario)
+    assert not clean.failed and clean.messages[2] == f"RecordError: {first}", clean.messages
+    assert sorted(clean.messages) == refused and clean.implementation == DEFAULT_IMPL
+    assert judge(load_implementation(DEFAULT_IMPL), _convert_then_add()).messages == {}
+
+
+def test_the_implementation_runs_on_the_device_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """judge passes its ``device`` to every run of the implementation: the scenario and, for
+    the resume check, the same scenario without checkpoints and restores."""
+    devices: list[object] = []
+    real = wacc.verdict.run_implementation
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        devices.append(kwargs.get("device", "not given"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wacc.verdict, "run_implementation", recording)
+    device = torch.device("cpu")
+    verdict = judge(
+        load_implementation(DEFAULT_IMPL),
+        CORPUS["mid-window resume, mixed sum and mean"],
+        device=device,
+    )
+    assert not verdict.failed, _verdict_text(verdict)
+    assert devices == [device, device]
+
+
+def test_lines_are_grouped_by_the_step_they_name() -> None:
+    """_by_step: each line goes to the step its ``step N `` prefix names (the last step when N is
+    past the end), a line without that prefix to step 0; there is always a step 0 group."""
+    lines = [
+        "trace length: expected 3 steps, got 2",
+        "step 1 (finish_sums): a",
+        "step 7 (checkpoint): b",
+        "step 0 (accumulate_sum): c",
+        "step 2 (restore): d",
+    ]
+    assert wacc.verdict._by_step(lines, 3) == [
+        ["trace length: expected 3 steps, got 2", "step 0 (accumulate_sum): c"],
+        ["step 1 (finish_sums): a"],
+        ["step 7 (checkpoint): b", "step 2 (restore): d"],
+    ]
+    assert wacc.verdict._by_step(lines[:1], 0) == [lines[:1]]
+
+
+# ---------------------------------------------------------- the exact values behind oracle 2
+
+EXACT_WINDOWS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    # W = 2: the zero-weight batch adds nothing, the mean (6, 10) / 2 is exact.
+    "a zero-weight batch first": (
+        "float32",
+        (
+            Accumulate.of("sum", 0.0, {"weight": (1.0, 2.0)}),
+            Accumulate.of("sum", 2.0, {"weight": (3.0, 5.0)}),
+            Finish("mean"),
+        ),
+    ),
+    # W = 2: a batch without gradients counts in W only, the mean (3, 5) / 2 is exact.
+    "a batch without gradients first": (
+        "float32",
+        (
+            Accumulate.of("sum", 1.0, {}),
+            Accumulate.of("sum", 1.0, {"weight": (3.0, 5.0)}),
+            Finish("mean"),
+        ),
+    ),
+    # A mean step multiplies by w_D = conv_bf16(0.1) and W is the sum of those: the exact
+    # mean of one batch is its gradient, (1, -3), whatever the rounding of w_D.
+    "a mean batch whose weight rounds in D": (
+        "bfloat16",
+        (Accumulate.of("mean", 0.1, {"weight": (1.0, -3.0)}), Finish("mean")),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_WINDOWS))
+def test_the_exact_mean_counts_every_batch_of_the_window(name: str) -> None:
+    """Oracle 2's exact value Σ c_k / S / W over the whole window (zero-weight and gradient-less
+    batches skipped, later ones still counted; a mean batch with its D-rounded weight): for
+    windows whose mean is exactly representable, wacc_torch's mean has relative error 0."""
+    dtype, steps = EXACT_WINDOWS[name]
+    verdict = judge(load_implementation(DEFAULT_IMPL), _scenario(dtype, (("weight", (2,)),), steps))
+    assert not verdict.failed, _verdict_text(verdict)
+    finish = verdict.steps[-1]
+    assert finish.max_rel_error == 0.0 and finish.max_ratio == 0.0, finish
+
+
+# ------------------------------------------------------------- more oracle 1/3 details
+
+
+class _FinishReportsMore(_Wrapping):
+    """finish_sums reports twice the window's weight and no gradient for ``bias``."""
+
+    def finish_sums(self) -> wacc_torch.AccumulatedGradients:
+        result = self._inner.finish_sums()
+        return wacc_torch.AccumulatedGradients(
+            grads={**result.grads, "bias": None},
+            weight=2 * result.weight,
+            loss_scale=result.loss_scale,
+            issued=result.issued,
+            zero_weight=result.zero_weight,
+            normalized=result.normalized,
+        )
+
+
+@pytest.mark.parametrize("oracles", ["strict", "bound"])
+def test_a_finished_result_is_judged_on_its_counters_and_its_gradients(oracles: str) -> None:
+    """Oracle 3 compares the counters of a finished result (its weight here), and the None rule
+    adds its own line at the same step, with or without oracle 1."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (2,)), ("bias", ())),
+        (Accumulate.of("sum", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("sums")),
+    )
+    verdict = judge(
+        _implementation(_FinishReportsMore, "reporting more"),
+        scenario,
+        oracles=ORACLE_SETS[oracles],
+    )
+    weight = (
+        "step 1 (finish_sums) result.weight: expected 0x1.8000000000000p+1, "
+        "got 0x1.8000000000000p+2"
+    )
+    missing = "step 1 (finish_sums): grads['bias'] is None, expected values"
+    finish = verdict.steps[-1]
+    if oracles == "strict":
+        assert finish.failed == ("emulation", "semantics"), _verdict_text(verdict)
+        assert finish.lines == (missing, weight), finish.lines
+    else:
+        assert finish.failed == ("semantics",), _verdict_text(verdict)
+        assert finish.lines == (weight, missing), finish.lines
+
+
+class _MiscountingRecords(_Wrapping):
+    """Accumulates correctly; its record reports issued, zero_weight and total_weight one too
+    high."""
+
+    def state_dict(self) -> dict[str, Any]:
+        record = self._inner.state_dict(checksum=False)
+        return {
+            **record,
+            "issued": record["issued"] + 1,
+            "zero_weight": record["zero_weight"] + 1,
+            "total_weight": record["total_weight"] + 1.0,
+        }
+
+
+def test_every_counter_difference_is_reported_at_its_step_however_many() -> None:
+    """Oracle 3 reports every difference, not a first few: wrong counters after each of 30
+    steps give three lines at each step (90 in all)."""
+    steps = [Accumulate.of("sum", 1.0, {"weight": (1.0,)}) for _ in range(29)]
+    scenario = _scenario("float32", (("weight", (1,)),), (*steps, Finish("sums")))
+    verdict = judge(_implementation(_MiscountingRecords, "miscounting"), scenario)
+    assert [len(step.lines) for step in verdict.steps] == [3] * 30, _verdict_text(verdict)
+    assert all(step.failed == ("semantics",) for step in verdict.steps)
+    assert verdict.steps[28].lines == (
+        "step 28 (accumulate_sum) state.issued: expected 29, got 30",
+        "step 28 (accumulate_sum) state.zero_weight: expected 0, got 1",
+        "step 28 (accumulate_sum) state.total_weight: expected 0x1.d000000000000p+4, "
+        "got 0x1.e000000000000p+4",
+    )
+
+
+class _ClearsOnBadRecord(_Wrapping):
+    """A load that, instead of refusing a bad record, starts a fresh window."""
+
+    def __init__(self, dtype: torch.dtype, loss_scale: float) -> None:
+        super().__init__(dtype, loss_scale)
+        self._settings = (dtype, loss_scale)
+
+    def load_state_dict(self, record: dict[str, Any], module: torch.nn.Module) -> None:
+        try:
+            self._inner.load_state_dict(record, module)
+        except wacc_torch.RecordError:
+            dtype, loss_scale = self._settings
+            self._inner = wacc_torch.WeightedGradientsAccumulator(
+                dtype=dtype, loss_scale=loss_scale
+            )
+
+
+def test_the_resume_check_needs_a_restore() -> None:
+    """Without a (plain) restore there is no resume to check: a corrupted restore that changes
+    the results fails at its own step and after, never as a resume failure."""
+    scenario = _scenario(
+        "float32",
+        (("weight", (2,)),),
+        (
+            Accumulate.of("sum", 1.0, {"weight": (1.0, 2.0)}),
+            Checkpoint(),
+            RestoreCorrupted("issued_negative"),
+            Finish("sums"),
+        ),
+    )
+    verdict = judge(_implementation(_ClearsOnBadRecord, "clearing on a bad record"), scenario)
+    assert "semantics" in verdict.steps[2].failed, _verdict_text(verdict)
+    assert "emulation" in verdict.steps[3].failed, _verdict_text(verdict)
+    assert verdict.scenario_lines == ()
+
+
+class _RecordsOddBuffers(_Wrapping):
+    """Accumulates correctly; its record holds ``a`` in another shape, ``b`` negated, no ``c``
+    and an extra buffer ``ghost``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        record = self._inner.state_dict(checksum=False)
+        pending = dict(record["pending"])
+        if "a" in pending:
+            pending["a"] = pending["a"].reshape(1, -1)
+        if "b" in pending:
+            pending["b"] = -pending["b"]
+            pending["ghost"] = pending["b"].clone()
+        pending.pop("c", None)
+        return {**record, "pending": pending}
+
+
+def test_buffers_of_unknown_names_or_shapes_are_reported_and_the_rest_bounded() -> None:
+    """A pending buffer under an unknown name or in another shape is an oracle 1 line and has
+    no bound; the buffers after it are still compared and bounded."""
+    scenario = _scenario(
+        "float32",
+        (("a", (2,)), ("b", (2,)), ("c", ())),
+        (
+            Accumulate.of("sum", 1.0, {"a": (1.0, 2.0), "b": (3.0, 4.0), "c": (5.0,)}),
+            Finish("sums"),
+        ),
+    )
+    verdict = judge(_implementation(_RecordsOddBuffers, "recording odd buffers"), scenario)
+    step = verdict.steps[0]
+    assert step.failed == ("emulation", "bound"), _verdict_text(verdict)
+    assert step.lines[:4] == (
+        "step 0 (accumulate_sum): pending buffers ['a', 'b', 'ghost'], expected ['a', 'b', 'c']",
+        "step 0 (accumulate_sum) pending['a']: shape (2,) != (1, 2)",
+        "step 0 (accumulate_sum) pending['b'][flat 0]: "
+        "expected 0x1.8000000000000p+1, got -0x1.8000000000000p+1",
+        "step 0 (accumulate_sum) pending['b'][flat 1]: "
+        "expected 0x1.0000000000000p+2, got -0x1.0000000000000p+2",
+    ), step.lines
+    assert step.lines[4].startswith("step 0 (accumulate_sum): 'b' error/bound = "), step.lines
+    assert len(step.lines) == 5 and step.max_ratio == math.inf
+
+
+# ------------------------------------------------------------------ fused means (oracle 1)
+
+
+def test_a_fused_fp16_mean_is_judged_per_step_and_element() -> None:
+    """Fused float16 means on CPU round the vectorized chunks and the scalar tail of a tensor
+    differently (§6 allows both): the stepwise oracle accepts wacc_torch's fused mode on a
+    40-element tensor, where no single reference variant matches every element."""
+    size = 40
+    first = tuple(float(np.float16((k + 1) / 7)) for k in range(size))
+    second = tuple(float(np.float16(-(k + 3) / 5)) for k in range(size))
+    scenario = Scenario(
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+        fused=True,
+        parameters=(("weight", (size,)),),
+        steps=(
+            Accumulate.of("mean", 0.1, {"weight": first}),
+            Accumulate.of("mean", 0.3, {"weight": second}),
+            Finish("mean"),
+        ),
+    )
+    verdict = judge(load_implementation("wacc.implementation:wacc_torch_fused"), scenario)
+    assert not verdict.failed, _verdict_text(verdict)
+
+
+def test_a_wrong_fused_step_is_reported_for_every_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step-local oracle 1 of a fused implementation names each element outside the §6 set
+    with the values allowed there, for all 70 elements of the tensor."""
+    size = 70
+    scenario = Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=True,
+        parameters=(("weight", (size,)),),
+        steps=(Accumulate.of("mean", 3.0, {"weight": (1.0,) * size}), Finish("mean")),
+    )
+
+    def weight_applied_twice(
+        buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, **_: object
+    ) -> None:
+        buffer.add_(grad.to(buffer.dtype), alpha=weight * weight)
+
+    monkeypatch.setattr(wacc_torch.buffered, "add_into", weight_applied_twice)
+    verdict = judge(load_implementation("wacc.implementation:wacc_torch_fused"), scenario)
+    step = verdict.steps[0]
+    assert step.failed[0] == "emulation", _verdict_text(verdict)
+    elements = [line for line in step.lines if "state.pending['weight'][flat " in line]
+    assert len(elements) == size, step.lines
+    assert elements[0] == (
+        "step 0 (accumulate_mean) state.pending['weight'][flat 0]: got 0x1.2000000000000p+3, "
+        "allowed ['0x1.8000000000000p+1'] "
+        "(buf 0x0.0p+0, g 0x1.0000000000000p+0, w_D 0x1.8000000000000p+1)"
+    ), elements[0]

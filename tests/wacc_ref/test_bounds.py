@@ -1156,6 +1156,9 @@ def test_tolerance_table_comes_from_the_formats_exactly(dtype: str) -> None:
     # tie 1 + u (then to 1), while one rounding gives 1 + 2u.
     probe = 1.0 + fmt.unit_roundoff + fmt.unit_roundoff * math.ldexp(1.0, -40)
     assert tol.converts_through_float32 == (conv_to(probe, dtype) != round_to(probe, dtype))
+    # The table is built once, at import: building the entry again gives it field for field
+    # (what is checked above is then what the builder makes, not only what import left behind).
+    assert bounds._make_tolerance(fmt) == tol
 
 
 def test_tolerance_table_is_read_only() -> None:

@@ -6,6 +6,12 @@ import gc
 from collections.abc import Iterator
 
 import pytest
+
+# DistributedDataParallel imports torch._dynamo the first time one is built (5 to 10 s on these
+# machines), inside whichever test comes first.  Imported here, that one-time cost is paid at
+# collection: a test's time no longer depends on its place in the run, and a process forked after
+# collection (mutmut's workers, whose timeouts come from the warm times) does not pay it again.
+import torch._dynamo  # noqa: F401  (imported for its cost, see above)
 import torch.distributed as dist
 
 

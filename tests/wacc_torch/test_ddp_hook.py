@@ -4,10 +4,15 @@ One job per world size runs every scenario: the hook against the ``no_sync`` + h
 an MLP with real cross-entropy gradients (sums and means, work dtypes float32, bfloat16 and
 float16 under float32 parameters), a globally zero window, a bad weight on one rank, the
 collectives one step makes on a 100-tensor model, and a synchronized backward without arming.
+
+The in-process tests at the end (a real single-process gloo group) check the same contract where
+one rank suffices: the gradients, every refusal's class and message (naming the caller and the
+value) with nothing changed, and which process group the hook talks on.
 """
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import subprocess
 import sys
@@ -28,11 +33,16 @@ from wacc_torch import (
     all_reduce_mean,
 )
 from wacc_torch.ddp_hook import WeightedAllReduceHook
+from wacc_torch.distributed import ProcessGroupUnavailableError
+from wacc_torch.errors import (
+    InvalidWeightError,
+    UnsupportedEnvironmentError,
+    WeightedAccumulationError,
+    ZeroTotalWeightError,
+)
 
 from .distributed.spawn import init_rank, load_results, run_job, save_result
-from .support import assert_bitwise_equal
-
-pytestmark = pytest.mark.slow
+from .support import assert_bitwise_equal, assert_unchanged, grads_snapshot
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 LOSS_SCALE = 2.0**5
@@ -293,6 +303,7 @@ def _cuda_rank_main(rank: int, world_size: int, init_file: str, out_dir: str) ->
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_hook_grads_equal_helper_bit_for_bit_on_cuda() -> None:
@@ -325,6 +336,7 @@ def rank_results(world_size: int) -> Iterator[list[dict[str, Any]]]:
         yield load_results(work_dir, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2], indirect=True, ids=["world2"])
 @pytest.mark.parametrize("case", [f"{str(d).removeprefix('torch.')}/{m}" for d, m in CASES])
 def test_hook_grads_equal_helper_bit_for_bit_on_two_ranks(
@@ -339,6 +351,7 @@ def test_hook_grads_equal_helper_bit_for_bit_on_two_ranks(
             assert_bitwise_equal(got["hook"][name], grad, f"rank {rank} {case} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{str(d).removeprefix('torch.')}/{m}" for d, m in CASES])
 def test_hook_result_and_ranks_agree(
     rank_results: list[dict[str, Any]], world_size: int, case: str
@@ -358,6 +371,7 @@ def test_hook_result_and_ranks_agree(
             assert_bitwise_equal(got["hook"][name], grad, f"rank {rank} vs rank 0 {name}")
 
 
+@pytest.mark.slow
 def test_zero_global_weight_raises_everywhere_and_loses_nothing(
     rank_results: list[dict[str, Any]], world_size: int
 ) -> None:
@@ -372,6 +386,7 @@ def test_zero_global_weight_raises_everywhere_and_loses_nothing(
         assert refusals["after_zero"] == (tokens, 2 * world_size, 2 * world_size - 1)
 
 
+@pytest.mark.slow
 def test_bad_weight_on_one_rank_raises_everywhere(
     rank_results: list[dict[str, Any]], world_size: int
 ) -> None:
@@ -386,6 +401,7 @@ def test_bad_weight_on_one_rank_raises_everywhere(
         assert results["refusals"]["bad_weight/state"] == (1, 1.0)
 
 
+@pytest.mark.slow
 def test_unarmed_synchronized_backward_raises(rank_results: list[dict[str, Any]]) -> None:
     """A backward outside no_sync() without last_microbatch_* raises on every rank instead of
     letting DDP average it."""
@@ -395,6 +411,7 @@ def test_unarmed_synchronized_backward_raises(rank_results: list[dict[str, Any]]
         assert "last_microbatch_sum" in outcome["message"], outcome
 
 
+@pytest.mark.slow
 def test_collectives_and_bytes_per_step(rank_results: list[dict[str, Any]]) -> None:
     """For a 100-tensor model, one window costs the helper one metadata exchange and one
     all-reduce of every buffer, and the hook one metadata exchange and one all-reduce per DDP
@@ -429,6 +446,7 @@ print("done")
 """
 
 
+@pytest.mark.slow
 def test_a_hooked_model_outliving_its_group_never_aborts_the_process() -> None:
     """A hooked DDP model dropped after a window (the group destroyed, a new one made: a
     notebook, a test suite, a job that re-forms its group) never takes the process down.
@@ -449,3 +467,265 @@ def test_a_hooked_model_outliving_its_group_never_aborts_the_process() -> None:
     assert completed.returncode == 0 and completed.stdout.strip() == "done", (
         f"exit {completed.returncode}\n{completed.stderr[-2000:]}"
     )
+
+
+# ------------------------------------------------------------ in-process: one real gloo rank
+ONE_RANK_COUNTS = (3, 11, 6)  # the last microbatch is armed with the hook
+
+
+class _GroupSpy:
+    """Records the ``group`` argument of every ``all_reduce`` and ``all_gather_object`` that
+    this process's Python code issues (the originals still run)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self._originals = (dist.all_reduce, dist.all_gather_object)
+
+    def __enter__(self) -> _GroupSpy:
+        def spying(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            signature = inspect.signature(original)
+
+            def spy(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(*args, **kwargs)
+                self.calls.append((kind, bound.arguments.get("group")))
+                return original(*args, **kwargs)
+
+            return spy
+
+        all_reduce, all_gather_object = self._originals
+        dist.all_reduce = spying("all_reduce", all_reduce)  # type: ignore[assignment]
+        dist.all_gather_object = spying("all_gather_object", all_gather_object)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce, dist.all_gather_object = self._originals  # type: ignore[assignment]
+
+
+def _one_rank_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randn(count, FEATURES, generator=generator),
+            torch.randint(0, CLASSES, (count,), generator=generator),
+        )
+        for count in ONE_RANK_COUNTS
+    ]
+
+
+def _hooked(
+    dtype: torch.dtype = torch.float32, **kwargs: Any
+) -> tuple[DistributedDataParallel, WeightedAllReduceHook, WeightedGradientsAccumulator]:
+    model = DistributedDataParallel(_mlp())
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=LOSS_SCALE)
+    return model, WeightedAllReduceHook(model, accumulator, **kwargs), accumulator
+
+
+def _earlier_microbatch(
+    model: DistributedDataParallel, accumulator: WeightedGradientsAccumulator, weight: float
+) -> torch.Tensor:
+    """One microbatch under no_sync() counted with ``weight``; returns the next (last) loss."""
+    x, y = _one_rank_batches()[0]
+    with model.no_sync():
+        _loss(model, x, y, mode="sum").backward()
+        accumulator.accumulate_sum(model.module, weight)
+    return _loss(model, x, y, mode="sum")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mode"),
+    [(torch.float32, "sum"), (torch.float32, "mean"), (torch.bfloat16, "mean")],
+    ids=["float32/sum", "float32/mean", "bfloat16/mean"],
+)
+def test_one_rank_hook_equals_the_helper_path_and_starts_a_new_window(
+    one_rank_group: None, dtype: torch.dtype, mode: str
+) -> None:
+    """On one rank, the .grad the hook leaves equals no_sync + accumulate_* + all_reduce_mean +
+    apply_to bit for bit (the last microbatch's mean weighted by its own token count, not 1);
+    result holds the same normalized buffers, the window's weight and counters, and the
+    accumulator starts a new, empty window."""
+    batches = _one_rank_batches()
+    helper_grads = _helper_step(DistributedDataParallel(_mlp()), batches, mode=mode, dtype=dtype)
+    reference = WeightedGradientsAccumulator(dtype=dtype, loss_scale=LOSS_SCALE)
+    plain = _mlp()
+    for x, y in batches:
+        _loss(plain, x, y, mode=mode).backward()
+        _accumulate(reference, plain, float(len(y)), mode=mode)
+    expected = all_reduce_mean(reference.finish_sums())
+
+    model, hook, accumulator = _hooked(dtype)
+    hook_grads = _hook_step(model, hook, accumulator, batches, mode=mode)
+    for name, grad in helper_grads.items():
+        assert_bitwise_equal(hook_grads[name], grad, f"{mode} .grad of {name}")
+    result = hook.result
+    assert result is not None
+    assert result.normalized is True
+    assert (result.weight, result.issued, result.zero_weight) == (
+        float(sum(ONE_RANK_COUNTS)),
+        len(ONE_RANK_COUNTS),
+        0,
+    )
+    assert result.loss_scale == LOSS_SCALE
+    assert set(result.grads) == set(expected.grads)
+    for name, grad in expected.grads.items():
+        assert_bitwise_equal(result.grads[name], grad, f"{mode} result of {name}")
+    assert (accumulator.state.issued, accumulator.state.total_weight) == (0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("mean", "earlier", "weight", "error", "message"),
+    [
+        (
+            False,
+            2.0,
+            -1.0,
+            InvalidWeightError,
+            "last_microbatch_sum: weight must be finite and >= 0, got -1.0",
+        ),
+        (
+            True,
+            2.0,
+            float("nan"),
+            InvalidWeightError,
+            "last_microbatch_mean: weight must be finite and >= 0, got nan",
+        ),
+        (
+            True,
+            2.0,
+            1e-50,
+            InvalidWeightError,
+            "last_microbatch_mean: weight 1e-50 does not survive the work dtype torch.float32: "
+            "it converts to 0.0",
+        ),
+    ],
+    ids=["sum-negative", "mean-nan", "mean-underflows-D"],
+)
+def test_a_bad_last_weight_raises_the_callers_error_and_loses_nothing(
+    one_rank_group: None,
+    mean: bool,
+    earlier: float,
+    weight: float,
+    error: type[Exception],
+    message: str,
+) -> None:
+    """A bad weight given to last_microbatch_sum/_mean raises (through the collective verdict)
+    exactly its class, with a message naming this rank, the caller and the value; the previous
+    window's result is cleared, the accumulator and .grad are unchanged, and the window then
+    completes with a good weight, the earlier microbatch included."""
+    model, hook, accumulator = _hooked()
+    _hook_step(model, hook, accumulator, _one_rank_batches(), mode="sum")
+    assert hook.result is not None
+    loss = _earlier_microbatch(model, accumulator, earlier)
+    record, grads = accumulator.state_dict(), grads_snapshot(model.module)
+    arm = hook.last_microbatch_mean if mean else hook.last_microbatch_sum
+    with pytest.raises(error) as raised:
+        arm(weight)
+    assert type(raised.value) is error
+    assert str(raised.value) == f"rank 0 of 1: {message} (raised on every rank)"
+    assert hook.result is None
+    assert_unchanged(accumulator, record, model.module, grads)
+    arm(3.0)
+    loss.backward()
+    assert hook.result is not None
+    assert (hook.result.weight, hook.result.issued) == (earlier + 3.0, 2)
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_a_window_of_zero_global_weight_is_refused_by_the_arming_call(
+    one_rank_group: None, mean: bool
+) -> None:
+    """A window whose weights are all 0 makes last_microbatch_* raise ZeroTotalWeightError
+    naming the caller and the per-rank weights, before the backward; nothing changes and the
+    window completes once a positive weight arrives (the zero-weight microbatches counted)."""
+    model, hook, accumulator = _hooked()
+    loss = _earlier_microbatch(model, accumulator, 0.0)
+    record, grads = accumulator.state_dict(), grads_snapshot(model.module)
+    caller = "last_microbatch_mean" if mean else "last_microbatch_sum"
+    arm = getattr(hook, caller)
+    with pytest.raises(ZeroTotalWeightError) as raised:
+        arm(0)
+    assert str(raised.value) == (
+        f"{caller}: the global weight is 0 (weights per rank: [0.0]); nothing to normalize"
+    )
+    assert hook.result is None
+    assert_unchanged(accumulator, record, model.module, grads)
+    arm(5)
+    loss.backward()
+    assert hook.result is not None
+    assert (hook.result.weight, hook.result.issued, hook.result.zero_weight) == (5.0, 2, 1)
+
+
+def test_parameters_on_two_device_types_are_refused_before_any_gradient_moves(
+    one_rank_group: None,
+) -> None:
+    """A module whose tracked parameters live on two device types (the hook's buffers must share
+    DDP's one device) is refused by last_microbatch_sum with WeightedAccumulationError naming
+    the caller and the device types, the accumulator unchanged."""
+    model, hook, accumulator = _hooked()
+    _earlier_microbatch(model, accumulator, 2.0)
+    model.module[2].bias = nn.Parameter(torch.zeros(CLASSES, device="meta"))
+    record = accumulator.state_dict()
+    with pytest.raises(WeightedAccumulationError) as raised:
+        hook.last_microbatch_sum(1.0)
+    assert type(raised.value) is WeightedAccumulationError
+    assert str(raised.value) == (
+        "rank 0 of 1: last_microbatch_sum: the parameters must be on one device type, got "
+        "['cpu', 'meta'] (raised on every rank)"
+    )
+    assert_unchanged(accumulator, record)
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_flushed_subnormals_are_refused_by_the_arming_call(
+    one_rank_group: None, mean: bool
+) -> None:
+    """With flush-to-zero on in the calling thread, last_microbatch_* (whose weight arithmetic
+    runs on the host) raise UnsupportedEnvironmentError naming the caller, nothing changed; with
+    gradual underflow back, the window completes."""
+    model, hook, accumulator = _hooked()
+    loss = _earlier_microbatch(model, accumulator, 2.0)
+    record = accumulator.state_dict()
+    caller = "last_microbatch_mean" if mean else "last_microbatch_sum"
+    torch.set_flush_denormal(True)
+    try:
+        with pytest.raises(UnsupportedEnvironmentError) as raised:
+            getattr(hook, caller)(1.0)
+    finally:
+        torch.set_flush_denormal(False)
+    # The caller is named once (the check's message already starts with it).
+    assert str(raised.value).startswith(
+        f"rank 0 of 1: {caller}: the CPU flushes subnormals to zero"
+    ), str(raised.value)
+    assert_unchanged(accumulator, record)
+    getattr(hook, caller)(1.0)
+    loss.backward()
+    assert hook.result is not None and hook.result.issued == 2
+
+
+def test_the_hook_talks_only_on_its_group(one_rank_group: None) -> None:
+    """Every collective of a window (the metadata exchange and each bucket's all-reduce) goes to
+    the group given to the hook, never to the default group (which would deadlock a job whose
+    data-parallel group is a subgroup); a group this process is not a member of is refused
+    locally with ProcessGroupUnavailableError naming the caller and the group."""
+    group = dist.new_group([0])
+    model, hook, accumulator = _hooked(group=group)
+    with _GroupSpy() as spy:
+        _hook_step(model, hook, accumulator, _one_rank_batches(), mode="mean")
+    assert hook.result is not None
+    kinds = [kind for kind, _ in spy.calls]
+    assert kinds[0] == "all_gather_object" and kinds.count("all_gather_object") == 1, kinds
+    assert "all_reduce" in kinds
+    assert all(used is group for _, used in spy.calls), spy.calls
+
+    outsider = dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a non-member rank
+    model, hook, accumulator = _hooked(group=outsider)  # type: ignore[arg-type]
+    loss = _earlier_microbatch(model, accumulator, 2.0)
+    record = accumulator.state_dict()
+    for caller in ("last_microbatch_sum", "last_microbatch_mean"):
+        with pytest.raises(ProcessGroupUnavailableError) as raised:
+            getattr(hook, caller)(1.0)
+        assert str(raised.value) == (
+            f"{caller}: this process (global rank 0) is not a member of the given process "
+            f"group {outsider!r}"
+        )
+    assert_unchanged(accumulator, record)
+    del loss
