@@ -36,6 +36,7 @@ from mutation.report import (
 from mutation.scope import ROOT, mutmut_config
 from mutation.smoke import SmokeError, read_samples, run_smoke
 from mutation.triage import TriageError, read_triage
+from wacc.profiles import MUTATION_EXAMPLES, MUTATION_PROFILE
 
 REPORT_DIR = ROOT / "reports" / "mutation"
 RUN_RECORD = "mutants/wacc-run.json"  # under the root the run was made in
@@ -56,19 +57,20 @@ def _git_commit(root: Path = ROOT) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
-    env = dict(os.environ, HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    profile = os.environ.get("HYPOTHESIS_PROFILE", MUTATION_PROFILE)
+    env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
     had_state = (ROOT / "mutants").is_dir()
     started = time.monotonic()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = subprocess.call(command + list(args.mutants), cwd=ROOT, env=env)
     seconds = time.monotonic() - started
     if not args.mutants:  # only runs over every mutant count toward the run time stated
-        _record_segment(when, seconds, args.max_children, fresh=not had_state)
+        _record_segment(when, seconds, args.max_children, profile, fresh=not had_state)
     print(f"mutmut run: exit {code} after {seconds:.0f} s", flush=True)
     return 0 if code == 0 else 1
 
 
-def _record_segment(when: str, seconds: float, workers: int, *, fresh: bool) -> None:
+def _record_segment(when: str, seconds: float, workers: int, profile: str, *, fresh: bool) -> None:
     """Add this run to ``mutants/wacc-run.json``: a run that found no ``mutants/`` starts the
     record; a resumed one (mutmut keeps every result already decided) adds a segment to it."""
     path = ROOT / RUN_RECORD
@@ -80,6 +82,7 @@ def _record_segment(when: str, seconds: float, workers: int, *, fresh: bool) -> 
             "max_children": workers,
             "cpu_count": os.cpu_count(),
             "git_commit": _git_commit(),
+            "hypothesis_profile": profile,
         }
     )
     path.write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -95,7 +98,7 @@ def _provenance(root: Path) -> dict[str, str]:
         "mutmut": importlib.metadata.version("mutmut"),
         "python": platform.python_version(),
         "torch": importlib.metadata.version("torch"),
-        "hypothesis profile": "ci",
+        "hypothesis profile": "not recorded",
         "tests run": " ".join(mutmut_config(root)["pytest_add_cli_args_test_selection"]),  # type: ignore[arg-type]
         "CPU cores visible": str(os.cpu_count()),
         "platform": platform.platform(),
@@ -105,6 +108,13 @@ def _provenance(root: Path) -> dict[str, str]:
         segments = json.loads(record.read_text(encoding="utf-8"))["segments"]
         total = sum(segment["seconds"] for segment in segments)
         first = segments[0]
+        profiles = sorted({seg.get("hypothesis_profile", "ci") for seg in segments})
+        info["hypothesis profile"] = ", ".join(profiles) + (
+            f" ({MUTATION_EXAMPLES} examples a property test: a lower bound on the CI suite's "
+            "power, see wacc/profiles.py)"
+            if profiles == [MUTATION_PROFILE]
+            else ""
+        )
         info["run time"] = (
             f"{total:.0f} s ({total / 60:.1f} min) wall, {first['max_children']} workers on "
             f"{first['cpu_count']} cores, in {len(segments)} segment(s) (a resumed run keeps "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mutation.outcomes import read_outcomes
 from mutation.scope import mutmut_config, mutmut_table
+from wacc.profiles import MUTATION_PROFILE
 
 SMOKE_COLUMNS = ("mutant", "change", "tests")
 
@@ -116,7 +117,9 @@ def run_smoke(root: Path, samples: list[Sample], *, timeout: float) -> list[str]
         pyproject.write_text(
             narrowed_pyproject(pyproject.read_text(encoding="utf-8"), samples), encoding="utf-8"
         )
-        env = dict(os.environ, HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+        env = dict(
+            os.environ, HYPOTHESIS_PROFILE=os.environ.get("HYPOTHESIS_PROFILE", MUTATION_PROFILE)
+        )
         command = [sys.executable, "-m", "mutmut", "run", "--max-children", "2"]
         completed = subprocess.run(
             command + [sample.mutant for sample in samples],

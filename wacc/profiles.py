@@ -1,10 +1,15 @@
-"""The Hypothesis profiles of the suite, registered once: ``dev``, ``ci`` and ``nightly``.
+"""The Hypothesis profiles of the suite, registered once: ``dev``, ``ci`` and ``nightly``
+(and ``mutation``, the mutation run's own, not offered to ``wacc check``).
 
 Both the test suite (``tests/conftest.py``) and ``wacc check --profile`` use them. ``ci`` is
 derandomized (a red CI run reproduces exactly) and has no deadline; ``nightly`` runs 20 times as
 many examples and explores new ones. Hypothesis' example database (failing examples, replayed
 first on the next run) lives under :data:`DATABASE_DIRECTORY` (``.hypothesis/wacc`` in the
 working directory, or ``$WACC_HYPOTHESIS_DB``); ``ci`` uses none, so CI never depends on state.
+
+``mutation`` is ``ci`` with a fifth of its examples: a surviving mutant runs every test that
+covers it, and at ``ci``'s budget the property tests made a full run several hours long on two
+cores. Its score is therefore a lower bound on the power of the suite as CI runs it.
 """
 
 from __future__ import annotations
@@ -15,12 +20,21 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-__all__ = ["DATABASE_DIRECTORY", "PROFILES", "profile_settings", "register_profiles"]
+__all__ = [
+    "DATABASE_DIRECTORY",
+    "MUTATION_EXAMPLES",
+    "MUTATION_PROFILE",
+    "PROFILES",
+    "profile_settings",
+    "register_profiles",
+]
 
 DATABASE_DIRECTORY = Path(os.environ.get("WACC_HYPOTHESIS_DB", ".hypothesis/wacc"))
 CI_EXAMPLES = 100  # Hypothesis' own default, kept so the suite's property tests cost the same
 NIGHTLY_FACTOR = 20
+MUTATION_EXAMPLES = CI_EXAMPLES // 5
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly")
+MUTATION_PROFILE = "mutation"
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
@@ -59,6 +73,11 @@ def register_profiles() -> None:
         print_blob=True,
         database=database,
         suppress_health_check=_SLOW,
+    )
+    settings.register_profile(
+        MUTATION_PROFILE,
+        parent=settings.get_profile("ci"),
+        max_examples=MUTATION_EXAMPLES,
     )
 
 
