@@ -76,8 +76,10 @@ class Findings:
             found.append(f"{not_run} mutants not run: the run stopped part way")
         for group in GROUPS:
             tally = self.groups.get(group.name)
-            if tally is None or tally.score is None:
+            if tally is None or tally.generated == 0:
                 found.append(f"{group.name}: no mutants (is [tool.mutmut] in step with scope?)")
+            elif tally.score is None:
+                found.append(f"{group.name}: no mutant of its {tally.generated} was run")
             elif tally.score < group.target:
                 found.append(
                     f"{group.name}: score {percent(tally.score)} is below its target "
@@ -99,25 +101,23 @@ def judge(outcomes: Sequence[Outcome], verdicts: Mapping[str, Verdict]) -> Findi
     findings = Findings(outcomes=list(outcomes), verdicts=verdicts)
     by_name = {outcome.name: outcome for outcome in outcomes}
     for outcome in outcomes:
-        verdict = verdicts.get(outcome.name)
-        if verdict is not None and verdict.change != outcome.change:
-            verdict = None  # stale (reported below): it was written about another change
+        verdict = usable_verdict(verdicts, outcome)
         group = group_of(outcome.path)
         findings.groups.setdefault(group.name, Tally()).add(outcome, verdict)
         findings.modules.setdefault(outcome.path, Tally()).add(outcome, verdict)
         if outcome.survived and verdict is None:
             findings.gaps.append(outcome)
-    for name, verdict in verdicts.items():
-        outcome = by_name.get(name)
-        if outcome is None:
+    for name, row in verdicts.items():
+        mutant = by_name.get(name)
+        if mutant is None:
             findings.stale.append(f"triage row {name}: no such mutant any more; remove the row")
-        elif verdict.change != outcome.change:
+        elif row.change != mutant.change:
             findings.stale.append(
-                f"triage row {name}: written for `{verdict.change}`, the mutant is now "
-                f"`{outcome.change}`; triage it again"
+                f"triage row {name}: written for `{row.change}`, the mutant is now "
+                f"`{mutant.change}`; triage it again"
             )
-        elif not outcome.survived:
-            findings.stale.append(f"triage row {name}: the mutant is now {outcome.status}")
+        elif not mutant.survived:
+            findings.stale.append(f"triage row {name}: the mutant is now {mutant.status}")
     return findings
 
 
@@ -184,12 +184,11 @@ def markdown(findings: Findings, info: Mapping[str, str]) -> str:
     if survivors:
         parts += ["| mutant | status | change | verdict | reason |", "|---|---|---|---|---|"]
         for outcome in survivors:
-            verdict = findings.verdicts.get(outcome.name)
-            usable = verdict is not None and verdict.change == outcome.change
+            verdict = usable_verdict(findings.verdicts, outcome)
             parts.append(
                 f"| {outcome.name} | {outcome.status} | `{_escape(outcome.change)}` | "
-                f"{verdict.verdict if usable else '**gap**'} | "
-                f"{_escape(verdict.reason) if usable else ''} |"
+                f"{verdict.verdict if verdict else '**gap**'} | "
+                f"{_escape(verdict.reason) if verdict else ''} |"
             )
     problems = findings.problems
     parts += ["", "## Status", ""]
@@ -217,11 +216,17 @@ def write_csv(path: Path, findings: Findings) -> None:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(["mutant", "module", "function", "status", "verdict", "change"])
         for outcome in findings.outcomes:
-            verdict = findings.verdicts.get(outcome.name)
-            usable = verdict is not None and verdict.change == outcome.change
-            label = (verdict.verdict if usable else "gap") if outcome.survived else ""
+            verdict = usable_verdict(findings.verdicts, outcome)
+            label = (verdict.verdict if verdict else "gap") if outcome.survived else ""
             row = [outcome.name, outcome.path, outcome.function, outcome.status, label]
             writer.writerow([*row, outcome.change])
+
+
+def usable_verdict(verdicts: Mapping[str, Verdict], outcome: Outcome) -> Verdict | None:
+    """The triage row of ``outcome``, or None when there is none or it was written about another
+    change (mutmut renumbers mutants when a function is edited; such a row is reported stale)."""
+    verdict = verdicts.get(outcome.name)
+    return verdict if verdict is not None and verdict.change == outcome.change else None
 
 
 def group_names() -> list[str]:

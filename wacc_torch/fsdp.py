@@ -39,6 +39,11 @@ raises in :meth:`FSDPWeightedWindow.finish_mean` if the gradients differ), so on
 are supported (a mean loss times its weight would round inside autograd, not as
 §6 orders it).  A zero-weight microbatch must contribute exact zeros: skip its backward, or,
 if it is a rank's last one, run the backward of its loss sum over no tokens (exactly 0).
+
+Reading: a parameter that ``fully_shard`` leaves out (``ignored_params``) is not FSDP's: its
+plain-tensor ``.grad`` holds this rank's sum only, and :meth:`FSDPWeightedWindow.finish_mean`
+divides it by ``S`` and the global weight like the shards.  On more than one rank, sum it over
+the group (``all_reduce``) before ``finish_mean``, as whatever replicates that parameter must.
 """
 
 from __future__ import annotations

@@ -186,3 +186,16 @@ def test_a_partial_run_is_scored_on_what_ran_and_says_it_is_partial() -> None:
     assert findings.modules["wacc/shrink.py"].not_run == 1
     assert findings.modules["wacc/shrink.py"].score == 1
     assert "1 mutants not run: the run stopped part way" in findings.problems
+
+
+def test_a_group_with_no_mutant_run_says_so_and_one_with_none_at_all_blames_the_scope() -> None:
+    """A group whose mutants were all left unrun is reported as such (not as a scope mismatch);
+    a group with no mutant generated points at [tool.mutmut]."""
+    outcomes = [o for o in _all_groups_killed() if o.path != "wacc/shrink.py"]
+    unrun = outcomes + [_outcome("w.x_f__mutmut_1", "wacc/shrink.py", "not checked")]
+    problems = judge(unrun, {}).problems
+    assert "wacc/shrink.py: no mutant of its 1 was run" in problems
+    assert not any("shrink.py: no mutants" in p for p in problems)
+    assert "wacc/shrink.py: no mutants (is [tool.mutmut] in step with scope?)" in (
+        judge(outcomes, {}).problems
+    )
