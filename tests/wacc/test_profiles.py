@@ -29,12 +29,14 @@ def test_every_profile_is_registered_and_unknown_ones_are_refused() -> None:
 
 def test_the_mutation_profile_is_ci_with_fewer_examples_and_not_offered_to_users() -> None:
     """``mutation`` is derandomized like ci, without deadline or database, runs a fifth of ci's
-    examples (at least one), and is not one of the profiles ``wacc check`` accepts."""
-    from hypothesis import settings
+    examples (at least one), generates but never shrinks, and is not one of the profiles
+    ``wacc check`` accepts."""
+    from hypothesis import Phase, settings
 
     from wacc.profiles import MUTATION_PROFILE
 
     ci, mutation = profile_settings("ci"), settings.get_profile(MUTATION_PROFILE)
     assert mutation.derandomize and mutation.deadline is None and mutation.database is None
     assert 1 <= mutation.max_examples == ci.max_examples // 5
+    assert Phase.generate in mutation.phases and Phase.shrink not in mutation.phases
     assert MUTATION_PROFILE not in PROFILES

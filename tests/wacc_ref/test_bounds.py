@@ -90,6 +90,31 @@ class Window:
         )
 
 
+def _plain_window(
+    dtype: str,
+    kind: str,
+    finish: str,
+    *,
+    weights: tuple[float, ...],
+    grads: tuple[np.ndarray | None, ...],
+    loss_scale: float = 1.0,
+    grad_dtype: str | None = None,
+) -> Window:
+    """A constructed window accumulated the plain way (not fused, two-step), gradients in D
+    unless ``grad_dtype`` says otherwise."""
+    return Window(
+        dtype=dtype,
+        kind=kind,
+        fused=False,
+        variant="two_step",
+        finish=finish,
+        loss_scale=loss_scale,
+        weights=weights,
+        grads=grads,
+        grad_dtype=dtype if grad_dtype is None else grad_dtype,
+    )
+
+
 def _emulated(window: Window) -> np.ndarray | None:
     """The reference accumulator's emulated result for the window (None: no buffer)."""
     acc = ReferenceAccumulator(
@@ -406,16 +431,12 @@ def test_tie_chain_of_sums_nearly_attains_the_bound(dtype: str, finish: str) -> 
     """1 + u + ... + u (8 terms) rounds each tie down to 1: error 7u, >= 1 - 2Ku of the bound."""
     u = _u(dtype)
     count = 8
-    window = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish=finish,
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "sum",
+        finish,
         weights=(1.0,) * count,
         grads=(np.array([1.0]),) + (np.array([float(u)]),) * (count - 1),
-        grad_dtype=dtype,
     )
     # Derivation (module docstring, Step 2): term 1 passes K-1 later steps, term j K-j+1 steps,
     # each step a factor (1 + u_o')(1 + u); conversions are exact (every g is in D).
@@ -448,16 +469,12 @@ def test_tie_product_of_a_mean_nearly_attains_the_bound(dtype: str) -> None:
     g, r = _tie_product_gradient(dtype)
     assert is_representable(g, dtype)
     u = _u(dtype)
-    window = Window(
-        dtype=dtype,
-        kind="mean",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "mean",
+        "sums",
         weights=(3.0,),
         grads=(np.array([g]),),
-        grad_dtype=dtype,
     )
     # Derivation: one product rounding (two-step, FMA) or op-then-D (1 + u_o)(1 + u) with the
     # underflow terms η_o (1 + u) + η; c = 3g exactly.
@@ -483,16 +500,12 @@ def test_product_and_addition_ties_of_the_two_step_order_nearly_attain_the_bound
     g, k = _two_step_gradient(dtype)
     assert is_representable(g, dtype)
     u = _u(dtype)
-    window = Window(
-        dtype=dtype,
-        kind="mean",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "mean",
+        "sums",
         weights=(1.0, 3.0),
         grads=(np.array([1.0 + 2 * float(u)]), np.array([g])),
-        grad_dtype=dtype,
     )
     # Derivation: t = 1 + 2ku (tie, to the even significand: error u); buf + t = 2 + 2u + 2ku is
     # a tie in [2, 4) (spacing 4u), to even: 2 + 2ku (error 2u).  Bound: term 1 is exact at
@@ -522,17 +535,13 @@ def test_rounded_weight_sum_is_the_whole_error_and_the_whole_bound(dtype: str) -
     op = op_format(dtype).name
     half_ulp = math.ldexp(1.0, -get_format(op).precision)
     g = math.ldexp(1.0, get_format(dtype).emax - 1)
-    window = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="mean",
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "sum",
+        "mean",
         # float64 rounds 1 + 2**-53 to 1 (op = float64); float32 rounds 1 + 2**-24 to 1.
         weights=(1.0, half_ulp),
         grads=(np.array([g]), np.array([0.0])),
-        grad_dtype=dtype,
     )
     exact_weight = 1 + Fraction(half_ulp)
     # Derivation: the zero contribution is no step (E5), S = 1 and W_op = 1 divide exactly, so
@@ -551,13 +560,10 @@ def test_double_conversion_nearly_attains_the_bound(dtype: str) -> None:
     g = 1.0 + float(u) + float(u) * math.ldexp(1.0, -22)
     assert not is_representable(g, "float32")
     assert conv_to(g, dtype) == 1.0 and round_to(g, dtype) == 1.0 + 2 * float(u)
-    window = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "sum",
+        "sums",
         weights=(1.0,),
         grads=(np.array([g]),),
         grad_dtype="float64",
@@ -579,13 +585,10 @@ def test_single_conversion_nearly_attains_the_bound(dtype: str) -> None:
     grad_dtype = "float64" if dtype == "float32" else "float32"
     assert is_representable(g, grad_dtype) and not is_representable(g, dtype)
     assert conv_to(g, dtype) == 1.0
-    window = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    window = _plain_window(
+        dtype,
+        "sum",
+        "sums",
         weights=(1.0,),
         grads=(np.array([g]),),
         grad_dtype=grad_dtype,
@@ -602,16 +605,13 @@ def _division_window(dtype: str, *, loss_scale: float, weight: float) -> tuple[W
     u = _u(dtype)
     g = 3.0 + 4 * float(u)
     assert is_representable(g, dtype)
-    window = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="mean",
+    window = _plain_window(
+        dtype,
+        "sum",
+        "mean",
         loss_scale=loss_scale,
         weights=(weight,),
         grads=(np.array([g]),),
-        grad_dtype=dtype,
     )
     x = Fraction(g) / 3
     op = op_format(dtype).name
@@ -667,29 +667,22 @@ def test_underflow_terms_are_attained(dtype: str) -> None:
     _, eta_o = _second_rounding(dtype)
     # (a) mean, w_D = 1/2: c = tiny/2 is a tie between 0 and tiny, to even: 0.  Bound (class
     # "power of two below 1"): η (two-step, FMA) or η_o + η (op-then-D).
-    product = Window(
-        dtype=dtype,
-        kind="mean",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    product = _plain_window(
+        dtype,
+        "mean",
+        "sums",
         weights=(0.5,),
         grads=(np.array([tiny]),),
-        grad_dtype=dtype,
     )
     ratio_a = _check_tight(product, error=eta, closed_form=eta + eta_o, at_least=1 - eta_o / eta)
     # (b) sum, S = 2: y = round_D(tiny / 2) = 0; W_op = 1 leaves the rest exact.  Bound: η_1.
-    division = Window(
-        dtype=dtype,
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="mean",
+    division = _plain_window(
+        dtype,
+        "sum",
+        "mean",
         loss_scale=2.0,
         weights=(1.0,),
         grads=(np.array([tiny]),),
-        grad_dtype=dtype,
     )
     ratio_b = _check_tight(division, error=eta, closed_form=eta, at_least=Fraction(1))
     print(f"\n[bounds] underflow {dtype}: error/bound {ratio_a:.6f} (product), {ratio_b!r} (÷S)")
@@ -720,16 +713,13 @@ def test_loss_divided_by_accum_steps_exceeds_the_bound() -> None:
     rng = np.random.default_rng(0xACC)
     weights = (1.0, 7.0, 200.0, 3.0)
     grads = tuple(round_array(rng.standard_normal(4), "float32") for _ in weights)
-    window = Window(
-        dtype="float32",
-        kind="mean",
-        fused=False,
-        variant="two_step",
-        finish="mean",
+    window = _plain_window(
+        "float32",
+        "mean",
+        "mean",
         loss_scale=1024.0,
         weights=weights,
         grads=grads,
-        grad_dtype="float32",
     )
     # The pattern: backward on S * mean / K, plain sums, then one division by S.
     steps = len(weights)
@@ -748,16 +738,13 @@ def test_loss_divided_by_accum_steps_exceeds_the_bound() -> None:
 
 def test_dividing_by_the_loss_scale_twice_exceeds_the_bound() -> None:
     """finish_mean's result divided by S once more is off by a factor S."""
-    window = Window(
-        dtype="float16",
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="mean",
+    window = _plain_window(
+        "float16",
+        "sum",
+        "mean",
         loss_scale=1024.0,
         weights=(3.0, 5.0),
         grads=(np.array([100.0, -3.5]), np.array([20.0, 0.25])),
-        grad_dtype="float16",
     )
     correct = _emulated(window)
     assert correct is not None
@@ -797,16 +784,13 @@ def test_weight_sum_kept_in_bfloat16_exceeds_the_bound() -> None:
 
 def test_scale_times_weight_formed_in_float16_exceeds_the_bound() -> None:
     """S * W = 2**15 * 4096 overflows float16 to inf, so buf / (S W) = 0 (semantics §8)."""
-    window = Window(
-        dtype="float16",
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="mean",
+    window = _plain_window(
+        "float16",
+        "sum",
+        "mean",
         loss_scale=2.0**15,
         weights=(4096.0,),
         grads=(np.array([2.0**14, -3.0]),),
-        grad_dtype="float16",
     )
     divisor = round_to(Fraction(window.loss_scale) * 4096, "float16")
     assert divisor == math.inf
@@ -876,16 +860,12 @@ def test_a_zero_contribution_is_no_step() -> None:
 
 def test_overflowing_elements_get_an_infinite_bound() -> None:
     """Where an intermediate may overflow the bound is +inf, and there the result does overflow."""
-    window = Window(
-        dtype="float16",
-        kind="sum",
-        fused=False,
-        variant="two_step",
-        finish="sums",
-        loss_scale=1.0,
+    window = _plain_window(
+        "float16",
+        "sum",
+        "sums",
         weights=(1.0, 1.0),
         grads=(np.array([60000.0, 1.0]), np.array([60000.0, 2.0])),
-        grad_dtype="float16",
     )
     bound = _bound(window)
     observed = _emulated(window)
