@@ -12,6 +12,7 @@ value) with nothing changed, and which process group the hook talks on.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 import subprocess
@@ -32,12 +33,13 @@ from wacc_torch import (
     WeightedGradientsAccumulator,
     all_reduce_mean,
 )
-from wacc_torch.ddp_hook import WeightedAllReduceHook
+from wacc_torch.ddp_hook import WeightedAllReduceHook, _bucket_gradient
 from wacc_torch.distributed import ProcessGroupUnavailableError
 from wacc_torch.errors import (
     InvalidWeightError,
     UnsupportedEnvironmentError,
     WeightedAccumulationError,
+    ZeroCopyError,
     ZeroTotalWeightError,
 )
 
@@ -262,6 +264,25 @@ def _scenario_collectives(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _scenario_disagreements(rank: int, world_size: int) -> dict[str, Any]:
+    """The last rank's window differs from the others' in its loss scale, its work dtype or its
+    parameters' device type (moved to "meta" after DDP's construction); nothing else differs."""
+    last = world_size - 1
+    setups = {
+        "loss_scale": (torch.float32, 2 * LOSS_SCALE if rank == last else LOSS_SCALE, "cpu"),
+        "dtype": (torch.bfloat16 if rank == last else torch.float32, LOSS_SCALE, "cpu"),
+        "device_type": (torch.float32, LOSS_SCALE, "meta" if rank == last else "cpu"),
+    }
+    out: dict[str, Any] = {}
+    for key, (dtype, loss_scale, device) in setups.items():
+        model = DistributedDataParallel(_mlp())
+        accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+        hook = WeightedAllReduceHook(model, accumulator)
+        model.module.to(device)
+        out[key] = _captured(functools.partial(hook.last_microbatch_sum, 1.0))
+    return out
+
+
 def _scenario_unarmed(rank: int, world_size: int) -> dict[str, Any]:
     model = DistributedDataParallel(_mlp())
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
@@ -277,6 +298,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
             "against_helper": _scenario_against_helper(rank, world_size),
             "refusals": _scenario_refusals(rank, world_size),
             "collectives": _scenario_collectives(rank, world_size),
+            "disagreements": _scenario_disagreements(rank, world_size),
             # Last: a backward that raised leaves this DDP model's reducer mid-iteration.
             "unarmed": _scenario_unarmed(rank, world_size),
         }
@@ -399,6 +421,40 @@ def test_bad_weight_on_one_rank_raises_everywhere(
         assert f"rank {culprit} of {world_size}" in outcome["message"]
         assert "-1.0" in outcome["message"]
         assert results["refusals"]["bad_weight/state"] == (1, 1.0)
+
+
+@pytest.mark.slow
+def test_ranks_disagreeing_on_scale_dtype_or_device_type_raise_everywhere(
+    rank_results: list[dict[str, Any]], world_size: int
+) -> None:
+    """When one rank's window has another loss scale, work dtype or parameter device type,
+    last_microbatch_sum raises on every rank, before any gradient moves: InvalidLossScaleError
+    naming both scales and ranks, or ParameterMismatchError listing every rank's dtype or
+    device type."""
+    last = world_size - 1
+
+    def listed(value: Callable[[int], str]) -> str:
+        return ", ".join(f"rank {rank}: {value(rank)}" for rank in range(world_size))
+
+    expected = {
+        "loss_scale": {
+            "error": "InvalidLossScaleError",
+            "message": f"last_microbatch_sum: loss scale {2 * LOSS_SCALE!r} on rank {last} "
+            f"differs from {LOSS_SCALE!r} on rank 0; S must be the same on every rank",
+        },
+        "dtype": {
+            "error": "ParameterMismatchError",
+            "message": "last_microbatch_sum: the work dtype differs across ranks: "
+            + listed(lambda rank: "bfloat16" if rank == last else "float32"),
+        },
+        "device_type": {
+            "error": "ParameterMismatchError",
+            "message": "last_microbatch_sum: the buffers' device type differs across ranks: "
+            + listed(lambda rank: "meta" if rank == last else "cpu"),
+        },
+    }
+    for rank, results in enumerate(rank_results):
+        assert results["disagreements"] == expected, f"rank {rank}"
 
 
 @pytest.mark.slow
@@ -729,3 +785,283 @@ def test_the_hook_talks_only_on_its_group(one_rank_group: None) -> None:
         )
     assert_unchanged(accumulator, record)
     del loss
+
+
+def test_bad_constructor_arguments_are_refused_naming_what_was_given(
+    one_rank_group: None,
+) -> None:
+    """WeightedAllReduceHook refuses a model that is not DDP and an accumulator that is not a
+    WeightedGradientsAccumulator with TypeError naming the type it got, and a zero-copy
+    accumulator with ZeroCopyError explaining what to do instead."""
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
+    with pytest.raises(TypeError) as raised:
+        WeightedAllReduceHook(_mlp(), accumulator)  # type: ignore[arg-type]
+    assert str(raised.value) == "model must be a DistributedDataParallel, got Sequential"
+    model = DistributedDataParallel(_mlp())
+    with pytest.raises(TypeError) as raised:
+        WeightedAllReduceHook(model, "accumulator")  # type: ignore[arg-type]
+    assert str(raised.value) == "accumulator must be a WeightedGradientsAccumulator, got str"
+    zero_copy = WeightedGradientsAccumulator(
+        dtype=torch.float32, loss_scale=LOSS_SCALE, zero_copy=True
+    )
+    with pytest.raises(ZeroCopyError) as zero_copy_raised:
+        WeightedAllReduceHook(model, zero_copy)
+    assert str(zero_copy_raised.value) == (
+        "WeightedAllReduceHook needs a buffered accumulator: its last microbatch is a plain DDP "
+        "backward, which would add into the zero-copy window's .grad. With zero_copy=True run "
+        "every microbatch in `with ddp.no_sync(), acc.microbatch(...)` and reduce with "
+        "wacc_torch.all_reduce_mean"
+    )
+
+
+UNARMED_MESSAGE = (
+    "WeightedAllReduceHook: a backward synchronized gradients (outside no_sync()) without "
+    "last_microbatch_sum/_mean() first; DDP would average it by the world size, which is the "
+    "error this hook exists to avoid"
+)
+
+
+def test_a_synchronized_backward_before_arming_or_after_a_window_raises(
+    one_rank_group: None,
+) -> None:
+    """A new hook has no result, and a backward outside no_sync() without last_microbatch_*
+    raises WeightedAccumulationError (not an averaged .grad), both on a new hook and after a
+    completed window (whose result stays readable)."""
+    x, y = _one_rank_batches()[0]
+    model, hook, _ = _hooked()
+    assert hook.result is None
+    with pytest.raises(WeightedAccumulationError) as raised:
+        _loss(model, x, y, mode="sum").backward()
+    assert type(raised.value) is WeightedAccumulationError
+    assert str(raised.value) == UNARMED_MESSAGE
+
+    model, hook, accumulator = _hooked()
+    _hook_step(model, hook, accumulator, _one_rank_batches(), mode="sum")
+    result = hook.result
+    assert result is not None
+    with pytest.raises(WeightedAccumulationError) as raised:
+        _loss(model, x, y, mode="sum").backward()
+    assert type(raised.value) is WeightedAccumulationError
+    assert str(raised.value) == UNARMED_MESSAGE
+    assert hook.result is result
+
+
+def test_flushed_subnormals_in_the_backward_are_refused_taking_nothing(
+    one_rank_group: None,
+) -> None:
+    """Flush-to-zero switched on after arming, in the thread that runs the (CPU) backward, makes
+    the hook raise UnsupportedEnvironmentError naming itself and that thread, before it takes
+    the accumulator's window."""
+    model, hook, accumulator = _hooked()
+    loss = _earlier_microbatch(model, accumulator, 2.0)
+    hook.last_microbatch_sum(3.0)
+    record = accumulator.state_dict()
+    torch.set_flush_denormal(True)
+    try:
+        with pytest.raises(UnsupportedEnvironmentError) as raised:
+            loss.backward()
+    finally:
+        torch.set_flush_denormal(False)
+    assert str(raised.value).startswith(
+        "WeightedAllReduceHook (in the backward's thread): the CPU flushes subnormals to zero"
+    ), str(raised.value)
+    assert hook.result is None
+    assert_unchanged(accumulator, record)
+
+
+def _microbatches(counts: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    return [
+        (
+            torch.randn(count, FEATURES, generator=generator),
+            torch.randint(0, CLASSES, (count,), generator=generator),
+        )
+        for count in counts
+    ]
+
+
+def _window_both_ways(
+    model: DistributedDataParallel,
+    hook: WeightedAllReduceHook,
+    accumulator: WeightedGradientsAccumulator,
+    counts: tuple[int, ...],
+    weights: tuple[float, ...],
+    *,
+    mode: str,
+    last_factor: float = 1.0,
+) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None], Any]:
+    """One window through the hook on ``model`` and through no_sync + accumulate_* +
+    all_reduce_mean + apply_to on a fresh copy with a like accumulator; the last loss is
+    multiplied by ``last_factor``.  Returns (hook .grad, helper .grad, helper result)."""
+    batches = _microbatches(counts)
+    state = accumulator.state
+    helper_model = DistributedDataParallel(_mlp())
+    helper = WeightedGradientsAccumulator(
+        dtype=state.dtype, loss_scale=state.loss_scale, fused=state.fused
+    )
+    with helper_model.no_sync():
+        for index, ((x, y), weight) in enumerate(zip(batches, weights, strict=True)):
+            factor = last_factor if index == len(batches) - 1 else 1.0
+            (factor * _loss(helper_model, x, y, mode=mode)).backward()
+            _accumulate(helper, helper_model.module, weight, mode=mode)
+    expected = all_reduce_mean(helper.finish_sums())
+    expected.apply_to(helper_model.module)
+
+    *earlier, (x_last, y_last) = batches
+    with model.no_sync():
+        for (x, y), weight in zip(earlier, weights[:-1], strict=True):
+            _loss(model, x, y, mode=mode).backward()
+            _accumulate(accumulator, model.module, weight, mode=mode)
+    loss = last_factor * _loss(model, x_last, y_last, mode=mode)
+    (hook.last_microbatch_sum if mode == "sum" else hook.last_microbatch_mean)(weights[-1])
+    loss.backward()
+    return _grads(model.module), _grads(helper_model.module), expected
+
+
+@pytest.mark.parametrize(
+    ("counts", "weights", "mode", "dtype", "fused", "last_factor"),
+    [
+        ((3, 11, 4), (3.0, 11.0, 0.0), "sum", torch.float32, False, float("nan")),
+        ((3, 11, 4), (3.0, 11.0, 0.0), "mean", torch.float32, False, float("nan")),
+        ((3, 11, 1), (3.0, 11.0, 1.0), "sum", torch.float32, False, 1.0),
+        ((3, 11, 1), (3.0, 11.0, 1.0), "mean", torch.bfloat16, False, 1.0),
+        ((3, 11, 6), (3.0, 11.0, 6.0), "mean", torch.float32, True, 1.0),
+        ((6,), (6.0,), "mean", torch.bfloat16, False, 1.0),
+        ((6,), (6.0,), "sum", torch.float16, False, 1.0),
+    ],
+    ids=[
+        "last-weight-0-nan-gradient-sum",
+        "last-weight-0-nan-gradient-mean",
+        "last-weight-1-sum",
+        "last-weight-1-bfloat16-mean",
+        "fused-mean",
+        "only-the-last-microbatch-bfloat16-mean",
+        "only-the-last-microbatch-float16-sum",
+    ],
+)
+def test_one_rank_hook_equals_the_helper_path_at_the_edges(
+    one_rank_group: None,
+    counts: tuple[int, ...],
+    weights: tuple[float, ...],
+    mode: str,
+    dtype: torch.dtype,
+    fused: bool,
+    last_factor: float,
+) -> None:
+    """On one rank the hook's .grad and result equal the helper path's bit for bit (dtype,
+    weight and counters included) for a last microbatch of weight 0 (its gradient, NaN here, is
+    never read, and it counts as a zero-weight batch), of weight 1, with fused=True means, and
+    for a window that is only its last microbatch (no pending buffer: zeros in the work dtype)."""
+    model = DistributedDataParallel(_mlp())
+    accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=LOSS_SCALE, fused=fused)
+    hook = WeightedAllReduceHook(model, accumulator)
+    hook_grads, helper_grads, expected = _window_both_ways(
+        model, hook, accumulator, counts, weights, mode=mode, last_factor=last_factor
+    )
+    assert set(hook_grads) == set(helper_grads)
+    for name, grad in helper_grads.items():
+        assert_bitwise_equal(hook_grads[name], grad, f".grad of {name}")
+    result = hook.result
+    assert result is not None
+    assert (result.weight, result.issued, result.zero_weight, result.loss_scale) == (
+        expected.weight,
+        expected.issued,
+        expected.zero_weight,
+        expected.loss_scale,
+    )
+    assert (result.issued, result.zero_weight) == (len(counts), weights.count(0.0))
+    assert set(result.grads) == set(expected.grads)
+    for name, grad in expected.grads.items():
+        assert_bitwise_equal(result.grads[name], grad, f"result of {name}")
+
+
+def test_one_rank_hook_with_one_bucket_per_parameter(one_rank_group: None) -> None:
+    """With a bucket per parameter (DDP rebuilds its buckets after the first window), every
+    window's .grad equals the helper path's bit for bit and the result, set once every bucket is
+    reduced, holds every parameter."""
+    model = DistributedDataParallel(_mlp(), bucket_cap_mb=1e-6)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
+    hook = WeightedAllReduceHook(model, accumulator)
+    counts = ONE_RANK_COUNTS
+    for window in range(2):
+        hook_grads, helper_grads, expected = _window_both_ways(
+            model, hook, accumulator, counts, tuple(map(float, counts)), mode="mean"
+        )
+        for name, grad in helper_grads.items():
+            assert_bitwise_equal(hook_grads[name], grad, f"window {window} .grad of {name}")
+        assert hook.result is not None
+        assert set(hook.result.grads) == {n for n, _ in model.module.named_parameters()}
+        for name, grad in expected.grads.items():
+            assert_bitwise_equal(hook.result.grads[name], grad, f"window {window} {name}")
+        model.zero_grad(set_to_none=True)  # as after the optimizer's step
+
+
+def test_the_hook_defaults_to_the_ddp_models_group(one_rank_group: None) -> None:
+    """Without ``group``, every collective of a window goes to the DDP model's own process
+    group (here a subgroup), not to the default group."""
+    group = dist.new_group([0])
+    model = DistributedDataParallel(_mlp(), process_group=group)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
+    hook = WeightedAllReduceHook(model, accumulator)
+    with _GroupSpy() as spy:
+        _hook_step(model, hook, accumulator, _one_rank_batches(), mode="sum")
+    assert hook.result is not None
+    kinds = [kind for kind, _ in spy.calls]
+    assert "all_gather_object" in kinds and "all_reduce" in kinds, kinds
+    assert all(used is group for _, used in spy.calls), spy.calls
+
+
+class _Bucket:
+    """Stands in for a ``dist.GradBucket`` where only its ``gradients()`` are read."""
+
+    def __init__(self, gradients: list[torch.Tensor]) -> None:
+        self._gradients = gradients
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._gradients)
+
+
+def test_the_bucket_gradient_is_the_buffer_only_when_its_views_tile_it_in_order() -> None:
+    """The hook reads a bucket's gradient from DDP's flat buffer itself (no copy) when the
+    bucket's gradients are views tiling that buffer in order, as DDP lays them out; otherwise
+    (another order, a gap, or not covering the buffer) from a flat copy in bucket order."""
+    buffer = torch.arange(10, dtype=torch.float32)
+    first, second, third = buffer[0:2].view(2, 1), buffer[2:5], buffer[5:10].view(1, 5)
+    assert _bucket_gradient(_Bucket([first, second, third]), buffer) is buffer  # type: ignore[arg-type]
+    for gradients, elements in (
+        ([second, first, third], [2, 3, 4, 0, 1, 5, 6, 7, 8, 9]),
+        ([first, third], [0, 1, 5, 6, 7, 8, 9]),
+        ([first, second], [0, 1, 2, 3, 4]),
+    ):
+        got = _bucket_gradient(_Bucket(gradients), buffer)  # type: ignore[arg-type]
+        assert got.data_ptr() != buffer.data_ptr()
+        assert_bitwise_equal(got, torch.tensor(elements, dtype=torch.float32), str(elements))
+
+
+def test_a_failed_reduction_leaves_ddps_gradient_buffer_unscaled(one_rank_group: None) -> None:
+    """The hook never writes DDP's own bucket buffer before the reduction succeeds: when the
+    all-reduce fails, the backward raises its error and, with gradient_as_bucket_view=True
+    (.grad is a view of that buffer), each .grad still holds this microbatch's plain
+    gradient, not the gradient times the mean's weight."""
+    model = DistributedDataParallel(_mlp(), gradient_as_bucket_view=True)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
+    hook = WeightedAllReduceHook(model, accumulator)
+    (x, y), *_ = _microbatches((6,))
+    plain = _mlp()
+    _loss(plain, x, y, mode="mean").backward()
+    loss = _loss(model, x, y, mode="mean")
+    hook.last_microbatch_mean(float(len(y)))
+
+    def failing_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the all-reduce failed")
+
+    original = dist.all_reduce
+    dist.all_reduce = failing_all_reduce  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="^the all-reduce failed$"):
+            loss.backward()
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+    grads = _grads(model.module)
+    for name, parameter in plain.named_parameters():
+        assert_bitwise_equal(grads[name], parameter.grad, f".grad of {name}")

@@ -338,16 +338,23 @@ def test_a_zero_weight_window_is_refused_and_keeps_its_sums_and_counters(
     assert (result.weight, result.issued, result.zero_weight) == (4.0, 3, 2)
 
 
-def test_gradients_in_another_dtype_than_the_window_are_refused(one_rank_group: None) -> None:
-    """A model converted to float64 after its window was made (float32) is refused by
-    finish_mean with WeightedAccumulationError naming a parameter and both dtypes; the .grad
-    shards keep their summed values."""
+def _float64_model_in_a_float32_window() -> tuple[nn.Module, FSDPWeightedWindow]:
+    """A window made for float32 whose model is then converted to float64 and runs two
+    microbatches (3 and 5 rows): its .grad shards are float64 sums."""
     model, window = _window()
     model.to(torch.float64)
     for index, (x, y) in enumerate(_one_rank_batches((3, 5))):
         window.microbatch(last=index == 1)
         _loss(model, x.double(), y).backward()
         window.add_weight(float(len(y)))
+    return model, window
+
+
+def test_gradients_in_another_dtype_than_the_window_are_refused(one_rank_group: None) -> None:
+    """A model converted to float64 after its window was made (float32) is refused by
+    finish_mean with WeightedAccumulationError naming a parameter and both dtypes; the .grad
+    shards keep their summed values."""
+    model, window = _float64_model_in_a_float32_window()
     before = _local_grads(model)
     with pytest.raises(WeightedAccumulationError) as raised:
         window.finish_mean()
@@ -459,12 +466,7 @@ def test_flushed_subnormals_are_reported_before_a_gradient_dtype_mismatch(
 ) -> None:
     """When finish_mean finds both problems, the first one found (flush-to-zero, checked before
     the gradients) is the one raised, and the .grad shards keep their summed values."""
-    model, window = _window()
-    model.to(torch.float64)
-    for index, (x, y) in enumerate(_one_rank_batches((3, 5))):
-        window.microbatch(last=index == 1)
-        _loss(model, x.double(), y).backward()
-        window.add_weight(float(len(y)))
+    model, window = _float64_model_in_a_float32_window()
     before = _local_grads(model)
     torch.set_flush_denormal(True)
     try:
