@@ -121,6 +121,7 @@ def _provenance(root: Path) -> dict[str, str]:
             f"every result already decided): "
             + "; ".join(
                 f"{seg['started']} at {seg['git_commit']}, {seg['seconds']:.0f} s"
+                + (f" ({seg['note']})" if seg.get("note") else "")
                 for seg in segments
             )
         )
