@@ -675,8 +675,9 @@ def window_error_bound(
             arrays.append(None)
             continue
         raw = np.asarray(grad)
-        # Floats up to 64 bits (ml_dtypes' bfloat16 / e4m3fn report kind "V") are read exactly.
-        if raw.dtype.kind not in "fV" or raw.dtype.itemsize > 8:
+        # Floats up to 64 bits (ml_dtypes' bfloat16 / e4m3fn report kind "V") are read exactly;
+        # a raw void dtype (np.void: bytes, no numbers) reports kind "V" too.
+        if raw.dtype.kind not in "fV" or raw.dtype.itemsize > 8 or raw.dtype.type is np.void:
             raise BoundArgumentError(
                 f"grads[{k}] has dtype {raw.dtype}; a float array of at most 64 bits is needed"
             )
@@ -784,8 +785,13 @@ def _exact_value(value: Any) -> Fraction | None:
         sign, mantissa, exponent, _ = value._mpf_
         magnitude = Fraction(int(mantissa)) * Fraction(2) ** int(exponent)
         return -magnitude if sign else magnitude
-    if isinstance(value, bool):
+    if isinstance(value, bool | np.bool_):
         raise TypeError(f"expected a real number, got the bool {value!r}")
+    # float() also reads "1.5", timedeltas and objects with __float__ (a Decimal, inexactly).
+    if isinstance(value, str | bytes) or (
+        isinstance(value, np.generic) and value.dtype.kind not in "fiuV"
+    ):
+        raise TypeError(f"expected a real number, got {value!r} ({type(value).__name__})")
     if isinstance(value, int | np.integer):
         return Fraction(int(value))
     if isinstance(value, np.floating) and value.dtype.itemsize > 8:

@@ -358,6 +358,7 @@ def _variants_of(window: Window) -> tuple[tuple[bool, str], ...]:
 
 TWO_STEP_ONLY = tuple(v for v in VARIANTS if v[1] == "two_step")
 _HALF_ULP_OF_ONE = Fraction(1, 2**53)  # float64 unit roundoff
+_FLOAT64_MAX = float.fromhex("0x1.fffffffffffffp+1023")
 _SMALLEST_SUBNORMAL = Fraction(1, 2**1074)
 
 
@@ -685,7 +686,34 @@ def test_underflow_terms_are_attained(dtype: str) -> None:
         grads=(np.array([tiny]),),
     )
     ratio_b = _check_tight(division, error=eta, closed_form=eta, at_least=Fraction(1))
-    print(f"\n[bounds] underflow {dtype}: error/bound {ratio_a:.6f} (product), {ratio_b!r} (÷S)")
+    # (c) sum, S = 1, W = W_op = 2: q = round_op(tiny / 2) is exact in op(D) != D and the tie
+    # round_D(tiny / 2) gives 0; for op(D) = D the tie is in round_op.  W_op = 2**k > 1: u_2 = 0
+    # but η_2 = η_o (E3); u_3 = 0, η_3 = η when op(D) != D, else no third rounding.
+    by_weight = _plain_window(
+        dtype,
+        "sum",
+        "mean",
+        weights=(2.0,),
+        grads=(np.array([tiny]),),
+    )
+    op_differs = op_format(dtype).name != dtype
+    ratio_c = _check_tight(
+        by_weight,
+        error=eta,
+        closed_form=eta_o + eta if op_differs else eta,
+        at_least=1 - eta_o / eta if op_differs else Fraction(1),
+    )
+    # (d) the product of (a) finished by mean with W = W_op = 1/2: the product's underflow term
+    # A = η (+ η_o) is divided by S W = 1/2 (÷W_op = 1/2 is an exact scaling, u_2 = η_2 = 0): the
+    # result 0 misses the exact tiny by 2η.
+    halved = replace(product, finish="mean")
+    ratio_d = _check_tight(
+        halved, error=2 * eta, closed_form=2 * (eta + eta_o), at_least=1 - eta_o / eta
+    )
+    print(
+        f"\n[bounds] underflow {dtype}: error/bound {ratio_a:.6f} (product), {ratio_b!r} (÷S), "
+        f"{ratio_c:.6f} (÷W), {ratio_d:.6f} (product ÷W)"
+    )
 
 
 # --- wrong implementations exceed the bound ----------------------------------------------------
@@ -882,6 +910,8 @@ def test_overflowing_elements_get_an_infinite_bound() -> None:
     [
         ("float16", 2.0**-10, 100.0, 1.0),  # y = buf / S = 102400 > 65504
         ("float16", 1.0, 1000.0, 0.01),  # q = y / W_op = 100000 > 65504
+        # y = buf / S = 102400 > 65504, though q = y / 2 would fit: y alone is refused
+        ("float16", 2.0**-10, 100.0, 2.0),
         ("bfloat16", 1.0, math.inf, 1.0),  # a non-finite gradient
         ("float32", 1.0, math.nan, 1.0),
     ],
@@ -902,15 +932,18 @@ def test_normalized_overflow_and_non_finite_gradients_get_an_infinite_bound(
 
 def test_huge_rates_give_an_infinite_bound_without_warnings() -> None:
     """A bound that overflows float64 (tiny S, huge gradient) is +inf, with no warning."""
-    # rate ~ 2**-53 / S = 2**447, so 1e300 * rate overflows in the float64 evaluation itself
+    # rate ~ 2**-53 / S = 2**447, so 1e300 * rate overflows in the float64 evaluation itself.
+    # Element 3: term 1 passes one later step, rate (U - 1) / (S W) = 2**-53 * 2**500 / 4 =
+    # 2**445, so big * rate is max_64 exactly: the sum is finite, its inflation overflows.
+    big = math.ldexp(_FLOAT64_MAX, -445)
     bound = window_error_bound(
         kind="sum",
-        grads=[np.array([1e300, math.inf, 0.0]), np.array([3.0, 1.0, 0.0])],
+        grads=[np.array([1e300, math.inf, 0.0, big]), np.array([3.0, 1.0, 0.0, 2.0**-600])],
         weights=[1.0, 3.0],
         dtype="float64",
         loss_scale=2.0**-500,
     )
-    assert np.isinf(bound[:2]).all() and np.isfinite(bound[2]), bound
+    assert np.isinf(bound[:2]).all() and np.isfinite(bound[2]) and bound[3] == math.inf, bound
 
 
 @pytest.mark.parametrize(
@@ -956,6 +989,7 @@ def test_weight_sum_out_of_range_gives_no_bound(dtype: str, weights: list[float]
         ({"weights": [0.0, 0.0], "normalized": False}, BoundArgumentError, "no gradient"),
         ({"grads": [None, None]}, BoundArgumentError, "no gradient"),
         ({"grads": [np.array([3, 2**53 + 1]), None]}, BoundArgumentError, "dtype int64"),
+        ({"grads": [np.zeros(2, dtype="V9"), None]}, BoundArgumentError, "dtype |V9"),
         (
             {"grads": [np.zeros(2, dtype=np.longdouble), None]},
             BoundArgumentError,
@@ -1204,3 +1238,485 @@ def test_bounds_module_never_imports_torch() -> None:
 
     code = "import sys, wacc_ref.bounds; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# --- Step 3 pinned: the divisions' factors, ψ on both sides, and the thresholds -----------------
+
+
+def _is_power_of_two(value: Fraction) -> bool:
+    """Whether a positive rational is 2**k for an integer k."""
+    n, d = value.numerator, value.denominator
+    return value > 0 and (n == 1 or d == 1) and n & (n - 1) == 0 and d & (d - 1) == 0
+
+
+def _divisions(
+    dtype: str, scale: Fraction, weight_op: Fraction
+) -> tuple[tuple[Fraction, Fraction], ...]:
+    """(u_i, η_i) of y = round_D(buf / S), q = round_op(y / W_op), out = round_D(q), with the
+    exactness refinements of Step 3 (module docstring of wacc_ref.bounds)."""
+    zero = (Fraction(0), Fraction(0))
+    u, eta = _u(dtype), _eta(dtype)
+    op = op_format(dtype).name
+    u_o, eta_o = _u(op), _eta(op)
+    scale_pow2, weight_pow2 = _is_power_of_two(scale), _is_power_of_two(weight_op)
+    first = (zero if scale <= 1 else (Fraction(0), eta)) if scale_pow2 else (u, eta)
+    second = (zero if weight_op <= 1 else (Fraction(0), eta_o)) if weight_pow2 else (u_o, eta_o)
+    if op == dtype or second == zero:
+        third = zero  # no second rounding, or q = y 2**k is already in D
+    elif weight_pow2:
+        third = (Fraction(0), eta)  # q = y 2**-k: only underflow
+    else:
+        third = (u, eta)
+    return first, second, third
+
+
+def _normalized_closed_form(
+    window: Window, *, contribution: Fraction, upper: Fraction, lower: Fraction, absolute: Fraction
+) -> Fraction:
+    """Step 3's B for a window whose element 0 has one nonzero term c with factor interval
+    [L, U] and absolute error A (Step 2), W_op = round_op(Ŵ) of the window's weights."""
+    dtype = window.dtype
+    counted = [
+        Fraction(w) if window.kind == "sum" else Fraction(conv_to(w, dtype)) for w in window.weights
+    ]
+    running = 0.0
+    for w in counted:
+        running = round_to(Fraction(running) + w, "float64")
+    weight = sum(counted, Fraction(0))
+    weight_op = Fraction(round_to(running, op_format(dtype).name))
+    scale = Fraction(window.loss_scale)
+    (u1, e1), (u2, e2), (u3, e3) = _divisions(dtype, scale, weight_op)
+    psi = weight / weight_op
+    delta_up = (1 + u1) * (1 + u2) * (1 + u3)
+    delta_down = (1 - u1) * (1 - u2) * (1 - u3)
+    kappa = max(upper * psi * delta_up - 1, 1 - lower * psi * delta_down)
+    scaled_weight = scale * weight
+    return (
+        abs(contribution) * kappa / scaled_weight
+        + absolute * psi * delta_up / scaled_weight
+        + e1 * (1 + u2) * (1 + u3) / weight_op
+        + e2 * (1 + u3)
+        + e3
+    )
+
+
+def _check_pinned(window: Window, closed_form: Fraction) -> None:
+    """The bound of element 0 is ``closed_form`` up to its float evaluation, and every accepted
+    step order's result is within it."""
+    exact = _exact(window)
+    assert exact is not None
+    bound = _bound(window)
+    context = f"{window.describe()}\nbound={[_hex(b) for b in bound]}"
+    assert closed_form <= Fraction(float(bound[0])) <= _evaluation_limit(window, closed_form), (
+        f"{context}\nclosed form {float(closed_form).hex()}"
+    )
+    for fused, variant in _variants_of(window):
+        observed = _emulated(replace(window, fused=fused, variant=variant))
+        assert observed is not None
+        assert error_ratio(observed, exact, bound) <= 1.0, f"{context}\n{variant=} {fused=}"
+
+
+_BELOW = 1 - Fraction(1, 2**25)  # 2 - 2**-25 + 1 = W rounds UP to W_op = 3 in float32: ψ < 1
+_ABOVE = 1 + Fraction(1, 2**25)  # W rounds down to W_op = 3: ψ > 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "loss_scale", "second_weight"),
+    [
+        ("float32", 3.0, _BELOW),  # ψ < 1: the lower side 1 - ψ L_Δ binds, u_1 = u_2 = u
+        ("float32", 3.0, _ABOVE),  # ψ > 1: the upper side binds
+        ("float16", 1.0, _BELOW),  # ψ < 1 with u_2 = u_o, u_3 = u (op(D) != D), u_1 = 0
+        ("float16", 3.0, _ABOVE),
+        ("bfloat16", 3.0, _BELOW),
+    ],
+)
+def test_rounded_weight_sum_with_inexact_divisions_matches_the_closed_form(
+    dtype: str, loss_scale: float, second_weight: Fraction
+) -> None:
+    """With W_op = 3 != W (ψ = W / 3 on either side of 1) and inexact divisions, the bound is
+    Step 3's closed form: |c| κ / (S W) plus the underflow constant, κ taking ψ U_Δ and ψ L_Δ."""
+    window = _plain_window(
+        dtype,
+        "sum",
+        "mean",
+        loss_scale=loss_scale,
+        weights=(2.0, float(second_weight)),
+        grads=(np.array([1.0]), None),
+    )
+    assert round_to(2 + second_weight, op_format(dtype).name) == 3.0
+    # g = 1 is in D and the only nonzero contribution: U = L = 1, A = 0 (E1, E4, E5).
+    closed_form = _normalized_closed_form(
+        window, contribution=Fraction(1), upper=Fraction(1), lower=Fraction(1), absolute=Fraction(0)
+    )
+    _check_pinned(window, closed_form)
+
+
+def test_underflow_constant_of_the_divisions_matches_the_closed_form() -> None:
+    """An element with no contribution has the bound η_1 (1 + u_2)(1 + u_3)/W_op + η_2 (1 + u_3)
+    + η_3: bfloat16 with S = 3 and W = 3 has every one of those terms (η_2 = η of float32)."""
+    # element 1 (a float32 value, not in bfloat16) has a conversion error: it must not leak into
+    # element 0
+    window = _plain_window(
+        "bfloat16",
+        "sum",
+        "mean",
+        loss_scale=3.0,
+        weights=(3.0,),
+        grads=(np.array([0.0, 1.0 + 2.0**-9]),),
+        grad_dtype="float32",
+    )
+    u, eta = _u("bfloat16"), _eta("bfloat16")
+    u_o, eta_o = _second_rounding("bfloat16")
+    closed_form = eta * (1 + u_o) * (1 + u) / 3 + eta_o * (1 + u) + eta
+    assert closed_form == _normalized_closed_form(
+        window, contribution=Fraction(0), upper=Fraction(1), lower=Fraction(1), absolute=Fraction(0)
+    )
+    _check_pinned(window, closed_form)
+
+
+def test_underflowing_product_divided_by_s_matches_the_closed_form() -> None:
+    """A mean product tiny * 1/2 underflows (A = η), then ÷S = 3 (u_1 = u) and ÷W = 1/2: the
+    bound is |c| u_1 / (S W) + η (1 + u_1) / (S W) + η_1 / W_op."""
+    tiny = get_format("float32").min_subnormal
+    window = _plain_window(
+        "float32", "mean", "mean", loss_scale=3.0, weights=(0.5,), grads=(np.array([tiny]),)
+    )
+    u, eta = _u("float32"), _eta("float32")
+    closed_form = Fraction(tiny) / 2 * u / Fraction(3, 2) + eta * (1 + u) / Fraction(3, 2) + eta * 2
+    assert closed_form == _normalized_closed_form(
+        window, contribution=Fraction(tiny) / 2, upper=Fraction(1), lower=Fraction(1), absolute=eta
+    )
+    _check_pinned(window, closed_form)
+
+
+def test_conversion_underflow_of_a_mean_term_is_counted_per_unit_of_weight() -> None:
+    """conv_D(3 * 2**-150) is the tie 2**-148 (error η), times w_D = 3: the error 3η of the
+    product is B_c m (1 + u), plus η of the product's own rounding: 3/4 of the bound."""
+    g = 3 * math.ldexp(1.0, -150)
+    assert conv_to(g, "float32") == math.ldexp(1.0, -148)
+    window = _plain_window(
+        "float32", "mean", "sums", weights=(3.0,), grads=(np.array([g]),), grad_dtype="float64"
+    )
+    u, eta = _u("float32"), _eta("float32")
+    # Step 2, j = 1, m = 3 (not a power of two: u_p = u, η_p = η); Step 1 one rounding (B_c = η).
+    contribution = 3 * Fraction(g)
+    closed_form = contribution * ((1 + u) ** 2 - 1) + eta * (1 + u) * 3 + eta
+    error = 4 * eta * 3 - contribution  # conv = 4η, times 3 exactly; exact c = 9η
+    assert error == 3 * eta
+    ratio = _check_tight(
+        window, error=error, closed_form=closed_form, at_least=Fraction(3, 4) * (1 - 6 * u)
+    )
+    print(f"\n[bounds] conversion underflow times m: error/bound {ratio:.6f}")
+
+
+def _quotient_threshold(dtype: str, scale: float, weight_op: float) -> Fraction:
+    """min(max_D, S max_D, ((max_D - η_2) W_op / (1 + u_2) - η_1) S / (1 + u_1)) (Overflow)."""
+    s, w = Fraction(scale), Fraction(weight_op)
+    (u1, e1), (u2, e2), _ = _divisions(dtype, s, w)
+    top = Fraction(get_format(dtype).max_finite)
+    return min(top, top * s, ((top - e2) * w / (1 + u2) - e1) * s / (1 + u1))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "loss_scale", "weight"),
+    [
+        ("float32", 3.0, 0.1875),  # S W < 1: the quotient limit binds, u_1 = u_2 = u
+        ("float16", 3.0, 3 * 2.0**-42),  # W_op max_D is about η_1: the η_1 term matters
+    ],
+)
+def test_normalized_bound_refuses_exactly_above_the_quotient_limit(
+    dtype: str, loss_scale: float, weight: float
+) -> None:
+    """Elements whose magnitude bound M is 2**-30 below / above the quotient limit of the module
+    docstring get a finite / an infinite bound."""
+    limit = _quotient_threshold(dtype, loss_scale, weight)
+    assert limit < Fraction(get_format(dtype).max_finite) * min(Fraction(1), Fraction(loss_scale))
+    u, eta = _u(dtype), _eta(dtype)
+    if dtype == "float32":  # one conversion rounding (g not in float32)
+        factor, offset = 1 + u, eta
+    else:  # two, through float32
+        factor, offset = (1 + _u("float32")) * (1 + u), _eta("float32") * (1 + u) + eta
+    grads = []
+    for target in (limit * (1 - Fraction(1, 2**30)), limit * (1 + Fraction(1, 2**30))):
+        g = float((target - offset) / factor)  # M = |g| U_c + B_c (Step 1, sum: no product)
+        if is_representable(g, "float32"):
+            g = math.nextafter(g, 0.0)
+        assert not is_representable(g, "float32") and g > 0
+        grads.append(g)
+    bound = window_error_bound(
+        kind="sum", grads=[np.array(grads)], weights=[weight], dtype=dtype, loss_scale=loss_scale
+    )
+    assert np.isfinite(bound[0]) and bound[1] == math.inf, (grads, bound)
+
+
+def test_buffer_above_max_is_refused_even_when_the_divisions_would_bring_it_back() -> None:
+    """S = 2: 40000 + 40000 overflows the float16 buffer although buf / S would fit: +inf."""
+    window = _plain_window(
+        "float16",
+        "sum",
+        "mean",
+        loss_scale=2.0,
+        weights=(1.0, 1.0),
+        grads=(np.array([40000.0, 1.0]), np.array([40000.0, 2.0])),
+    )
+    bound = _bound(window)
+    assert bound[0] == math.inf and np.isfinite(bound[1]), bound
+    assert _buffer(window)[0] == math.inf
+
+
+def test_mean_product_above_max_gets_an_infinite_bound() -> None:
+    """g = 20000 times w_D = 4 is 80000 > 65504: the float16 product overflows, bound +inf."""
+    window = _plain_window(
+        "float16", "mean", "sums", weights=(4.0,), grads=(np.array([20000.0, 1.0]),)
+    )
+    bound = _bound(window)
+    observed = _emulated(window)
+    assert observed is not None
+    assert bound[0] == math.inf and observed[0] == math.inf, (bound, observed)
+    assert np.isfinite(bound[1]), bound
+
+
+def test_integer_weights_are_read_exactly() -> None:
+    """Int weights give the bound of the equal floats; 2**53 + 1 (no float64) is read exactly:
+    Ŵ = 2**53, and the bound (ψ - 1)/W + η is the whole error of g / 2**53."""
+    for finish in FINISHES:
+        ints = _simple_bound(kind="sum", weights=[3, 5], normalized=finish == "mean")
+        floats = _simple_bound(kind="sum", weights=[3.0, 5.0], normalized=finish == "mean")
+        assert ints.tobytes() == floats.tobytes(), (ints, floats)
+    weight = 2**53 + 1
+    window = _plain_window("float64", "sum", "mean", weights=(weight,), grads=(np.array([1.0]),))
+    psi = Fraction(weight, 2**53)
+    closed_form = (psi - 1) / weight + _eta("float64")  # W_op = 2**53 > 1: η_2 = η (E3)
+    error = Fraction(1, 2**53) - Fraction(1, weight)
+    _check_tight(window, error=error, closed_form=closed_form, at_least=error / closed_form)
+
+
+# --- messages and exact reading of numbers ------------------------------------------------------
+
+
+def test_type_error_messages_name_the_value() -> None:
+    """Bad numbers raise errors whose whole message names the value and its type."""
+    with pytest.raises(TypeError) as info:
+        gamma(1.0, "float32")  # type: ignore[arg-type]
+    assert str(info.value) == "gamma needs an int n, got 1.0 (float)"
+    with pytest.raises(TypeError) as info:
+        _simple_bound(weights=["3", 1.0])
+    assert str(info.value) == "weights[0] must be a real number, got '3' (str)"
+    with pytest.raises(InvalidLossScaleError) as scale_info:
+        _simple_bound(loss_scale="2")
+    assert str(scale_info.value) == (
+        "invalid loss_scale for bfloat16: loss_scale must be a real number, got '2' (str)"
+    )
+    wide = np.longdouble(3)
+    with pytest.raises(TypeError) as info:
+        _simple_bound(weights=[wide, 1.0])
+    assert str(info.value) == f"weights[0] {wide!r} has more than float64 precision"
+    cases: list[tuple[dict[str, object], type[Exception], str]] = [
+        ({"dtype": None}, TypeError, "dtype must be a work dtype name (str), got None"),
+        (
+            {"dtype": "float8_e4m3fn"},
+            BoundArgumentError,
+            "dtype 'float8_e4m3fn' is not a work dtype; work dtypes are "
+            "float64, float32, float16, bfloat16",
+        ),
+        (
+            {"kind": ["sum"]},
+            BoundArgumentError,
+            "kinds and weights differ in length: 1 kinds, 2 weights",
+        ),
+        ({"normalized": 1}, TypeError, "normalized must be a bool, got 1"),
+        (
+            {"grads": [None, None], "normalized": False},
+            BoundArgumentError,
+            "no gradient array in a positive-weight batch: the finished gradient is None "
+            "(or the window is empty), there is no element to bound",
+        ),
+    ]
+    for changes, error, message in cases:
+        with pytest.raises(error) as raised:
+            _simple_bound(**changes)
+        assert str(raised.value) == message
+    # numpy scalars of at most 64 bits are read exactly, like Python floats
+    numpy_weights = _simple_bound(weights=[np.float64(3.0), np.float32(5.0)])
+    assert numpy_weights.tobytes() == _simple_bound(weights=[3.0, 5.0]).tobytes()
+
+
+def test_error_ratio_reads_exact_values_of_every_real_type() -> None:
+    """Exact values may be ints, Decimals or mpf of either sign; other objects raise TypeError
+    naming them; a non-finite exact value where the bound is finite raises ValueError."""
+    from decimal import Decimal
+
+    def objects(*values: object) -> np.ndarray:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+
+    third = mpmath.mpf(mpmath.libmp.from_rational(1, 3, 200, "n"))
+    assert error_ratio([1 / 3], objects(third), [1e-16]) < 1.0
+    assert error_ratio([3.5], objects(3), [1.0]) == 0.5
+    assert error_ratio([2.0], objects(Decimal("1.5")), [1.0]) == 0.5
+    with pytest.raises(ValueError, match="exact element 0 is Decimal"):
+        error_ratio([2.0], objects(Decimal("Infinity")), [1.0])
+    wide = np.longdouble(1)
+    for value, message in [
+        (True, "expected a real number, got the bool True"),
+        ("x", "expected a real number, got 'x' (str)"),
+        (np.str_("x"), "expected a real number, got np.str_('x') (str_)"),
+        (wide, f"{wide!r} is a {wide.dtype} wider than float64: not read exactly"),
+    ]:
+        with pytest.raises(TypeError) as info:
+            error_ratio([1.0], objects(value), [1.0])
+        assert str(info.value) == message
+
+
+def test_error_ratio_edge_cases_of_the_preselection() -> None:
+    """A 0/0 element does not hide the maximum elsewhere; a zero error does not stop the search;
+    an overflowing error reads +inf without a warning; the bound may be any real array-like."""
+    assert error_ratio([2.0, 1.5], [2.0, 1.0], [0.0, 1.0]) == 0.5
+    exact = np.empty(2, dtype=object)
+    exact[:] = [Fraction(1), Fraction(1)]
+    assert error_ratio([1.0, 1.5], exact, [1.0, 1.0]) == 0.5
+    assert error_ratio([1e308], [-1e308], [1.0]) == math.inf
+    assert error_ratio([1.5], [1.0], [Fraction(1, 2)]) == 1.0  # type: ignore[arg-type]
+    # int64 exact values beyond 2**53 are not float64 values: no float pre-selection for them
+    big = np.array([2**53 + 1, 2**60], dtype=np.int64)
+    observed = [2.0**53, 2.0**60 + 256]
+    assert error_ratio(observed, big, [1.0, 512.0]) == 1.0
+
+
+def test_error_ratio_checks_only_the_preselected_elements_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On float (and bfloat16, int32) arrays only the elements near the largest float ratio are
+    read exactly: two values each, whatever the size; a largest ratio of exactly 2**-900 (the
+    floor) still pre-selects."""
+    calls = 0
+    original = bounds._exact_value
+
+    def counting(value: object) -> Fraction | None:
+        nonlocal calls
+        calls += 1
+        return original(value)
+
+    monkeypatch.setattr(bounds, "_exact_value", counting)
+    size = 200
+    exact = np.zeros(size)
+    observed = np.full(size, 0.25)
+    observed[7] = 0.5
+    floor = float.fromhex("0x1p-900")
+    cases: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = [
+        (observed, exact, np.ones(size), 0.5),
+        (observed.astype(ml_dtypes.bfloat16), exact, np.ones(size), 0.5),
+        (observed, exact.astype(np.int32), np.ones(size), 0.5),
+        (observed, exact, np.full(size, 0.5 / floor), floor),  # 0.5 / 2**899 = 2**-900 exactly
+    ]
+    for obs, ref, bound, want in cases:
+        calls = 0
+        assert error_ratio(obs, ref, bound) == want
+        assert calls == 2, calls
+
+
+def test_bound_of_an_element_depends_on_its_own_values_only() -> None:
+    """Zero and None batches count nothing wherever they are in the window; an element's bound
+    is the same next to any neighbours (bfloat16 gradients are read like float64 ones)."""
+    g = np.array([1.5, -2.25])
+    for normalized in (False, True):
+        bounds_of = [
+            _simple_bound(kind="sum", grads=grads, weights=[1.0, 1.0], normalized=normalized)
+            for grads in ([g, None], [None, g], [g, np.zeros(2)], [np.zeros(2), g])
+        ]
+        for other in bounds_of[1:]:
+            assert other.tobytes() == bounds_of[0].tobytes(), bounds_of
+        between = _simple_bound(
+            kind="sum", grads=[g, None, g], weights=[1.0, 1.0, 1.0], normalized=normalized
+        )
+        zeros = _simple_bound(
+            kind="sum", grads=[g, np.zeros(2), g], weights=[1.0, 1.0, 1.0], normalized=normalized
+        )
+        assert between.tobytes() == zeros.tobytes() and (between > bounds_of[0]).all()
+    # float32 D: 1 + 2**-30 is not in D (conversion case 1), 1.0 is: different factor tables
+    odd = 1.0 + 2.0**-30
+    together = _simple_bound(
+        kind="sum", dtype="float32", grads=[np.array([1.0, odd]), np.array([0.5, 3.0])]
+    )
+    for index, values in enumerate(([1.0, 0.5], [odd, 3.0])):
+        alone = _simple_bound(
+            kind="sum", dtype="float32", grads=[np.array([values[0]]), np.array([values[1]])]
+        )
+        assert together[index] == alone[0], (index, together, alone)
+    as_bfloat16 = [np.array([1.5, -2.25], dtype=ml_dtypes.bfloat16), np.array([0.5, 0.125])]
+    assert (
+        _simple_bound(grads=as_bfloat16).tobytes()
+        == _simple_bound(grads=[np.array([1.5, -2.25]), np.array([0.5, 0.125])]).tobytes()
+    )
+
+
+def test_gradient_at_max_finite_times_a_small_weight_has_a_bound() -> None:
+    """g = max_D is a valid gradient: times w_D = 1/2 nothing can overflow, the bound is finite."""
+    window = _plain_window("float16", "mean", "sums", weights=(0.5,), grads=(np.array([65504.0]),))
+    bound = _bound(window)
+    assert np.isfinite(bound).all(), bound
+    _check_pinned(window, _eta("float16") + _second_rounding("float16")[1])
+
+
+def test_magnitude_equal_to_the_threshold_is_not_refused() -> None:
+    """M is compared with > (module docstring, Overflow): float64, S = 1, W = 1/2 has threshold
+    max_64 / 2, which the inflated M of g = (2 - 13 * 2**-52) 2**1022 meets exactly."""
+    threshold = Fraction(_FLOAT64_MAX) / 2  # ((max - 0) W_op / 1 - 0) S / 1 (E3: all exact)
+    operations = 3 * 1 + 1
+    below = math.ldexp(2 - 13 * 2.0**-52, 1022)
+    grads = np.array([below, math.nextafter(below, math.inf)])
+    for g, finite in zip(grads.tolist(), (True, False), strict=True):
+        # "Evaluating the bound": M = RN(RN(|g| (1 + (n + 2) 2**-52)) + (n + 1) 2**-1074)
+        inflated = round_to(Fraction(g) * (1 + (operations + 2) * 2 * _HALF_ULP_OF_ONE), "float64")
+        magnitude = round_to(Fraction(inflated) + (operations + 1) * _SMALLEST_SUBNORMAL, "float64")
+        assert (Fraction(magnitude) > threshold) != finite
+    assert Fraction(magnitude) > threshold  # the second one
+    bound = window_error_bound(
+        kind="sum", grads=[grads], weights=[0.5], dtype="float64", loss_scale=1.0
+    )
+    assert np.isfinite(bound[0]) and bound[1] == math.inf, bound
+
+
+@pytest.mark.parametrize("batches", [1, 2, 5])
+def test_zero_element_bound_is_the_documented_underflow_allowance(batches: int) -> None:
+    """An element that is zero in every batch of finish_sums has bound (n + 1) 2**-1074 exactly,
+    n = 3 K' + 1 the float64 operations of the evaluation (K' positive-weight batches)."""
+    grads = [np.array([0.0, float(k + 1)]) for k in range(batches)]
+    bound = _simple_bound(
+        kind="sum", grads=grads, weights=[1.0] * batches, dtype="float32", normalized=False
+    )
+    assert Fraction(float(bound[0])) == (3 * batches + 2) * _SMALLEST_SUBNORMAL, bound
+
+
+def test_round_up_beyond_the_float64_range() -> None:
+    """Below -max the smallest float not below is -max (never +inf); above +max it is +inf, and
+    _round_down mirrors it: max above the range, -inf below, for Fractions and mpq alike."""
+    for magnitude in (Fraction(2) ** 1024, Fraction(2) ** 1100, Fraction(10) ** 400):
+        for value in (magnitude, bounds._Q(magnitude.numerator, magnitude.denominator)):
+            assert bounds._round_up(-value) == -_FLOAT64_MAX
+            assert bounds._round_up(value) == math.inf
+            assert bounds._round_down(value) == _FLOAT64_MAX
+            assert bounds._round_down(-value) == -math.inf
+
+
+def test_raw_void_gradients_raise_a_bound_argument_error() -> None:
+    """A gradient array of a raw void dtype (kind "V" like ml_dtypes' floats, but bytes) is
+    refused with BoundArgumentError naming it, not a bare ValueError from astype."""
+    with pytest.raises(BoundArgumentError) as raised:
+        _simple_bound(grads=[np.zeros(2, dtype="V8"), None])
+    assert str(raised.value) == (
+        "grads[0] has dtype |V8; a float array of at most 64 bits is needed"
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["1.5", b"1.5", np.bool_(True), np.timedelta64(3, "s"), np.complex128(1.0)],
+    ids=repr,
+)
+def test_error_ratio_refuses_exact_values_that_are_not_real_numbers(value: object) -> None:
+    """An exact value that float() would read (a numeric string, a numpy bool, a timedelta) is
+    a TypeError naming it, like a Python bool: error_ratio reads numbers exactly or not at all."""
+    with pytest.raises(TypeError, match="expected a real number, got"):
+        error_ratio(np.array([1.0]), [value], np.array([1.0]))
