@@ -137,6 +137,12 @@ def _report(args: argparse.Namespace) -> int:
     except TriageError as exc:
         print(f"mutation report: {exc}", file=sys.stderr)
         return 2
+    readme = Path(args.readme) if args.readme else None
+    try:  # read before anything is written: a bad --readme leaves the report as it was
+        text = readme.read_text(encoding="utf-8") if readme else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"mutation report: --readme {str(readme)!r}: {exc}", file=sys.stderr)
+        return 2
     try:
         outcomes = read_outcomes(Path(args.root))
     except FileNotFoundError as exc:
@@ -148,11 +154,8 @@ def _report(args: argparse.Namespace) -> int:
         markdown(findings, _provenance(Path(args.root))), encoding="utf-8"
     )
     write_csv(out / "results.csv", findings)
-    if args.readme:
-        readme = Path(args.readme)
-        text = readme.read_text(encoding="utf-8")
-        if HEADLINE_BEGIN in text:
-            readme.write_text(replace_headline(text, headline(findings)), encoding="utf-8")
+    if readme and HEADLINE_BEGIN in text:
+        readme.write_text(replace_headline(text, headline(findings)), encoding="utf-8")
     print(headline(findings))
     for problem in findings.problems:
         print(f"- {problem}")

@@ -199,3 +199,16 @@ def test_a_group_with_no_mutant_run_says_so_and_one_with_none_at_all_blames_the_
     assert "wacc/shrink.py: no mutants (is [tool.mutmut] in step with scope?)" in (
         judge(outcomes, {}).problems
     )
+
+
+def test_a_readme_that_cannot_be_read_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """``--readme`` naming a missing file: exit 2 and one line naming it, nothing written."""
+    missing = tmp_path / "no-readme.md"
+    completed = subprocess.run(
+        [sys.executable, "-m", "mutation", "report", "--root", str(tmp_path),
+         "--out", str(tmp_path / "out"), "--readme", str(missing)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert completed.returncode == 2, completed
+    assert completed.stderr.count("\n") == 1 and f"--readme {str(missing)!r}" in completed.stderr
+    assert "Traceback" not in completed.stderr and not (tmp_path / "out").exists()
