@@ -28,6 +28,7 @@ from wacc_torch import (
     InvalidLossScaleError,
     InvalidWeightError,
     ParameterMismatchError,
+    UnsupportedEnvironmentError,
     WeightedGradientsAccumulator,
     ZeroTotalWeightError,
     normalize_sums,
@@ -279,6 +280,11 @@ def test_apply_to_checks_every_name_before_writing() -> None:
     for bad, message in (
         (dict(base, extra=torch.zeros(1)), "'extra'"),
         (dict(base, **{"second.bias": torch.zeros(3)}), r"'second.bias'.*\[3\].*\[2\]"),
+        # A None gradient before the wrong one: the check goes on past it.
+        (
+            dict(base, **{"first.weight": None, "second.bias": torch.zeros(3)}),
+            r"'second.bias'.*\[3\].*\[2\]",
+        ),
     ):
         gradients = AccumulatedGradients(
             grads=bad, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True
@@ -326,3 +332,56 @@ def test_finish_mean_and_normalized_finish_sums_match_the_reference(dtype: torch
             )["weight"]
         assert result.weight == total_weight, (finish, result.weight.hex(), total_weight.hex())
         assert_matches_reference(mean, expected, f"{name} finish_{finish}")
+
+
+def test_apply_to_refuses_flushed_subnormals_only_when_it_converts_a_dtype_on_the_cpu() -> None:
+    """With flush-to-zero on, apply_to of same-dtype CPU gradients works; a CPU dtype
+    conversion raises UnsupportedEnvironmentError naming apply_to and writes no .grad."""
+    module = TwoLayer()
+    grads: dict[str, torch.Tensor | None] = {
+        name: torch.full(shape, 0.25) for name, shape in tracked_shapes(module).items()
+    }
+    same = AccumulatedGradients(
+        grads=grads, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True
+    )
+    converting = AccumulatedGradients(
+        grads={name: g.to(torch.bfloat16) for name, g in grads.items() if g is not None},
+        weight=1.0,
+        loss_scale=1.0,
+        issued=1,
+        zero_weight=0,
+        normalized=True,
+    )
+    if not torch.set_flush_denormal(True):
+        torch.set_flush_denormal(False)
+        pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
+    try:
+        with pytest.raises(UnsupportedEnvironmentError) as caught:
+            converting.apply_to(module)
+        assert all(p.grad is None for p in module.parameters())
+        same.apply_to(module)
+    finally:
+        torch.set_flush_denormal(False)
+    assert str(caught.value) == (
+        "apply_to: the CPU flushes subnormals to zero (flush-to-zero / denormals-are-zero is on, "
+        "e.g. torch.set_flush_denormal(True)); §2 rounds with gradual underflow, so CPU results "
+        "would differ. Call torch.set_flush_denormal(False) first."
+    )
+    assert all(module.get_parameter(name).grad is grad for name, grad in grads.items())
+
+
+def test_apply_to_moves_each_gradient_to_its_parameters_device() -> None:
+    """apply_to writes each CPU gradient onto its parameter's device (here the meta device)."""
+    module = TwoLayer("meta")
+    gradients = AccumulatedGradients(
+        grads={name: torch.ones(shape) for name, shape in tracked_shapes(module).items()},
+        weight=1.0,
+        loss_scale=1.0,
+        issued=1,
+        zero_weight=0,
+        normalized=True,
+    )
+    gradients.apply_to(module)
+    for name, shape in tracked_shapes(module).items():
+        grad = module.get_parameter(name).grad
+        assert grad is not None and grad.device.type == "meta" and grad.shape == shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -451,3 +452,67 @@ def test_from_pending_checks_buffers_and_counters() -> None:
             WeightedGradientsAccumulator.from_pending(module, pending, bad_state)
     with pytest.raises(TypeError, match="AccumulatorState"):
         WeightedGradientsAccumulator.from_pending(module, {}, {"issued": 0})  # type: ignore[arg-type]
+
+
+def test_state_dict_async_without_checksum_has_no_checksum() -> None:
+    """state_dict_async(checksum=False).result() leaves the checksum out, like state_dict."""
+    accumulator = _filled(TwoLayer())
+    expected = accumulator.state_dict(checksum=False)
+    record = accumulator.state_dict_async(checksum=False).result()
+    assert CHECKSUM_KEY not in record
+    assert_records_equal(record, expected)
+
+
+def test_record_file_without_a_str_keyed_dict_is_refused_naming_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    """A file holding an empty list, or a dict with a non-str key, raises RecordError whose
+    message names the file and the type it holds."""
+    for name, content in (("empty.pt", []), ("int_keys.pt", {1: torch.zeros(1)})):
+        path = tmp_path / name
+        torch.save(content, path)
+        with pytest.raises(RecordError) as caught:
+            load_record(path)
+        assert str(caught.value) == (
+            f"record file {str(path)!r} does not hold a dict with str keys "
+            f"(got {type(content).__name__})"
+        )
+
+
+def test_record_file_written_from_a_cuda_device_loads_onto_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record whose tensors were saved from a CUDA device (location tag "cuda:0") loads with
+    every tensor on the CPU, whether or not this machine has CUDA."""
+    record = _filled(TwoLayer()).state_dict()
+    with monkeypatch.context() as patch:
+        # What torch.save writes for tensors that lived on the first GPU.
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        save_record(record, tmp_path / "from_gpu.pt")
+    loaded = load_record(tmp_path / "from_gpu.pt")
+    assert all(buffer.device.type == "cpu" for buffer in loaded["pending"].values())
+    assert_records_equal(loaded, record)
+
+
+def test_record_file_with_code_is_refused_even_if_the_environment_relaxes_torch_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (which turns off torch.load's weights_only default)
+    does not make load_record run a pickle payload: it still refuses it as unpicklable."""
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, "pending": _CodeRunningPayload(marker)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(RecordError, match="evil.pt") as caught:
+        load_record(path)
+    assert isinstance(caught.value.__cause__, pickle.UnpicklingError)
+    assert not marker.exists()
+
+
+def test_a_non_bool_checksum_flag_is_refused_naming_it() -> None:
+    """state_dict and state_dict_async refuse a checksum flag that is not a bool, naming it."""
+    accumulator = _filled(TwoLayer())
+    for call in (accumulator.state_dict, accumulator.state_dict_async):
+        with pytest.raises(TypeError) as caught:
+            call(checksum="yes")  # type: ignore[arg-type]
+        assert str(caught.value) == "checksum must be a bool, got 'yes'"

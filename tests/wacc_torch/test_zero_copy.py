@@ -9,6 +9,7 @@ the same gradients and must give the same bits.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ from tests.wacc_torch.support import (
 from wacc_torch import (
     BrokenWindowError,
     InvalidWeightError,
+    ParameterMismatchError,
+    UnsupportedEnvironmentError,
     WeightedGradientsAccumulator,
     ZeroCopyError,
 )
@@ -493,8 +496,12 @@ def test_the_calls_of_the_other_mode_are_refused() -> None:
             call(net, 1.0)
     frozen.check(acc, net)
     buffered = _buffered(torch.float32)
-    with pytest.raises(ZeroCopyError, match="zero_copy=True"):
+    with pytest.raises(ZeroCopyError) as caught:
         buffered.microbatch(net, weight=1.0).__enter__()
+    assert str(caught.value) == (
+        "microbatch() needs an accumulator made with zero_copy=True; this one buffers "
+        "(use accumulate_sum / accumulate_mean)"
+    )
     assert buffered.state.issued == 0
 
 
@@ -694,3 +701,183 @@ def test_a_training_loop_steps_with_zero_copy_as_with_buffers() -> None:
         nets["zero_copy"].named_parameters(), nets["buffered"].parameters(), strict=True
     ):
         assert torch.equal(bits(p_z), bits(p_b)), name
+
+
+def test_calls_inside_a_block_name_the_way_out() -> None:
+    """discard() and load_state_dict() inside a block raise ZeroCopyError with the message that
+    says to leave the block first; state_dict() and finish_mean() the one that says only the
+    block's backward may run."""
+    acc, net, micros = _started()
+    record = acc.state_dict()
+    with acc.microbatch(net, weight=micros[2].weight, kind=micros[2].kind):
+        for call in (acc.discard, lambda: acc.load_state_dict(record, net)):
+            with pytest.raises(ZeroCopyError) as caught:
+                call()
+            assert str(caught.value) == (
+                "discard() or load_state_dict() inside a microbatch block; leave the block first"
+            )
+        for read in (acc.state_dict, acc.finish_mean):
+            with pytest.raises(ZeroCopyError) as caught:
+                read()
+            assert str(caught.value) == (
+                "the accumulator is inside a microbatch block; only the block's backward may "
+                "run until it is left"
+            )
+        _loss(net, micros[2]).backward()
+
+
+def test_discard_releases_only_the_grads_the_window_still_owns() -> None:
+    """discard() sets the window's .grad buffers to None but leaves a .grad that the user put in
+    place of one (someone else's tensor) as it is."""
+    acc, net, _ = _started()
+    assert net.first.weight.grad is not None and net.second.weight.grad is not None
+    replacement = net.first.weight.grad.clone()
+    net.first.weight.grad = replacement
+    acc.discard()
+    assert net.first.weight.grad is replacement
+    assert net.second.weight.grad is None and net.first.bias.grad is None
+    assert acc.state.issued == 0
+
+
+def test_a_loaded_record_becomes_fresh_dense_grads_on_the_parameters_device() -> None:
+    """load_state_dict in zero-copy mode makes each .grad a contiguous copy of the record's
+    tensor on its parameter's device: a transposed tensor in the record comes back dense, and
+    accumulating afterwards leaves the record as it was."""
+    acc, net, micros = _started()
+    record = acc.state_dict()
+    weight = record["pending"]["first.weight"]
+    record["pending"]["first.weight"] = weight.t().contiguous().t()  # same values, transposed
+    assert not record["pending"]["first.weight"].is_contiguous()
+    kept = copy.deepcopy(record)
+    second, second_net = _zero_copy(torch.float32), _net(torch.float32, "cpu")
+    second.load_state_dict(record, second_net)
+    grad = second_net.first.weight.grad
+    assert grad is not None and grad.is_contiguous()
+    assert_bitwise_equal(grad, weight, "first.weight.grad")
+    _feed_zero_copy(second, second_net, micros[2])
+    assert_records_equal(record, kept)
+
+    meta_net = _net(torch.float32, "cpu").to("meta")
+    _zero_copy(torch.float32).load_state_dict(kept, meta_net)
+    for name, buffer in kept["pending"].items():
+        restored = meta_net.get_parameter(name).grad
+        assert restored is not None and restored.device.type == "meta"
+        assert restored.shape == buffer.shape
+
+
+def test_the_first_gradient_becomes_a_grad_on_the_parameters_device() -> None:
+    """A block on a module on another device than the default (here the meta device) makes each
+    new .grad buffer on the parameter's device."""
+    net = nn.Linear(IN, OUT, device="meta")
+    acc = _zero_copy(torch.float32)
+    with acc.microbatch(net, weight=2.0, kind="sum"):
+        net(torch.ones(3, IN, device="meta")).sum().backward()
+    assert acc.state.issued == 1
+    for parameter in net.parameters():
+        assert parameter.grad is not None and parameter.grad.device.type == "meta"
+
+
+def test_a_parameter_reshaped_inside_the_block_is_refused_naming_it() -> None:
+    """A parameter whose .data changes shape between the forward and the backward of a block
+    raises ParameterMismatchError naming it, both shapes and the device; the block is not
+    counted."""
+    net = nn.Linear(IN, OUT)
+    acc = _zero_copy(torch.float32)
+    with pytest.raises(ParameterMismatchError) as caught:
+        with acc.microbatch(net, weight=2.0, kind="sum"):
+            loss = net(torch.ones(3, IN)).sum()
+            net.bias.data = torch.zeros(5)
+            loss.backward()
+    assert str(caught.value) == (
+        "parameter 'bias' changed inside the microbatch block: it has shape [5] on cpu and its "
+        f"gradient shape [{OUT}], but the tracked shape is [{OUT}] on cpu"
+    )
+    assert acc.state.issued == 0
+
+
+@pytest.mark.parametrize("meddle", ["removed", "replaced", "changed in place"])
+def test_a_grad_meddled_with_inside_the_block_is_refused_naming_what_happened(
+    meddle: str,
+) -> None:
+    """A pending .grad removed, replaced or changed in place between a block's forward and its
+    backward raises BrokenWindowError naming the parameter and what happened to its .grad."""
+    acc, net, micros = _started()
+    grad = net.second.bias.grad
+    assert grad is not None
+    with pytest.raises(BrokenWindowError) as caught:
+        with acc.microbatch(net, weight=micros[2].weight, kind=micros[2].kind):
+            loss = _loss(net, micros[2])
+            if meddle == "removed":
+                net.second.bias.grad = None
+            elif meddle == "replaced":
+                net.second.bias.grad = grad.clone()
+            else:
+                grad.add_(1.0)
+            loss.backward()
+    assert str(caught.value).startswith(
+        f"the .grad of 'second.bias' was {meddle} inside the microbatch block before its "
+        "gradient arrived: the window's sum is no longer in .grad. call discard(), or "
+        "load_state_dict() with an earlier record"
+    )
+
+
+def test_a_parameter_dtype_changed_inside_the_block_is_refused_naming_it() -> None:
+    """A parameter whose .data changes dtype between a block's forward and backward (its
+    gradient still in D) raises ZeroCopyError naming both dtypes and D; nothing is counted."""
+    net = nn.Linear(IN, OUT)
+    acc = _zero_copy(torch.float32)
+    with pytest.raises(ZeroCopyError) as caught:
+        with acc.microbatch(net, weight=2.0, kind="sum"):
+            loss = net(torch.ones(3, IN)).sum()
+            net.bias.data = net.bias.data.double()
+            loss.backward()
+    assert str(caught.value) == (
+        "parameter 'bias' has dtype torch.float64 (its gradient torch.float32) inside the "
+        "block, but the work dtype is torch.float32"
+    )
+    assert acc.state.issued == 0
+
+
+def test_flushed_subnormals_turned_on_inside_the_block_are_refused_at_the_backward() -> None:
+    """Flush-to-zero switched on after a block's entry is refused when the gradient arrives on
+    the CPU, naming the backward's thread; nothing is counted."""
+    net = nn.Linear(IN, OUT)
+    acc = _zero_copy(torch.float32)
+    with pytest.raises(UnsupportedEnvironmentError) as caught:
+        with acc.microbatch(net, weight=2.0, kind="sum"):
+            if not torch.set_flush_denormal(True):
+                torch.set_flush_denormal(False)
+                pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
+            try:
+                net(torch.ones(3, IN)).sum().backward()
+            finally:
+                torch.set_flush_denormal(False)
+    assert str(caught.value).startswith(
+        "microbatch (in the backward's thread): the CPU flushes subnormals to zero"
+    )
+    assert acc.state.issued == 0
+
+
+def test_grads_meddled_with_in_a_block_without_backward_break_the_window_on_leaving() -> None:
+    """A block that runs no backward but replaces one pending .grad and removes another raises
+    BrokenWindowError on leaving, naming both, and every later call raises until discard()."""
+    acc, net, _ = _started()
+    grad = net.second.bias.grad
+    assert grad is not None
+    with pytest.raises(BrokenWindowError) as caught:
+        with acc.microbatch(net, weight=1.0, kind="sum"):
+            net.second.bias.grad = grad.clone()
+            net.first.weight.grad = None
+    message = (
+        "the .grad of ['second.bias'] was replaced by another tensor; the .grad of "
+        "['first.weight'] was removed (set to None: model.zero_grad() or optimizer.zero_grad() "
+        "mid-window?) left a zero-copy microbatch block after part of the window's sums had "
+        "changed (added to []); the window cannot be "
+        "completed: call discard(), or load_state_dict() with an earlier record (taken before "
+        "the block)"
+    )
+    assert str(caught.value) == message
+    with pytest.raises(BrokenWindowError, match="second.bias"):
+        acc.finish_mean()
+    acc.discard()
+    assert acc.state.issued == 0
