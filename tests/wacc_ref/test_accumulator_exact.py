@@ -140,3 +140,41 @@ def test_exact_finish_mean_with_zero_weight_raises() -> None:
     with pytest.raises(ZeroTotalWeightError):
         acc.finish_mean()
     assert acc.state.issued == 1
+
+
+def test_exact_result_reports_counters_flag_and_every_parameter() -> None:
+    """Exact finish_sums/finish_mean report issued, zero_weight, normalized (a real bool) and
+    every tracked parameter in order: None for one without a buffer (even when it comes first),
+    a float64 array of the rounded exact value and an mpf array for one with a buffer."""
+    params = {"a": (2,), "b": (2, 2), "c": ()}
+    g_sum = [[1.0, 2.0**-60], [3.0, -4.0]]
+    g_mean = [[0.5, 0.1], [0.25, 1.0]]
+    # w_D = conv_f32(2) = 2 exactly, so the window holds g_sum + 2 * g_mean; W = 3 + 2 = 5.
+    sums = [
+        Fraction(s) + 2 * Fraction(m)
+        for s, m in zip(np.ravel(g_sum).tolist(), np.ravel(g_mean).tolist(), strict=True)
+    ]
+    for finish in ("sums", "mean"):
+        acc = ReferenceAccumulator(dtype="float32", loss_scale=2.0, mode="exact")
+        acc.accumulate_sum(params, 0, grads={"b": [[math.inf] * 2] * 2})  # zero weight: unread
+        acc.accumulate_sum(params, 3, grads={"a": None, "b": g_sum})
+        acc.accumulate_mean(params, 2, grads={"b": g_mean, "c": None})
+        result = acc.finish_sums() if finish == "sums" else acc.finish_mean()
+        expected = sums if finish == "sums" else [v / (2 * 5) for v in sums]
+        assert result.issued == 3 and result.zero_weight == 1, finish
+        assert result.normalized is (finish == "mean")
+        assert result.exact_weight == Fraction(5) and result.weight == 5.0
+        assert list(result.grads) == ["a", "b", "c"]
+        assert result.grads["a"] is None and result.grads["c"] is None
+        exact_grads = result.exact_grads
+        assert exact_grads is not None and list(exact_grads) == ["a", "b", "c"]
+        assert exact_grads["a"] is None and exact_grads["c"] is None
+        grads_b, exact_b = result.grads["b"], exact_grads["b"]
+        assert grads_b is not None and exact_b is not None
+        assert grads_b.dtype == np.float64 and grads_b.shape == (2, 2)
+        assert grads_b.reshape(-1).tolist() == [round_to(v, "float64") for v in expected]
+        assert exact_b.dtype == object and exact_b.shape == (2, 2)
+        for got, want in zip(exact_b.reshape(-1).tolist(), expected, strict=True):
+            # 256 bits hold every sum here exactly; the mean's /10 is within 2**-256 relative.
+            assert abs(mpf_fraction(got) - want) <= abs(want) * Fraction(2) ** -256
+        assert acc.state.issued == 0 and acc.state.zero_weight == 0

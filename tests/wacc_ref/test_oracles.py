@@ -251,6 +251,43 @@ def test_trace_differences_sees_error_and_length_mismatches() -> None:
     assert lines == ["step 7 (finish_mean): error expected ZeroTotalWeightError, got None"]
 
 
+def test_trace_differences_pins_mismatch_lines_and_stops_at_limit() -> None:
+    """A missing step, another op or another index are each one exact line (the comparison stops
+    at a step mismatch); at most ``limit`` lines (20 by default) come back, and once a step brings
+    them to ``limit`` the later outcomes are not read."""
+    trace = run_reference(_hand_scenario())
+
+    def edited(position: int, **changes: object) -> ScenarioTrace:
+        outcomes = list(trace.outcomes)
+        outcomes[position] = dataclasses.replace(outcomes[position], **changes)  # type: ignore[arg-type]
+        return ScenarioTrace(outcomes=tuple(outcomes))
+
+    shorter = ScenarioTrace(outcomes=trace.outcomes[:-1])
+    assert trace_differences(trace, shorter) == ["trace length: expected 10 steps, got 9"]
+    assert trace_differences(trace, edited(1, op="accumulate_mean")) == [
+        "step 1 (accumulate_sum): got step 1 (accumulate_mean)"
+    ]
+    assert trace_differences(trace, edited(1, index=0)) == [
+        "step 1 (accumulate_sum): got step 0 (accumulate_sum)"
+    ]
+    step = Accumulate.of("sum", 1.0, {"w": [1.0] * 15})
+    scenario = make_scenario((step, step), parameters=(("w", (15,)),))
+    expected = run_reference(scenario)
+    # Both steps differ in all 15 elements: buf [1] * 15 then [2] * 15 against [3] * 15.
+    tampered = _replace_state_pending(
+        _replace_state_pending(expected, 0, "w", [3.0] * 15), 1, "w", [3.0] * 15
+    )
+    line = "step {} (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
+    every = [line.format(0, i, (1.0).hex(), (3.0).hex()) for i in range(15)]
+    every += [line.format(1, i, (2.0).hex(), (3.0).hex()) for i in range(15)]
+    assert trace_differences(expected, tampered) == every[:20]
+    assert trace_differences(expected, tampered, limit=7) == every[:7]
+    assert trace_differences(expected, tampered, limit=100) == every
+    unreadable = dataclasses.replace(tampered.outcomes[1], state=None)  # type: ignore[arg-type]
+    cut = ScenarioTrace(outcomes=(tampered.outcomes[0], unreadable))
+    assert trace_differences(expected, cut, limit=15) == every[:15]
+
+
 def test_trace_violations_catches_a_raise_that_changed_state() -> None:
     """trace_violations reports an erroring step whose state differs from the one before it, and
     a corrupted restore that did not raise RecordError."""
@@ -425,3 +462,118 @@ def test_stepwise_oracle_checks_async_checkpoint_records() -> None:
     outcomes[2] = dataclasses.replace(checkpoint, record=drifted)
     lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
     assert lines[0] == "step 2 (checkpoint) record.issued: expected 2, got 3"
+
+
+def test_stepwise_oracle_judges_every_fused_buffer_after_a_missing_one() -> None:
+    """A fused mean step whose trace lacks one touched buffer is reported as a name difference
+    (not a crash), and the touched buffers after it are still judged element by element."""
+    scenario = make_scenario(
+        (
+            Accumulate.of("mean", 1.0, {"a": [1.0, 2.0], "w": [62.0, 1.0]}),
+            # w_D = 1057 (11 bits, exact in float16): a = [1 + 0.5 * 1057, 2] = [529.5, 2];
+            # w as in _fp16_fused_scenario: allowed -65472 (FMA, op-rounded) or -inf (two-step).
+            Accumulate.of("mean", 1057.0, {"a": [0.5, 0.0], "w": [-62.0, 0.0]}),
+            Finish("sums"),
+        ),
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+        fused=True,
+        parameters=(("a", (2,)), ("w", (2,))),
+    )
+    trace = run_reference(scenario)
+    assert_array_bits(dict(trace.outcomes[1].state.pending)["a"], [529.5, 2.0], "a")
+    outcomes = list(trace.outcomes)
+    state = outcomes[1].state
+    pending = (("w", np.array([-65440.0, 1.0])),)  # "a" dropped, w[0] outside the allowed set
+    outcomes[1] = dataclasses.replace(
+        outcomes[1], state=dataclasses.replace(state, pending=pending, checksum=None)
+    )
+    lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
+    allowed = sorted([(-65472.0).hex(), "-inf"])
+    assert lines[:2] == [
+        "step 1 (accumulate_mean) state.pending names: expected ['a', 'w'], got ['w']",
+        f"step 1 (accumulate_mean) state.pending['w'][flat 0]: got {(-65440.0).hex()}, "
+        f"allowed {allowed} (buf {(62.0).hex()}, g {(-62.0).hex()}, w_D {(1057.0).hex()})",
+    ], lines
+
+
+def test_stepwise_oracle_reports_a_trace_that_does_not_follow_the_scenario() -> None:
+    """A short trace, a step with another op or index, a checkpoint without a record and a state
+    the reference cannot load are each reported by a line naming the step; the last three stop
+    the comparison there."""
+    scenario = _hand_scenario()
+    trace = run_reference(scenario)
+    assert len(trace) == 10 and stepwise_differences(scenario, trace) == []
+
+    def edited(position: int, **changes: object) -> ScenarioTrace:
+        outcomes = list(trace.outcomes)
+        outcomes[position] = dataclasses.replace(outcomes[position], **changes)  # type: ignore[arg-type]
+        return ScenarioTrace(outcomes=tuple(outcomes))
+
+    short = ScenarioTrace(outcomes=trace.outcomes[:2])
+    assert stepwise_differences(scenario, short) == ["trace length: expected 10 steps, got 2"]
+    assert stepwise_differences(scenario, edited(1, op="accumulate_mean")) == [
+        "step 1 (accumulate_sum): got step 1 (accumulate_mean)"
+    ]
+    assert stepwise_differences(scenario, edited(1, index=0)) == [
+        "step 1 (accumulate_sum): got step 0 (accumulate_sum)"
+    ]
+    assert stepwise_differences(scenario, edited(2, record=None)) == [
+        "step 2 (checkpoint): record present expected True",
+        "step 2 (checkpoint): the actual trace has no record for this checkpoint",
+    ]
+    # After step 0 (weight 1): issued 1, W = 1.0; zero_weight = issued claims every batch had
+    # weight 0, which the reference's record validation refuses (RecordError).
+    state = trace.outcomes[0].state
+    assert state.issued == 1 and state.zero_weight == 0 and state.total_weight == 1.0
+    inconsistent = dataclasses.replace(state, zero_weight=1, checksum=None)
+    assert stepwise_differences(scenario, edited(0, state=inconsistent)) == [
+        "step 0 (accumulate_sum) state.zero_weight: expected 0, got 1",
+        "step 1 (accumulate_sum): the state before it does not load into the reference: "
+        "total_weight is 1.0 but every one of the 1 issued batches had weight 0 "
+        "(zero_weight == issued)",
+    ]
+
+
+def test_stepwise_oracle_returns_at_most_limit_lines() -> None:
+    """30 differing elements give 30 differences; the oracle returns the first ``limit`` of them
+    (20 by default), in element order."""
+    scenario = make_scenario(
+        (Accumulate.of("sum", 1.0, {"w": [1.0] * 30}),), parameters=(("w", (30,)),)
+    )
+    tampered = _replace_state_pending(run_reference(scenario), 0, "w", [2.0] * 30)
+    line = "step 0 (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
+    expected = [line.format(i, (1.0).hex(), (2.0).hex()) for i in range(30)]
+    assert stepwise_differences(scenario, tampered) == expected[:20]
+    assert stepwise_differences(scenario, tampered, limit=5) == expected[:5]
+    assert stepwise_differences(scenario, tampered, limit=100) == expected
+
+
+def test_stepwise_oracle_keeps_the_lines_of_earlier_fused_steps() -> None:
+    """Differences found at one fused mean step are kept when later fused steps are judged."""
+    scenario = _fp16_fused_scenario()
+    tampered = _replace_state_pending(run_reference(scenario), 0, "w", [62.0, 3.0])
+    lines = stepwise_differences(scenario, tampered)
+    # Step 0: buf 0, g 1, w_D 1: every §6 result is 1.  Step 1 from the tampered buf 3 with g 0:
+    # every result is 3, but the trace (untampered there) says 1.
+    assert lines == [
+        f"step 0 (accumulate_mean) state.pending['w'][flat 1]: got {(3.0).hex()}, "
+        f"allowed {[(1.0).hex()]} (buf {(0.0).hex()}, g {(1.0).hex()}, w_D {(1.0).hex()})",
+        f"step 1 (accumulate_mean) state.pending['w'][flat 1]: got {(1.0).hex()}, "
+        f"allowed {[(3.0).hex()]} (buf {(3.0).hex()}, g {(0.0).hex()}, w_D {(1057.0).hex()})",
+    ]
+
+
+def test_stepwise_oracle_stops_reading_the_trace_once_limit_lines_are_found() -> None:
+    """When a step brings the differences to exactly ``limit``, the oracle stops there: the
+    later outcomes are not read, so even an unreadable one (no state) does not matter."""
+    step = Accumulate.of("sum", 1.0, {"w": [1.0] * 20})
+    scenario = make_scenario((step, step), parameters=(("w", (20,)),))
+    tampered = _replace_state_pending(run_reference(scenario), 0, "w", [2.0] * 20)
+    unreadable = dataclasses.replace(tampered.outcomes[1], state=None)  # type: ignore[arg-type]
+    trace = ScenarioTrace(outcomes=(tampered.outcomes[0], unreadable))
+    line = "step 0 (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
+    assert stepwise_differences(scenario, trace) == [
+        line.format(i, (1.0).hex(), (2.0).hex()) for i in range(20)
+    ]
