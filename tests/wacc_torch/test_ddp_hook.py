@@ -557,14 +557,17 @@ class _GroupSpy:
         dist.all_reduce, dist.all_gather_object = self._originals  # type: ignore[assignment]
 
 
-def _one_rank_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
+def _one_rank_batches(
+    counts: tuple[int, ...] = ONE_RANK_COUNTS, *, seed: int = 7
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded microbatches of ``counts`` rows (features and class labels)."""
+    generator = torch.Generator().manual_seed(seed)
     return [
         (
             torch.randn(count, FEATURES, generator=generator),
             torch.randint(0, CLASSES, (count,), generator=generator),
         )
-        for count in ONE_RANK_COUNTS
+        for count in counts
     ]
 
 
@@ -869,17 +872,6 @@ def test_flushed_subnormals_in_the_backward_are_refused_taking_nothing(
     assert_unchanged(accumulator, record)
 
 
-def _microbatches(counts: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    return [
-        (
-            torch.randn(count, FEATURES, generator=generator),
-            torch.randint(0, CLASSES, (count,), generator=generator),
-        )
-        for count in counts
-    ]
-
-
 def _window_both_ways(
     model: DistributedDataParallel,
     hook: WeightedAllReduceHook,
@@ -893,7 +885,7 @@ def _window_both_ways(
     """One window through the hook on ``model`` and through no_sync + accumulate_* +
     all_reduce_mean + apply_to on a fresh copy with a like accumulator; the last loss is
     multiplied by ``last_factor``.  Returns (hook .grad, helper .grad, helper result)."""
-    batches = _microbatches(counts)
+    batches = _one_rank_batches(counts, seed=11)
     state = accumulator.state
     helper_model = DistributedDataParallel(_mlp())
     helper = WeightedGradientsAccumulator(
@@ -1046,7 +1038,7 @@ def test_a_failed_reduction_leaves_ddps_gradient_buffer_unscaled(one_rank_group:
     model = DistributedDataParallel(_mlp(), gradient_as_bucket_view=True)
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=LOSS_SCALE)
     hook = WeightedAllReduceHook(model, accumulator)
-    (x, y), *_ = _microbatches((6,))
+    (x, y), *_ = _one_rank_batches((6,), seed=11)
     plain = _mlp()
     _loss(plain, x, y, mode="mean").backward()
     loss = _loss(model, x, y, mode="mean")
