@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -220,3 +221,16 @@ def hooked_window_weight(weight: object, *, mean: bool) -> float:
     loss.backward()
     assert hook.result is not None
     return hook.result.weight
+
+
+@contextmanager
+def flushing_subnormals() -> Iterator[None]:
+    """CPU flush-to-zero / denormals-are-zero on inside the block, always off after it; the test
+    is skipped on a CPU that cannot flush (no FTZ/DAZ)."""
+    if not torch.set_flush_denormal(True):
+        torch.set_flush_denormal(False)
+        pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

@@ -44,7 +44,12 @@ from wacc_torch.errors import (
 )
 
 from .distributed.spawn import init_rank, load_results, run_job, save_result
-from .support import assert_bitwise_equal, assert_unchanged, grads_snapshot
+from .support import (
+    assert_bitwise_equal,
+    assert_unchanged,
+    flushing_subnormals,
+    grads_snapshot,
+)
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 LOSS_SCALE = 2.0**5
@@ -744,12 +749,9 @@ def test_flushed_subnormals_are_refused_by_the_arming_call(
     loss = _earlier_microbatch(model, accumulator, 2.0)
     record = accumulator.state_dict()
     caller = "last_microbatch_mean" if mean else "last_microbatch_sum"
-    torch.set_flush_denormal(True)
-    try:
+    with flushing_subnormals():
         with pytest.raises(UnsupportedEnvironmentError) as raised:
             getattr(hook, caller)(1.0)
-    finally:
-        torch.set_flush_denormal(False)
     # The caller is named once (the check's message already starts with it).
     assert str(raised.value).startswith(
         f"rank 0 of 1: {caller}: the CPU flushes subnormals to zero"
@@ -859,12 +861,9 @@ def test_flushed_subnormals_in_the_backward_are_refused_taking_nothing(
     loss = _earlier_microbatch(model, accumulator, 2.0)
     hook.last_microbatch_sum(3.0)
     record = accumulator.state_dict()
-    torch.set_flush_denormal(True)
-    try:
+    with flushing_subnormals():
         with pytest.raises(UnsupportedEnvironmentError) as raised:
             loss.backward()
-    finally:
-        torch.set_flush_denormal(False)
     assert str(raised.value).startswith(
         "WeightedAllReduceHook (in the backward's thread): the CPU flushes subnormals to zero"
     ), str(raised.value)

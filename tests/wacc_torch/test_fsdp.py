@@ -35,7 +35,7 @@ from wacc_torch.errors import (
 from wacc_torch.fsdp import FSDPWeightedWindow
 
 from .distributed.spawn import init_rank, load_results, run_job, save_result
-from .support import assert_bitwise_equal
+from .support import assert_bitwise_equal, flushing_subnormals
 
 LOSS_SCALE = 2.0**5
 FEATURES, HIDDEN, CLASSES = 8, 16, 5
@@ -301,15 +301,12 @@ def test_add_weight_refuses_flushed_subnormals_and_counts_nothing(one_rank_group
     window.microbatch(last=True)
     x, y = _one_rank_batches((3,))[0]
     _loss(model, x, y).backward()
-    torch.set_flush_denormal(True)
-    try:
+    with flushing_subnormals():
         with pytest.raises(
             UnsupportedEnvironmentError,
             match=r"^FSDPWeightedWindow\.add_weight: the CPU flushes subnormals to zero",
         ):
             window.add_weight(3.0)
-    finally:
-        torch.set_flush_denormal(False)
     window.add_weight(3.0)
     result = window.finish_mean()
     assert (result.weight, result.issued, result.zero_weight) == (3.0, 1, 0)
@@ -442,12 +439,9 @@ def test_finish_mean_refuses_flushed_subnormals_and_loses_nothing(one_rank_group
     model, window = _window()
     _run(model, window, counts)
     before = _local_grads(model)
-    torch.set_flush_denormal(True)
-    try:
+    with flushing_subnormals():
         with pytest.raises(UnsupportedEnvironmentError) as raised:
             window.finish_mean()
-    finally:
-        torch.set_flush_denormal(False)
     assert type(raised.value) is UnsupportedEnvironmentError
     assert str(raised.value) == FLUSHED
     after = _local_grads(model)
@@ -468,12 +462,9 @@ def test_flushed_subnormals_are_reported_before_a_gradient_dtype_mismatch(
     the gradients) is the one raised, and the .grad shards keep their summed values."""
     model, window = _float64_model_in_a_float32_window()
     before = _local_grads(model)
-    torch.set_flush_denormal(True)
-    try:
+    with flushing_subnormals():
         with pytest.raises(UnsupportedEnvironmentError) as raised:
             window.finish_mean()
-    finally:
-        torch.set_flush_denormal(False)
     assert str(raised.value) == FLUSHED
     after = _local_grads(model)
     for name, grad in before.items():
