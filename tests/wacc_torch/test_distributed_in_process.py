@@ -48,7 +48,7 @@ from wacc_torch.errors import (
 from wacc_torch.normalize import normalize_sums
 from wacc_torch.results import AccumulatedGradients
 
-from .support import assert_bitwise_equal
+from .support import assert_bitwise_equal, flushing_subnormals
 
 CALLERS: dict[str, Callable[..., AccumulatedGradients]] = {
     "all_reduce_sums": all_reduce_sums,
@@ -143,13 +143,8 @@ def _report(**fields: Any) -> _RankReport:
 @pytest.fixture
 def flush_denormals() -> Iterator[None]:
     """CPU flush-to-zero / denormals-are-zero on for the test, always off again afterwards."""
-    if not torch.set_flush_denormal(True):
-        torch.set_flush_denormal(False)
-        pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
-    try:
+    with flushing_subnormals():
         yield
-    finally:
-        torch.set_flush_denormal(False)
 
 
 # ----------------------------------------------------------------------------------------------
