@@ -11,12 +11,27 @@ import mpmath
 import pytest
 from hypothesis import settings
 
+from tests import mutant
 from wacc.profiles import register_profiles
 
 # The profiles are wacc's own (``wacc check --profile`` uses the same ones): "ci" is
 # derandomized so that a red CI run reproduces exactly; "dev" explores new examples.
 register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# Read when conftest is imported: mutmut's fork server imports it before it forks the mutants'
+# workers, so they share one parsed copy (nothing there outside a mutmut run).
+_MUTMUT_DURATIONS = mutant.read_durations()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under mutmut, run a mutant's covering tests fastest first. mutmut passes them in set order
+    and stops at the first failure (``-x``), so a killed mutant otherwise often waits for a slow
+    test that a fast one would have beaten; a survivor runs them all either way, so the verdicts
+    are the same (the tests are independent: the suite passes in any order under xdist)."""
+    if mutant.under_mutant() and _MUTMUT_DURATIONS:
+        items[:] = mutant.fastest_first(items, _MUTMUT_DURATIONS)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

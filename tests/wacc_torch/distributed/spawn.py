@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.mutant import under_mutant
+
 # What a hung collective costs in a test before it fails (torch.distributed's own knob: the
 # ``timeout`` of init_process_group).  Production defaults are 10-30 minutes.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 JOB_DEADLINE_S = 240.0
-MUTANT_MARK = "__mutmut_"  # in the name of every mutant mutmut runs (not its stats or clean runs)
 
 
 def init_rank(
@@ -85,7 +86,7 @@ def run_job(
     other than 0 (or than ``allowed_exit_codes[rank]`` for a rank expected to fail).  Every rank
     is dead when this returns or raises.
     """
-    if MUTANT_MARK in os.environ.get("MUTANT_UNDER_TEST", ""):
+    if under_mutant():
         # Under mutation testing (mutmut sets the variable to the mutant's name) a job of ranks
         # costs 20-40 s per mutant and mutmut cannot see what a rank calls: the in-process tests
         # judge the mutant, and the report's score is a lower bound for it.

@@ -1,0 +1,43 @@
+"""How the suite behaves when mutmut runs it for one mutant (issue 16).
+
+mutmut names the mutant under test in ``MUTANT_UNDER_TEST`` (``...__mutmut_<n>``; its stats and
+clean runs use other values), and runs its pytest in ``mutants/``, next to the per-test
+durations its stats phase wrote. Never set in CI or a developer's run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+MUTANT_MARK = "__mutmut_"  # in the name of every mutant mutmut runs (not its stats or clean runs)
+STATS = Path("mutmut-stats.json")  # relative: mutmut's pytest runs in mutants/
+
+
+class _Item(Protocol):
+    nodeid: str
+
+
+def under_mutant() -> bool:
+    """Whether this process runs the tests of one mutant."""
+    return MUTANT_MARK in os.environ.get("MUTANT_UNDER_TEST", "")
+
+
+def read_durations(path: Path = STATS) -> dict[str, float]:
+    """mutmut's call duration of each test, by node id; empty if there is no readable file."""
+    try:
+        durations = json.loads(path.read_text(encoding="utf-8"))["duration_by_test"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(durations, dict):
+        return {}
+    return {str(k): float(v) for k, v in durations.items() if isinstance(v, (int, float))}
+
+
+def fastest_first(items: Sequence[_Item], durations: dict[str, float]) -> list[_Item]:
+    """The items by recorded duration, fastest first; one never timed goes last (stable)."""
+    unknown = max(durations.values(), default=0.0) + 1.0
+    return sorted(items, key=lambda item: durations.get(item.nodeid, unknown))
