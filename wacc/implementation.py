@@ -12,7 +12,11 @@ Optional features, each reported as ``unsupported: <feature>`` when missing (a f
 allowed with ``--allow-missing FEATURE``):
 
 * ``records``: ``state_dict()`` and ``load_state_dict(record, module)`` (checkpoint and resume);
-* ``async_records``: ``state_dict_async()`` returning an object with ``.result()``.
+* ``async_records``: ``state_dict_async()`` returning an object with ``.result()``;
+* ``checksum``: records that refuse a changed value, found by the probe of
+  :mod:`wacc.integrity` (for the documented layout, a verified ``checksum`` field); judged only
+  for an implementation with records, and without it the corruptions only an integrity check
+  can refuse are skipped.
 
 Errors are judged by class: an exception counts as the §11 error ``RecordError`` (etc.) when it
 is that ``wacc_torch`` class or a subclass, or when a class of that name is in its MRO, so an
@@ -35,12 +39,14 @@ from torch import nn
 
 import wacc_torch
 from wacc.errors import UsageError
+from wacc.integrity import IntegrityProbe, probe_integrity
 from wacc.zero_copy import ZeroCopyAdapter
 
 __all__ = [
     "CORE_METHODS",
     "DEFAULT_IMPL",
     "FEATURES",
+    "FEATURE_METHODS",
     "SEMANTICS_ERRORS",
     "Accumulator",
     "Factory",
@@ -55,8 +61,14 @@ __all__ = [
 DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
 
 CORE_METHODS: tuple[str, ...] = ("accumulate_sum", "accumulate_mean", "finish_sums", "finish_mean")
-# feature -> the methods it needs
-FEATURES: Mapping[str, tuple[str, ...]] = {
+# feature -> what it is (the words of ``unsupported: <feature>``)
+FEATURES: Mapping[str, str] = {
+    "records": "no state_dict / load_state_dict, so checkpoint steps are not run",
+    "async_records": "no state_dict_async, so asynchronous checkpoints are taken synchronously",
+    "checksum": "records without an integrity check",
+}
+# feature -> the methods it needs (checksum needs records, and the probe decides it)
+FEATURE_METHODS: Mapping[str, tuple[str, ...]] = {
     "records": ("state_dict", "load_state_dict"),
     "async_records": ("state_dict_async",),
 }
@@ -129,14 +141,26 @@ class Implementation:
     factory: Factory
     fused: bool
     missing: tuple[str, ...]  # features the probe instance lacks
+    integrity: IntegrityProbe | None = None  # what the integrity probe saw (None: not probed)
 
     def make(self, dtype: torch.dtype, loss_scale: float) -> Any:
         """A fresh accumulator (the factory's exceptions propagate)."""
         return self.factory(dtype, loss_scale)
 
     def supports(self, feature: str) -> bool:
-        """Whether the implementation has every method ``feature`` needs."""
+        """Whether the implementation has ``feature`` (its methods; for checksum, the probe's)."""
         return feature not in self.missing
+
+    def unsupported(self, feature: str, *, flag: str = "--allow-missing") -> str:
+        """One line: ``unsupported: <feature>``, what that means for the judge, and its flag."""
+        if feature == "checksum" and self.integrity is not None:
+            what = (
+                f"{self.integrity.describe()}, so the corruptions only such a check can refuse "
+                f"({', '.join(self.integrity.kinds)}) are not judged"
+            )
+        else:
+            what = FEATURES[feature]
+        return f"unsupported: {feature}: {what} (allow with {flag} {feature})"
 
 
 def _import_target(spec: str) -> Any:
@@ -207,7 +231,14 @@ def load_implementation(spec: str) -> Implementation:
         raise UsageError(f"{spec!r}: state.fused must be a bool, got {fused!r}")
     missing = tuple(
         feature
-        for feature, methods in FEATURES.items()
+        for feature, methods in FEATURE_METHODS.items()
         if not all(callable(getattr(probe, name, None)) for name in methods)
     )
-    return Implementation(spec=spec, factory=factory, fused=fused, missing=missing)
+    integrity = None
+    if "records" not in missing:
+        integrity = probe_integrity(factory, refusal=lambda exc: error_class(exc) is not None)
+        if not integrity.has_integrity:
+            missing += ("checksum",)
+    return Implementation(
+        spec=spec, factory=factory, fused=fused, missing=missing, integrity=integrity
+    )

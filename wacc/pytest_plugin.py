@@ -61,9 +61,8 @@ class WaccCheckItem(pytest.Item):
         implementation = _implementation(self.config, self.spec)
         missing = [f for f in implementation.missing if f not in options.wacc_allow_missing]
         if missing:
-            raise _WaccFailure(
-                f"unsupported: {', '.join(missing)} (allow with --wacc-allow-missing)"
-            )
+            flag = "--wacc-allow-missing"
+            raise _WaccFailure("\n".join(implementation.unsupported(f, flag=flag) for f in missing))
         config = CheckConfig(
             dtypes=(self.dtype,),
             device=options.wacc_device,

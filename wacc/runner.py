@@ -15,6 +15,8 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
   (``state``), and a corrupted restore applies a format-agnostic corruption
   (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the §11 family.
+* The corruptions only an integrity check can refuse (:mod:`wacc.integrity`) are skipped for an
+  implementation without the feature ``checksum``, in either layout.
 * An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message in
   :attr:`ImplementationRun.messages`), and a checkpoint or restore step on an implementation
   without records as ``"unsupported: records"``: neither matches the reference, so each is a
@@ -24,7 +26,6 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
 from __future__ import annotations
 
 import dataclasses
-import io
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -36,9 +37,15 @@ import torch
 from torch import nn
 
 from wacc.implementation import Implementation, error_class
+from wacc.integrity import (
+    OPAQUE_INTEGRITY_KINDS,
+    flip_byte,
+    follows_schema,
+    load_bytes,
+    same_record,
+)
 from wacc.modules import module_of
 from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
-from wacc_ref.records import RECORD_KEYS
 from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, Scenario
 from wacc_ref.traces import (
     FinishOutcome,
@@ -100,16 +107,6 @@ def in_module_order(scenario: Scenario) -> Scenario:
     return dataclasses.replace(scenario, parameters=ordered)
 
 
-def follows_schema(record: object) -> bool:
-    """Whether ``record`` has ``wacc_torch``'s documented layout (its keys, tensor buffers)."""
-    if not isinstance(record, Mapping) or not set(RECORD_KEYS) <= set(record):
-        return False
-    pending = record["pending"]
-    return isinstance(pending, Mapping) and all(
-        isinstance(buffer, torch.Tensor) for buffer in pending.values()
-    )
-
-
 def counters_snapshot(state: Any, work_dtype: str) -> RecordSnapshot:
     """The counters of ``state`` as a snapshot with no parameters and no pending buffers."""
     return RecordSnapshot(
@@ -130,28 +127,6 @@ def _gradient_tensor(values: np.ndarray, grad_dtype: str, device: torch.device) 
     # float64 holds every value of every format exactly and the scenario guarantees the values
     # are representable in G, so this conversion is exact whatever PyTorch's rounding path.
     return torch.tensor(values, dtype=torch.float64).to(TORCH_DTYPES[grad_dtype]).to(device)
-
-
-def _same_record(first: object, second: object) -> bool:
-    """Deep equality of two records (tensors bit for bit, NaN positions included)."""
-    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
-        return (
-            first.dtype == second.dtype
-            and first.shape == second.shape
-            and torch.equal(
-                first.cpu().reshape(-1).view(torch.uint8),
-                second.cpu().reshape(-1).view(torch.uint8),
-            )
-        )
-    if isinstance(first, Mapping) and isinstance(second, Mapping):
-        return first.keys() == second.keys() and all(
-            _same_record(first[key], second[key]) for key in first
-        )
-    if isinstance(first, list | tuple) and isinstance(second, list | tuple):
-        return len(first) == len(second) and all(
-            _same_record(a, b) for a, b in zip(first, second, strict=True)
-        )
-    return type(first) is type(second) and (first == second or first != first)
 
 
 def _wrong_type(value: object) -> object:
@@ -219,14 +194,12 @@ class ImplementationRun:
         """``record`` through a real file; ``damage`` truncates it or flips a byte first."""
         path = self._scratch / "record.pt"
         torch.save(record, path)
-        if damage is not None:
-            data = bytearray(path.read_bytes())
-            if damage == "truncated_file":
-                data = data[: len(data) // 2]
-            else:
-                data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
-        return torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        data = path.read_bytes()
+        if damage == "truncated_file":
+            data = data[: len(data) // 2]
+        elif damage is not None:
+            data = flip_byte(data, len(data) // 2)
+        return load_bytes(data)
 
     def _agnostic_corruption(self, record: Mapping[str, Any], kind: str) -> tuple[Any, bool]:
         """(the corrupted record, skipped); skipped when the damage never reaches the impl."""
@@ -241,11 +214,13 @@ class ImplementationRun:
         elif agnostic == "wrong_type" and key is not None:
             corrupted[key] = _wrong_type(record[key])
         elif agnostic in ("truncated_file", "flipped_byte_file"):
+            if agnostic in OPAQUE_INTEGRITY_KINDS and not self.implementation.supports("checksum"):
+                return None, True  # only an integrity check can refuse it: not judged
             try:
                 loaded = self._round_trip(record, damage=agnostic)
             except Exception:  # refused before the implementation saw it: nothing to judge
                 return None, True
-            if _same_record(loaded, record):
+            if same_record(loaded, record):
                 return None, True  # the flipped byte changed nothing that loads
             return loaded, False
         else:

@@ -123,6 +123,65 @@ def opaque_records(dtype: torch.dtype, loss_scale: float) -> Any:
     return _Opaque(dtype, loss_scale)
 
 
+class _Ready:
+    """An async handle whose record is already taken."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self._record = record
+
+    def result(self) -> dict[str, Any]:
+        return self._record
+
+
+class _OpaqueUnchecked(_Delegating):
+    """Records of its own layout with no integrity check: the wacc_torch record written without
+    its checksum into one byte tensor, loaded back without any hash."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._wrap(self._inner.state_dict(checksum=False))
+
+    def state_dict_async(self) -> _Ready:
+        return _Ready(self.state_dict())
+
+    @staticmethod
+    def _wrap(record: Mapping[str, Any]) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(record, buffer)
+        blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return {"layout": "unchecked-1", "blob": blob}
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        if not isinstance(record, Mapping) or set(record) != {"layout", "blob"}:
+            raise wacc_torch.RecordError(f"an unchecked record has keys layout, blob: {record}")
+        if record["layout"] != "unchecked-1" or not isinstance(record["blob"], torch.Tensor):
+            raise wacc_torch.RecordError("field 'layout' or 'blob' has the wrong value or type")
+        try:
+            inner = torch.load(io.BytesIO(record["blob"].numpy().tobytes()), weights_only=True)
+        except Exception as exc:
+            raise wacc_torch.RecordError(f"field 'blob' does not load: {exc}") from None
+        self._inner.load_state_dict(inner, module)
+
+
+def opaque_unchecked(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with records of its own layout that carry no integrity check."""
+    return _OpaqueUnchecked(dtype, loss_scale)
+
+
+class _SchemaUnchecked(_Delegating):
+    """wacc_torch whose records are in the documented layout without the checksum field."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict(checksum=False)
+
+    def state_dict_async(self) -> wacc_torch.StateDictHandle:
+        return self._inner.state_dict_async(checksum=False)
+
+
+def schema_unchecked(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with records in the documented layout and no checksum."""
+    return _SchemaUnchecked(dtype, loss_scale)
+
+
 class _RefusingWith:
     """Forwards to ``inner``, whose every RecordError on load is raised as ``error`` instead."""
 

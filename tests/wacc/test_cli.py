@@ -87,6 +87,56 @@ def test_an_unsupported_feature_fails_unless_allowed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("impl", "kinds"),
+    [
+        ("tests.wacc.impls:opaque_unchecked", "(flipped_byte_file)"),
+        ("tests.wacc.impls:schema_unchecked", "(checksum_malformed, checksum_mismatch)"),
+    ],
+    ids=["opaque", "documented-layout"],
+)
+def test_records_without_integrity_fail_as_unsupported_checksum_unless_allowed(
+    tmp_path: Path, impl: str, kinds: str
+) -> None:
+    """A correct accumulator whose records carry no integrity check, in either layout: exit 1
+    with one ``unsupported: checksum`` line naming the kinds not judged and the flag, and no
+    divergence; with ``--allow-missing checksum``, exit 0 (semantics §9 Reading "integrity")."""
+    common = ["--dtype", "float32", "--family", "interruptions", "--family", "non_finite",
+              "--examples", "25", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    refused = wacc("check", impl, *common)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    (line,) = [line for line in refused.stdout.splitlines() if line.startswith("unsupported:")]
+    assert line.startswith("unsupported: checksum: ") and kinds in line
+    assert line.endswith("(allow with --allow-missing checksum)")
+    assert "DIVERGENCE" not in refused.stdout and not list(tmp_path.iterdir())
+    allowed = wacc("check", impl, *common, "--allow-missing", "checksum")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "unsupported" not in allowed.stdout
+
+
+def test_opaque_records_with_integrity_pass_without_the_flag(tmp_path: Path) -> None:
+    """Records of their own layout with a hash of their own: every corruption is judged, the
+    flipped file included, and the check passes with no flag."""
+    result = wacc(
+        "check", "tests.wacc.impls:opaque_records", "--dtype", "float32", "--family",
+        "interruptions", "--examples", "25", "--out", str(tmp_path), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "unsupported" not in result.stdout
+
+
+def test_the_gate_fails_an_unsupported_feature_before_running(tmp_path: Path) -> None:
+    """``wacc gate`` answers a missing feature like ``wacc check`` (exit 1, the same line) at
+    once, before the corpus runs; --allow-missing is one of its options."""
+    started = time.monotonic()
+    result = wacc("gate", "--impl", "tests.wacc.impls:schema_unchecked", "--quiet",
+                  "--baseline", str(tmp_path / "none.json"))  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("unsupported: checksum: ") and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60  # the corpus takes minutes
+    assert "--allow-missing FEATURE" in wacc("gate", "--help").stdout
+
+
+@pytest.mark.parametrize(
     ("args", "fragment"),
     [
         (["check", "tests.wacc.impls:nothing_here"], "has no attribute 'nothing_here'"),

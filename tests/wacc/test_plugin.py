@@ -55,3 +55,19 @@ def test_a_buggy_implementation_fails_with_a_replay_command(tmp_path: Path) -> N
     assert "1 failed" in result.stdout and "diverges from the reference" in result.stdout
     assert "replay: wacc replay" in result.stdout and list(out.glob("divergence-*.json"))
     assert "Traceback" not in result.stdout
+
+
+def test_records_without_integrity_fail_unless_allowed_in_the_plugin_too(tmp_path: Path) -> None:
+    """The plugin judges the checksum feature like ``wacc check``: each wacc item of an
+    implementation whose records refuse no changed value fails with the one unsupported line,
+    naming ``--wacc-allow-missing checksum``; with that option the items pass."""
+    common = ["--wacc-impl", "tests.wacc.impls:opaque_unchecked", "--wacc-dtype", "float32",
+              "--wacc-examples", "10", "-k", "interruptions"]  # fmt: skip
+    refused = _user_pytest(tmp_path, *common)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "1 failed" in refused.stdout and "Traceback" not in refused.stdout
+    assert "unsupported: checksum: records of its own layout carry no integrity" in refused.stdout
+    assert "(allow with --wacc-allow-missing checksum)" in refused.stdout
+    allowed = _user_pytest(tmp_path, *common, "--wacc-allow-missing", "checksum")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "1 passed, 5 deselected" in allowed.stdout  # -k keeps the interruptions item only

@@ -6,6 +6,11 @@ gradients) and the stateful machine run on each work dtype; every scenario is co
 reference step by step. A divergence is shrunk, written as JSON under --out, and a one-line
 `wacc replay` command is printed.
 
+Features (each missing one fails unless --allow-missing names it): records (state_dict and
+load_state_dict), async_records (state_dict_async), checksum (records that refuse a changed
+value: a probe flips bytes of a probe record; without it the corruptions only an integrity check
+can refuse are not judged, in either record layout).
+
 examples:
   wacc check                                   # wacc_torch, all four work dtypes, ci profile
   wacc check mypkg.acc:make --dtype bfloat16   # your accumulator, one dtype
@@ -34,6 +39,7 @@ from wacc.commands._common import (
 )
 from wacc.engine import CheckConfig, CheckReport, family_names, run_check
 from wacc.errors import UsageError
+from wacc.implementation import Implementation
 from wacc.profiles import PROFILES
 from wacc.tables import format_metric, render_table
 from wacc_ref import formats
@@ -73,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _print_report(report: CheckReport, impl: str) -> None:
+def _print_report(report: CheckReport, implementation: Implementation) -> None:
     rows = [
         [
             dtype,
@@ -87,8 +93,8 @@ def _print_report(report: CheckReport, impl: str) -> None:
     ]
     denormals = "flushed (FTZ/DAZ on)" if wacc_torch.denormals_flushed() else "preserved"
     print(
-        f"wacc check {impl}: oracles {', '.join(report.oracles)}; denormals {denormals}; "
-        f"{report.seconds:.1f} s"
+        f"wacc check {implementation.spec}: oracles {', '.join(report.oracles)}; "
+        f"denormals {denormals}; {report.seconds:.1f} s"
     )
     print(
         render_table(
@@ -96,7 +102,7 @@ def _print_report(report: CheckReport, impl: str) -> None:
         )
     )
     for feature in report.unsupported:
-        print(f"unsupported: {feature}")
+        print(implementation.unsupported(feature))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_check(implementation, config, out=args.out, progress=progress)
         bar.update(1)
     report.unsupported = unsupported
-    _print_report(report, args.impl)
+    _print_report(report, implementation)
     for finding in report.findings:
         verdict = finding.verdict
         print(
@@ -144,6 +150,4 @@ def run(args: argparse.Namespace) -> int:
             if device != "cpu":
                 command += ["--device", device]
             print(f"  replay: {shlex.join(command)}")
-    if unsupported:
-        print("(allow with --allow-missing " + " --allow-missing ".join(unsupported) + ")")
     return 1 if report.findings or unsupported else 0

@@ -17,8 +17,11 @@ examples:
   wacc gate --shard 2/4 --results gate-results/shard-2.json
   wacc gate --merge gate-results/
 
-exit codes: 0 = pass, 1 = divergence or regression, 2 = usage or environment error (missing,
-corrupt or foreign baseline, bad shard)
+An IMPL without a feature (records, async_records, checksum: see `wacc check --help`) fails
+before the run unless --allow-missing FEATURE names it.
+
+exit codes: 0 = pass, 1 = divergence, regression or unsupported feature, 2 = usage or
+environment error (missing, corrupt or foreign baseline, bad shard)
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from wacc.gate.measure import (
     units,
 )
 from wacc.gate.outputs import table, write_junit, write_summary
-from wacc.implementation import DEFAULT_IMPL, load_implementation
+from wacc.implementation import DEFAULT_IMPL, FEATURES, load_implementation
 from wacc.report.corpus import build_corpus
 from wacc.report.provenance import collect_provenance
 from wacc_ref.strict_json import shown
@@ -77,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--results", type=Path, metavar="FILE", help="write this shard's results")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR", help="merge shard results")
+    parser.add_argument(
+        "--allow-missing", action="append", default=[], choices=tuple(FEATURES),
+        metavar="FEATURE",
+        help=f"accept an IMPL without FEATURE ({', '.join(FEATURES)}); repeatable. Without it a "
+        "missing feature fails the gate (exit 1) before the run",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -148,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         loaded = load_implementation(args.impl)
         implementation = args.impl
+        unsupported = [f for f in loaded.missing if f not in args.allow_missing]
+        if unsupported:  # the same verdict as `wacc check`'s, found before minutes of running
+            for feature in unsupported:
+                print(loaded.unsupported(feature))
+            return 1
         corpus = build_corpus(size=GATE_CORPUS_SIZE, corpus_seed=GATE_CORPUS_SEED)
         mine = [u for i, u in enumerate(units(corpus)) if shard.takes(i)]
         quiet = args.quiet or not sys.stderr.isatty()
