@@ -2,9 +2,11 @@
 
 Exit codes, the same for every subcommand: 0 = everything it checked holds; 1 = a divergence
 (or, for the gate, a regression) was found; 2 = usage or environment error, answered with one
-line on stderr and never a traceback. Each command module defines ``NAME``, ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; the modules are imported only when their
-subcommand runs, so ``wacc --help`` stays fast.
+line on stderr and never a traceback; 3 = an internal error (a bug in wacc: the traceback, then
+one line saying so), never confused with a finding. Each command module defines ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``; the modules import only :mod:`wacc.choices`
+at the top and the judge (torch, the reference) when they run, so ``--help``, a usage error or a
+path check answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
 
 from wacc import __version__
 from wacc.errors import UsageError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "INTERNAL_ERROR", "build_parser", "main"]
+
+INTERNAL_ERROR = 3  # an exception wacc did not expect (pytest's code for its own internal error)
 
 # subcommand -> (module, one-line help). Order is the order ``wacc --help`` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wacc",
         description="Judge gradient accumulators against the exact reference of wacc_ref.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="exit codes: 0 = all checks hold, 1 = divergence, 2 = usage or environment error",
+        epilog="exit codes: 0 = all checks hold, 1 = divergence, 2 = usage or environment error, "
+        "3 = internal error (a bug in wacc)",
     )
     parser.add_argument("--version", action="version", version=f"wacc {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -79,3 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("wacc: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug in wacc itself: not 1, which would read as a divergence
+        traceback.print_exc()
+        print(
+            f"wacc: internal error: {type(exc).__name__}: {str(exc).translate(_LINE_BREAKS)} "
+            "(a bug in wacc, not a finding; please report it with the traceback above)",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR

@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis.errors import HypothesisException
 
+from wacc.choices import FAMILY_NAMES, MACHINE, WORK_DTYPES
 from wacc.implementation import Implementation
 from wacc.profiles import profile_settings
 from wacc.shrink import shrink_scenario
@@ -53,7 +54,12 @@ FAMILIES: Mapping[str, Mapping[str, Any]] = {
     # NaN and ±inf gradients
     "non_finite": {"allow_nan": True, "allow_infinity": True, "max_interruptions": 1},
 }
-MACHINE = "stateful"
+if (*FAMILIES, MACHINE) != FAMILY_NAMES or formats.WORK_DTYPES != WORK_DTYPES:
+    # wacc.choices names them for a fast command line; a drift would offer the wrong choices.
+    raise ImportError(
+        f"wacc.choices is out of step: families {FAMILY_NAMES} vs {(*FAMILIES, MACHINE)}, work "
+        f"dtypes {WORK_DTYPES} vs {formats.WORK_DTYPES}"
+    )
 
 
 @dataclass(frozen=True)

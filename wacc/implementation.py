@@ -38,8 +38,10 @@ import torch
 from torch import nn
 
 import wacc_torch
+from wacc.choices import DEFAULT_IMPL, FEATURES
 from wacc.errors import UsageError
 from wacc.integrity import IntegrityProbe, probe_integrity
+from wacc.spec import check_spec
 from wacc.zero_copy import ZeroCopyAdapter
 
 __all__ = [
@@ -58,15 +60,8 @@ __all__ = [
     "wacc_torch_zero_copy",
 ]
 
-DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
 
 CORE_METHODS: tuple[str, ...] = ("accumulate_sum", "accumulate_mean", "finish_sums", "finish_mean")
-# feature -> what it is (the words of ``unsupported: <feature>``)
-FEATURES: Mapping[str, str] = {
-    "records": "no state_dict / load_state_dict, so checkpoint steps are not run",
-    "async_records": "no state_dict_async, so asynchronous checkpoints are taken synchronously",
-    "checksum": "records without an integrity check",
-}
 # feature -> the methods it needs (checksum needs records, and the probe decides it)
 FEATURE_METHODS: Mapping[str, tuple[str, ...]] = {
     "records": ("state_dict", "load_state_dict"),
@@ -164,15 +159,9 @@ class Implementation:
 
 
 def _import_target(spec: str) -> Any:
-    if spec.count(":") != 1:
-        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
-    location, attr = spec.split(":")
-    if not location or not attr:
-        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
+    location, attr = check_spec(spec)
     if location.endswith(".py"):
         path = Path(location)
-        if not path.is_file():
-            raise UsageError(f"implementation file {location!r} does not exist")
         name = f"_wacc_impl_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:

@@ -21,6 +21,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from wacc.choices import PROFILES
+
 __all__ = [
     "DATABASE_DIRECTORY",
     "MUTATION_EXAMPLES",
@@ -34,7 +36,6 @@ DATABASE_DIRECTORY = Path(os.environ.get("WACC_HYPOTHESIS_DB", ".hypothesis/wacc
 CI_EXAMPLES = 100  # Hypothesis' own default, kept so the suite's property tests cost the same
 NIGHTLY_FACTOR = 20
 MUTATION_EXAMPLES = CI_EXAMPLES // 5
-PROFILES: tuple[str, ...] = ("dev", "ci", "nightly")
 MUTATION_PROFILE = "mutation"
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 

@@ -33,6 +33,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from wacc.choices import ORACLE_SET_NAMES
 from wacc.implementation import SEMANTICS_ERRORS, Implementation
 from wacc.runner import in_module_order, run_implementation
 from wacc_ref import formats
@@ -70,6 +71,8 @@ ORACLE_SETS: dict[str, tuple[str, ...]] = {
     "strict": ORACLES,
     "bound": ("bound", "semantics"),
 }
+if tuple(ORACLE_SETS) != tuple(ORACLE_SET_NAMES):  # the command line's names (wacc.choices)
+    raise ImportError(f"wacc.choices.ORACLE_SET_NAMES {tuple(ORACLE_SET_NAMES)} is out of step")
 
 
 @dataclass(frozen=True)

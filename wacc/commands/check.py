@@ -27,22 +27,20 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
-import wacc_torch
+from wacc.choices import FAMILY_NAMES, PROFILES, WORK_DTYPES
 from wacc.commands._common import (
     add_impl_arguments,
     check_device,
     implementation_from,
     oracles_from,
 )
-from wacc.engine import CheckConfig, CheckReport, family_names, run_check
 from wacc.errors import UsageError
-from wacc.implementation import Implementation
-from wacc.profiles import PROFILES
-from wacc.tables import format_metric, render_table
-from wacc_ref import formats
+
+if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help, wacc.choices)
+    from wacc.engine import CheckReport
+    from wacc.implementation import Implementation
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         action="append",
-        choices=formats.WORK_DTYPES,
+        choices=WORK_DTYPES,
         metavar="D",
-        help=f"work dtype to check ({', '.join(formats.WORK_DTYPES)}); repeatable (default: all)",
+        help=f"work dtype to check ({', '.join(WORK_DTYPES)}); repeatable (default: all)",
     )
     parser.add_argument(
         "--profile", default="ci", choices=PROFILES, help="Hypothesis profile (default: ci)"
@@ -64,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--family",
         action="append",
-        choices=family_names(),
+        choices=FAMILY_NAMES,
         help="strategy family to run; repeatable (default: all, and the stateful machine)",
     )
     parser.add_argument(
@@ -80,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _print_report(report: CheckReport, implementation: Implementation) -> None:
+    import wacc_torch
+    from wacc.tables import format_metric, render_table
+
     rows = [
         [
             dtype,
@@ -107,18 +108,22 @@ def _print_report(report: CheckReport, implementation: Implementation) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``wacc check``; see the module docstring."""
-    device = check_device(args.device)
     if args.examples is not None and args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
+    device = check_device(args.device)
     implementation = implementation_from(args)
+    from tqdm import tqdm
+
+    from wacc.engine import CheckConfig, run_check
+
     unsupported = tuple(f for f in implementation.missing if f not in args.allow_missing)
     config = CheckConfig(
-        dtypes=tuple(args.dtype or formats.WORK_DTYPES),
+        dtypes=tuple(args.dtype or WORK_DTYPES),
         device=device,
         profile=args.profile,
         seed=args.seed,
         oracles=oracles_from(args),
-        families=tuple(args.family or family_names()),
+        families=tuple(args.family or FAMILY_NAMES),
         examples=args.examples,
     )
     total = len(config.dtypes) * len(config.families)

@@ -30,35 +30,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hypothesis import __version__ as hypothesis_version
-from tqdm import tqdm
-
+from wacc.choices import DEFAULT_IMPL, FEATURES
 from wacc.commands._common import check_device
 from wacc.errors import UsageError
-from wacc.gate.baseline import (
-    BASELINE_FORMAT,
-    RESULTS_FORMAT,
-    GateFile,
-    read_gate_file,
-    write_gate_file,
-)
-from wacc.gate.compare import compare
-from wacc.gate.measure import (
-    GATE_CORPUS,
-    GATE_CORPUS_SEED,
-    GATE_CORPUS_SIZE,
-    Metrics,
-    Shard,
-    measure,
-    merge_metrics,
-    units,
-)
-from wacc.gate.outputs import table, write_junit, write_summary
-from wacc.implementation import DEFAULT_IMPL, FEATURES, load_implementation
-from wacc.report.corpus import build_corpus
-from wacc.report.provenance import collect_provenance
-from wacc_ref.strict_json import shown
+from wacc.spec import check_spec
+
+if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help)
+    from wacc.gate.measure import Metrics
 
 __all__ = ["add_arguments", "run"]
 
@@ -90,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
+    from wacc.gate.baseline import RESULTS_FORMAT, read_gate_file
+    from wacc.gate.measure import GATE_CORPUS, Shard, merge_metrics
+    from wacc_ref.strict_json import shown
+
     files = sorted(path for directory in directories for path in directory.glob("*.json"))
     if not files:
         shown_dirs = ", ".join(repr(str(d)) for d in directories)
@@ -140,6 +124,33 @@ def run(args: argparse.Namespace) -> int:
     """``wacc gate``; see the module docstring."""
     started = time.perf_counter()
     check_device("cpu")
+    if not args.merge:
+        check_spec(args.impl)  # a typo answers before the judge is imported
+    from hypothesis import __version__ as hypothesis_version
+    from tqdm import tqdm
+
+    from wacc.gate.baseline import (
+        BASELINE_FORMAT,
+        RESULTS_FORMAT,
+        GateFile,
+        read_gate_file,
+        write_gate_file,
+    )
+    from wacc.gate.compare import compare
+    from wacc.gate.measure import (
+        GATE_CORPUS,
+        GATE_CORPUS_SEED,
+        GATE_CORPUS_SIZE,
+        Shard,
+        measure,
+        units,
+    )
+    from wacc.gate.outputs import table, write_junit, write_summary
+    from wacc.implementation import load_implementation
+    from wacc.report.corpus import build_corpus
+    from wacc.report.provenance import collect_provenance
+    from wacc_ref.strict_json import shown
+
     try:
         shard = Shard.parse(args.shard)
     except ValueError as exc:
@@ -152,6 +163,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
     if args.update_baseline and shard.count > 1:
         raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
+    baseline = None
+    if not args.update_baseline and shard.count == 1:
+        # Read (and check) the baseline first: a missing or corrupt one answers in a second,
+        # not after the whole corpus has run.
+        baseline = read_gate_file(args.baseline, kind=BASELINE_FORMAT)
+        if baseline.corpus != GATE_CORPUS:
+            raise UsageError(
+                f"{str(args.baseline)!r}: corpus: recorded on {shown(baseline.corpus)}, the gate "
+                f"runs {GATE_CORPUS}: update the baseline"
+            )
     if args.merge:
         implementation, metrics = _merge(args.merge)
     else:
@@ -204,12 +225,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(f"baseline written: {args.baseline} ({len(metrics)} keys, {seconds:.1f} s)")
         return 0
-    baseline = read_gate_file(args.baseline, kind=BASELINE_FORMAT)
-    if baseline.corpus != GATE_CORPUS:
-        raise UsageError(
-            f"{str(args.baseline)!r}: corpus: recorded on {shown(baseline.corpus)}, the gate runs "
-            f"{GATE_CORPUS}: update the baseline"
-        )
+    assert baseline is not None  # read above: not an update, not a shard
     if baseline.hypothesis != hypothesis_version:
         # The gated corpus is frozen; only the check's examples (never compared) move with it.
         print(f"note: the baseline was recorded with hypothesis {baseline.hypothesis}, "

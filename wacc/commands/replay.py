@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wacc.commands._common import (
     add_impl_arguments,
@@ -28,10 +29,11 @@ from wacc.commands._common import (
     oracles_from,
 )
 from wacc.errors import UsageError
-from wacc.tables import format_metric, render_table
-from wacc.verdict import ScenarioVerdict, judge
-from wacc_ref.scenario import Scenario, ScenarioError, from_json
-from wacc_ref.strict_json import shown
+from wacc.spec import check_spec
+
+if TYPE_CHECKING:  # the judge and the reference are imported when the command runs
+    from wacc.verdict import ScenarioVerdict
+    from wacc_ref.scenario import Scenario
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -61,6 +63,12 @@ def load_scenario_file(path: Path) -> Scenario:
     :mod:`wacc_ref.strict_json`), after a size limit, and its parameters and steps are limited
     too: a replay file is a small test case.
     """
+    return parse_scenario(path, read_scenario_bytes(path))
+
+
+def read_scenario_bytes(path: Path) -> bytes:
+    """The bytes of ``path`` (at most :data:`MAX_FILE_BYTES`), or :class:`UsageError` naming it:
+    nothing but the file system, so it answers before torch or the reference is imported."""
     name = str(path)
     try:
         size = path.stat().st_size
@@ -68,9 +76,17 @@ def load_scenario_file(path: Path) -> Scenario:
             raise UsageError(
                 f"{name!r} has {size} bytes; a scenario file has at most {MAX_FILE_BYTES}"
             )
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+
+
+def parse_scenario(path: Path, data: bytes) -> Scenario:
+    """The scenario in ``data`` (read from ``path``), within the limits of a replay file."""
+    from wacc_ref.scenario import ScenarioError, from_json
+    from wacc_ref.strict_json import shown
+
+    name = str(path)
     try:
         scenario = from_json(data)
     except ScenarioError as exc:
@@ -91,6 +107,8 @@ def load_scenario_file(path: Path) -> Scenario:
 
 
 def _table(verdict: ScenarioVerdict) -> str:
+    from wacc.tables import format_metric, render_table
+
     rows = []
     for step in verdict.steps:
         rows.append(
@@ -122,9 +140,13 @@ def _table(verdict: ScenarioVerdict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``wacc replay``; see the module docstring."""
+    data = read_scenario_bytes(args.file)  # the path and the spec first: no import needed
+    check_spec(args.impl)
     device = check_device(args.device)
-    scenario = load_scenario_file(args.file)
+    scenario = parse_scenario(args.file, data)
     implementation = implementation_from(args)
+    from wacc.verdict import judge
+
     if implementation.fused != scenario.fused:
         raise UsageError(
             f"{str(args.file)!r}: fused: the scenario has {str(scenario.fused).lower()}, but "

@@ -23,19 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
+from wacc.choices import WORK_DTYPES
 from wacc.errors import UsageError
-from wacc.report import figures
-from wacc.report.corpus import build_corpus
-from wacc.report.devices import device_differences, fused_variants
-from wacc.report.provenance import collect_provenance
-from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
-from wacc.report.sweeps import double_rounding_sweep, overflow_map, skew_sweep
-from wacc.report.writer import headline, write_csv, write_index, write_scenarios
-from wacc.tables import format_metric, render_table
-from wacc_ref import formats
 
 __all__ = ["add_arguments", "run"]
 
@@ -59,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices(choice: str) -> list[str]:
+    import torch
+
     if choice in ("cuda", "all") and not torch.cuda.is_available():
         raise UsageError(f"--device {choice} was asked for, but torch sees no CUDA device")
     return {"cpu": ["cpu"], "cuda": ["cuda"], "all": ["cpu", "cuda"]}[choice]
@@ -67,11 +58,22 @@ def _devices(choice: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """``wacc report``; see the module docstring."""
     started = time.perf_counter()
-    devices = _devices(args.device)
     size = "quick" if args.quick else "full" if args.full else "default"
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+    devices = _devices(args.device)
+    from tqdm import tqdm
+
+    from wacc.report import figures
+    from wacc.report.corpus import build_corpus
+    from wacc.report.devices import device_differences, fused_variants
+    from wacc.report.provenance import collect_provenance
+    from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
+    from wacc.report.sweeps import double_rounding_sweep, overflow_map, skew_sweep
+    from wacc.report.writer import headline, write_csv, write_index, write_scenarios
+    from wacc.tables import format_metric, render_table
+
     corpus = build_corpus(size=size, corpus_seed=args.seed)
     provenance = collect_provenance(
         devices=devices, corpus_seed=args.seed, corpus_size=size, scenarios=len(corpus)
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "weighs microbatches equally and its error grows with the skew.",
     )
     steps.update(1)
-    maps = {dtype: overflow_map(dtype) for dtype in formats.WORK_DTYPES}
+    maps = {dtype: overflow_map(dtype) for dtype in WORK_DTYPES}
     shown["Overflow map: loss scale x total weight"] = (
         figures.overflow_map_figure(maps, out / "figures" / "overflow_map.png"),
         "One microbatch of W tokens whose true mean gradient is t = 2^-4, scaled by S. Every "

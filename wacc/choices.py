@@ -1,0 +1,54 @@
+"""The names the command line offers, importable without torch or the reference.
+
+``wacc --help``, a usage error and a path check answer from these alone, in a fraction of a
+second; the commands import torch, ``wacc_ref`` and the judge only when they run. Each name
+here is either the definition (``FEATURES``, ``PROFILES``, ``DEFAULT_IMPL``, ``FAMILY_NAMES``,
+``ORACLE_SET_NAMES``: their modules import them from here) or a copy of a constant of
+``wacc_ref``, which cannot import ``wacc`` (``WORK_DTYPES``): :mod:`wacc.engine` checks the copy
+when it is imported, so a drift fails the first command that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "DEFAULT_IMPL",
+    "FAMILY_NAMES",
+    "FEATURES",
+    "MACHINE",
+    "ORACLE_SET_NAMES",
+    "PROFILES",
+    "WORK_DTYPES",
+]
+
+DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
+
+# wacc_ref.formats.WORK_DTYPES (checked by wacc.engine at import)
+WORK_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+
+# The strategy families of wacc.engine.FAMILIES, then the stateful machine.
+MACHINE = "stateful"
+FAMILY_NAMES: tuple[str, ...] = (
+    "windows",
+    "invalid_weights",
+    "interruptions",
+    "non_finite",
+    MACHINE,
+)
+
+# --oracle choice -> what it applies (wacc.verdict.ORACLE_SETS holds the oracles of each).
+ORACLE_SET_NAMES: Mapping[str, str] = {
+    "strict": "oracles 1-3 (bit-exact emulation, error bound, semantics)",
+    "bound": "oracles 2 and 3 only, for implementations that do not claim the reproducible order",
+}
+
+# The Hypothesis profiles a user may pick (wacc.profiles registers them).
+PROFILES: tuple[str, ...] = ("dev", "ci", "nightly")
+
+# feature -> what missing it means (the words of ``unsupported: <feature>``)
+FEATURES: Mapping[str, str] = {
+    "records": "no state_dict / load_state_dict, so checkpoint steps are not run",
+    "async_records": "no state_dict_async, so asynchronous checkpoints are taken synchronously",
+    "checksum": "records without an integrity check",
+}
