@@ -676,8 +676,12 @@ def window_error_bound(
             continue
         raw = np.asarray(grad)
         # Floats up to 64 bits (ml_dtypes' bfloat16 / e4m3fn report kind "V") are read exactly;
-        # a raw void dtype (np.void: bytes, no numbers) reports kind "V" too.
-        if raw.dtype.kind not in "fV" or raw.dtype.itemsize > 8 or raw.dtype.type is np.void:
+        # raw bytes (np.void) and record arrays (np.record, a subclass) report kind "V" too.
+        if (
+            raw.dtype.kind not in "fV"
+            or raw.dtype.itemsize > 8
+            or issubclass(raw.dtype.type, np.void)
+        ):
             raise BoundArgumentError(
                 f"grads[{k}] has dtype {raw.dtype}; a float array of at most 64 bits is needed"
             )
@@ -788,7 +792,8 @@ def _exact_value(value: Any) -> Fraction | None:
     if isinstance(value, bool | np.bool_):
         raise TypeError(f"expected a real number, got the bool {value!r}")
     # float() also reads "1.5", timedeltas and objects with __float__ (a Decimal, inexactly).
-    if isinstance(value, str | bytes) or (
+    # Raw bytes and record scalars (np.void, np.record) report kind "V" like ml_dtypes' floats.
+    if isinstance(value, str | bytes | np.void) or (
         isinstance(value, np.generic) and value.dtype.kind not in "fiuV"
     ):
         raise TypeError(f"expected a real number, got {value!r} ({type(value).__name__})")

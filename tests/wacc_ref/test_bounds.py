@@ -8,6 +8,7 @@ show the bound is nearly attained; deliberately wrong implementations exceed it.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -1720,3 +1721,63 @@ def test_error_ratio_refuses_exact_values_that_are_not_real_numbers(value: objec
     a TypeError naming it, like a Python bool: error_ratio reads numbers exactly or not at all."""
     with pytest.raises(TypeError, match="expected a real number, got"):
         error_ratio(np.array([1.0]), [value], np.array([1.0]))
+
+
+def test_record_gradients_wider_than_64_bits_raise_a_bound_argument_error() -> None:
+    """A record array (kind "V" like ml_dtypes' floats, type np.record rather than np.void) of
+    9 bytes holding one float64 field is refused with BoundArgumentError naming its dtype,
+    although astype(float64) could read its values."""
+    wide = np.dtype((np.record, {"names": ["g"], "formats": ["<f8"], "itemsize": 9}))
+    assert wide.kind == "V" and wide.itemsize == 9 and wide.type is not np.void
+    grad = np.zeros(3, dtype=wide)
+    grad["g"] = [1.5, -2.25, 3.0]
+    assert grad.astype(np.float64).tolist() == [1.5, -2.25, 3.0]  # only the width refuses it
+    with pytest.raises(BoundArgumentError, match=r"grads\[0\] has dtype " + re.escape(str(wide))):
+        _simple_bound(grads=[grad, np.array([0.5, 0.125, -7.0])])
+
+
+def test_error_ratio_type_error_names_an_object_float_cannot_read() -> None:
+    """An exact value that is no number float() reads (a complex, a list) raises TypeError whose
+    message names the value and its type."""
+    for value, needle in [(1 + 2j, r"\(1\+2j\) \(complex\)"), ([1.5], r"\[1\.5\] \(list\)")]:
+        exact = np.empty(1, dtype=object)
+        exact[0] = value
+        with pytest.raises(TypeError, match=r"expected a real number, got " + needle):
+            error_ratio(np.array([1.0]), exact, np.array([1.0]))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype((np.record, [("g", "<f8")])),
+        np.dtype((np.record, [("a", "<f4"), ("b", "<f4")])),
+        np.dtype([("g", "<f8")]),
+    ],
+    ids=["record-f8", "record-f4f4", "structured-f8"],
+)
+def test_record_and_structured_gradients_are_refused_whatever_their_width(dtype: np.dtype) -> None:
+    """Records and structured arrays hold fields, not one number per element, even when one
+    float64 field fits in 64 bits: BoundArgumentError naming the dtype (they report kind "V"
+    like ml_dtypes' floats; only np.void's subclasses are records)."""
+    grad = np.zeros(2, dtype=dtype)
+    with pytest.raises(BoundArgumentError, match=r"grads\[0\] has dtype .*a float array of at"):
+        _simple_bound(grads=[grad, None])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.void(b"\x00" * 8),
+        np.zeros(1, dtype=[("g", "<f8")])[0],
+        np.rec.fromarrays([np.array([1.5])])[0],
+    ],
+    ids=["void", "structured", "record"],
+)
+def test_error_ratio_refuses_void_and_record_scalars_naming_them(value: object) -> None:
+    """A raw-bytes or record scalar is no real number: TypeError naming it and its type (it
+    reports kind "V" like ml_dtypes' floats, which are read exactly)."""
+    exact = np.empty(1, dtype=object)
+    exact[0] = value
+    name = re.escape(type(value).__name__)
+    with pytest.raises(TypeError, match=rf"expected a real number, got .* \({name}\)"):
+        error_ratio(np.array([1.0]), exact, np.array([1.0]))
