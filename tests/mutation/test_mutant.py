@@ -69,3 +69,27 @@ def test_read_durations_unreadable_is_empty(tmp_path: Path, content: str | bytes
     elif content is not None:
         path.write_text(content, encoding="utf-8")
     assert mutant.read_durations(path) == {}
+
+
+def test_every_test_mutmut_runs_has_an_id_it_can_pass_back() -> None:
+    """mutmut names each covering test by node id on pytest's command line, in a forked process
+    that already collected once; an id with a backslash (pytest's escape of a line break, or of
+    a regex parameter) is escaped again there and no longer found, so pytest exits 4 and mutmut
+    counts every mutant those tests cover as a timeout (1184 mutants once). Every id in the
+    mutation run's test selection is printable ASCII without a backslash."""
+    import subprocess
+    import sys
+
+    from mutation.scope import ROOT, mutmut_config
+
+    config = mutmut_config(ROOT)
+    args = [*config["pytest_add_cli_args_test_selection"], *config["pytest_add_cli_args"]]  # type: ignore[misc]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    assert len(ids) > 1000
+    bad = [i for i in ids if "\\" in i or not i.isascii() or not i.isprintable()]
+    assert not bad, bad[:5]

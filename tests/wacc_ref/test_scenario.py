@@ -55,7 +55,11 @@ def test_float8_gradient_values_are_validated_against_float8() -> None:
     [
         ({"work_dtype": "float8_e5m2"}, "float8_e5m2"),
         ({"grad_dtype": "int8"}, "int8"),
-        ({"work_dtype": "float16", "loss_scale": 2.0**16}, re.escape((2.0**16).hex())),
+        pytest.param(
+            {"work_dtype": "float16", "loss_scale": 2.0**16},
+            re.escape((2.0**16).hex()),
+            id="float16-loss-scale-2**16",  # the regex's backslashes would be escaped in the id
+        ),
         ({"loss_scale": 0.0}, "0.0"),
         ({"loss_scale": math.inf}, "inf"),
         ({"fused": 1}, "fused"),
@@ -159,9 +163,10 @@ def test_json_is_plain_json_without_float_literals() -> None:
         (lambda d: d["steps"][0].update(weight=1001.0), "weight"),
         (lambda d: d["steps"][0].update(weight="0x1.zzp+0"), "0x1.zzp"),
         (lambda d: d["steps"][0].update(op="accumulate_max"), "accumulate_max"),
-        (
+        pytest.param(
             lambda d: d["steps"][0]["grads"].update(b=["0x1.0000001p+0"]),
             re.escape(float.fromhex("0x1.0000001p+0").hex()),
+            id="gradient-not-in-its-dtype",
         ),
         (lambda d: d["parameters"][0].update(shape=3), "shape"),
     ],
