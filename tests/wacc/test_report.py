@@ -44,6 +44,19 @@ def test_index_has_provenance_the_headline_table_and_every_figure(report: Path) 
         assert f"(figures/{figure})" in index
 
 
+def test_index_lists_what_each_implementation_lacks(report: Path) -> None:
+    """The baselines' missing features are named as ``wacc check`` names them: no records for
+    the plain loop, no integrity check for the records of the spec-built ones; wacc_torch lacks
+    nothing."""
+    index = (report / "index.md").read_text(encoding="utf-8")
+    section = index.split("## Features the implementations lack", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("- `")]
+    assert "- `pixparse_loop`: unsupported: records: " in section
+    for name in ("scale_times_weight", "fused_undeclared"):
+        assert f"- `{name}`: unsupported: checksum: records in the documented layout" in section
+    assert not [line for line in lines if line.startswith("- `wacc_torch")]
+
+
 def test_figures_are_real_readable_images(report: Path) -> None:
     """Each figure is a PNG at least 700 px wide with more than a handful of colours."""
     for figure in FIGURES:

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     devices = _devices(args.device)
     from tqdm import tqdm
 
+    from wacc.implementation import load_implementation
     from wacc.report import figures
     from wacc.report.corpus import build_corpus
     from wacc.report.devices import device_differences, fused_variants
@@ -142,9 +143,11 @@ def run(args: argparse.Namespace) -> int:
     provenance = type(provenance)(
         **{**provenance.__dict__, "wall_seconds": time.perf_counter() - started}
     )
+    loaded = {name: load_implementation(spec) for name, spec in IMPLEMENTATIONS.items()}
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files,
+        unsupported={name: [i.unsupported(f) for f in i.missing] for name, i in loaded.items()},
     )  # fmt: skip
     table = [
         [h.work_dtype, h.implementation, h.device, str(h.scenarios), format_metric(h.max_ulps),

@@ -125,6 +125,7 @@ def write_index(
     figures: Mapping[str, tuple[Path, str]],
     variants: Mapping[str, Mapping[str, Counter[str]]],
     replay_files: int,
+    unsupported: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """``index.md``: provenance, the headline table, each figure with what it shows."""
     parts = ["# wacc report", "", *provenance.lines(), ""]
@@ -140,6 +141,18 @@ def write_index(
         headline_markdown(headline(rows)),
         "",
     ]
+    lacking = {name: lines for name, lines in (unsupported or {}).items() if lines}
+    if lacking:
+        parts += [
+            "## Features the implementations lack",
+            "",
+            "What the judge found missing (`wacc check` fails each unless `--allow-missing` names "
+            "it): the steps that need a missing feature are not run, so the rows above judge "
+            "the rest.",
+            "",
+            *(f"- `{name}`: {line}" for name, lines in lacking.items() for line in lines),
+            "",
+        ]
     for title, (path, caption) in figures.items():
         parts += [
             f"## {title}",
