@@ -8,6 +8,7 @@ whenever the snapshot or signature still matches.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ def _retype(index: int, dtype: torch.dtype) -> Mutation:
     def mutate(module: nn.Module) -> None:
         owner, name = _parameter(module, index)
         p = getattr(owner, name)
+        if p.requires_grad and not dtype.is_floating_point:
+            return  # torch itself refuses it (a trainable .data must be floating): no such change
         p.data = p.data.to(dtype)
 
     return mutate
@@ -311,3 +314,54 @@ def test_a_non_tensor_never_enters_the_signature_cache(kind: str) -> None:
         with pytest.raises(ParameterMismatchError, match="must be a tensor or None"):
             check.collect(binding, parameters, bad)  # type: ignore[arg-type]
     assert check.collect(binding, parameters, valid) == list(valid.values())
+
+
+@given(
+    shapes=st.lists(SHAPES, min_size=1, max_size=5),
+    nested=st.booleans(),
+    changes=st.lists(mutations(), max_size=3),
+)
+def test_current_answers_as_the_full_check_and_only_for_the_binding_it_checked(
+    shapes: list[tuple[int, ...]], nested: bool, changes: list[Mutation]
+) -> None:
+    """Binder.current(binding) gives the full check's parameters for the last module checked
+    with that binding (after any mutations: the same parameters, or None where check_bound
+    raises), and None for a binding it did not check or when nothing is cached (a fresh binder,
+    or after forget)."""
+    module = _module(shapes, nested)
+    binder = Binder()
+    binding, _ = binder.check(module, None, issued=0)
+    assert Binder().current(binding) is None
+    other = binding_of(tracked_parameters(_module([(7,)], nested=False)))
+    for change in changes:
+        change(module)
+        note(f"after {change.__qualname__}")
+        full = _outcome(lambda: check_bound(module, binding, issued=1))
+        current = binder.current(binding)
+        if current is None:
+            assert full[0] == "ParameterMismatchError"
+        else:
+            assert full == ("accepted", [(name, id(p)) for name, p in current])
+        assert binder.current(other) is None
+    assert binder.current(other) is None
+    binder.forget()
+    assert binder.current(binding) is None
+
+
+def test_a_mid_window_change_of_several_kinds_names_each_in_its_own_clause() -> None:
+    """A parameter frozen and another one added in the same window: check_bound's
+    ParameterMismatchError names both, each kind of change in its own clause ("; "-separated,
+    the names right after their kind)."""
+    module = _module([(4,), (3,)], nested=False)
+    binding = binding_of(tracked_parameters(module))
+    _freeze(0)(module)
+    _add(module)
+    with pytest.raises(ParameterMismatchError) as raised:
+        check_bound(module, binding, issued=2)
+    message = str(raised.value)
+    assert "issued=2" in message
+    assert re.search(
+        r"frozen \(requires_grad=False\)[^;\[]*: \['p0'\]; trainable but not tracked[^;\[]*: "
+        r"\['extra'\]\.",
+        message,
+    ), message
