@@ -8,13 +8,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
 
+import mpmath
+import mpmath.libmp
 import numpy as np
 import pytest
 
 from tests.wacc_ref.test_accumulator import bits, result_bits, snapshot
 from wacc_ref.accumulator import ReferenceAccumulator, ReferenceResult
 from wacc_ref.errors import InvalidLossScaleError, ParameterMismatchError, RecordError
-from wacc_ref.formats import WORK_DTYPES
+from wacc_ref.formats import WORK_DTYPES, round_to
 
 PARAMS = {"w": (2, 3), "b": (3,), "unused": (1,)}
 
@@ -289,3 +291,65 @@ def test_from_pending_checks_names_shapes_and_values() -> None:
         ReferenceAccumulator.from_pending(PARAMS, pending, acc.state_dict())  # type: ignore[arg-type]
     restored = ReferenceAccumulator.from_pending(PARAMS, pending, state)
     assert snapshot(restored) == snapshot(acc)
+
+
+def test_from_pending_errors_name_the_field_and_the_state_type() -> None:
+    """from_pending's buffer errors name the field as ``pending['<name>']`` (or ``pending``), and
+    a state that is not a ReferenceState is a TypeError naming the type it got."""
+    acc = ReferenceAccumulator(dtype="float16", loss_scale=4.0)
+    run(acc, six_steps()[:2])
+    state, pending = acc.state, acc.state_dict()["pending"]
+    assert isinstance(pending, dict)
+    with pytest.raises(ParameterMismatchError, match=r"^pending\['b'\] has shape \[3\]"):
+        ReferenceAccumulator.from_pending({**PARAMS, "b": (4,)}, pending, state)
+    with pytest.raises(ParameterMismatchError, match=r"^pending has a buffer for 'w'"):
+        ReferenceAccumulator.from_pending({"b": (3,)}, pending, state)
+    with pytest.raises(TypeError, match=r"ReferenceState, got dict$"):
+        ReferenceAccumulator.from_pending(PARAMS, pending, acc.state_dict())  # type: ignore[arg-type]
+
+
+def test_from_pending_follows_the_requested_fused_variant() -> None:
+    """The accumulator from_pending returns follows its ``fused_variant`` argument (§6).  float16,
+    buf = 1, c = (1 + 2**-5) 2**-11 and w = 993/1024 (both float16 values): c * w = 2**-11 + 2**-26,
+    so buf + c * w lies just above the tie 1 + 2**-11.  The FMA rounds it once, up; op_rounded
+    rounds it to float32 first (the 2**-26 is below half a float32 ulp), then ties to even."""
+    c, w = (1 + 2.0**-5) * 2.0**-11, 993 / 1024
+    exact = 1 + Fraction(c) * Fraction(w)
+    assert exact == 1 + Fraction(1, 2**11) + Fraction(1, 2**26)
+    expected = {
+        "fma": round_to(exact, "float16"),
+        "op_rounded": round_to(round_to(exact, "float32"), "float16"),
+    }
+    assert expected == {"fma": 1 + 2.0**-10, "op_rounded": 1.0}  # the variants differ here
+    acc = ReferenceAccumulator(dtype="float16", loss_scale=1.0, fused=True)
+    acc.accumulate_mean({"p": (1,)}, 1.0, grads={"p": np.array([1.0])})  # buf = 1 exactly
+    pending = acc.state_dict()["pending"]
+    assert isinstance(pending, dict)
+    for variant, want in expected.items():
+        restored = ReferenceAccumulator.from_pending(
+            {"p": (1,)}, pending, acc.state, fused_variant=variant
+        )
+        assert restored.fused_variant == variant
+        restored.accumulate_mean({"p": (1,)}, w, grads={"p": np.array([c])})
+        grad = restored.finish_sums().grads["p"]
+        assert grad is not None and grad.tolist() == [want], (variant, grad)
+
+
+def test_from_pending_keeps_the_requested_precision() -> None:
+    """In exact mode the accumulator from_pending returns rounds ``exact_grads`` to its
+    ``precision`` argument: one sum of g = 1 with weight 3 gives 1/3 rounded once to 64 bits."""
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0, mode="exact")
+    acc.accumulate_sum({"p": (1,)}, 3, grads={"p": np.array([1.0])})
+    pending = acc.state_dict()["pending"]
+    assert isinstance(pending, dict)
+    restored = ReferenceAccumulator.from_pending(
+        {"p": (1,)}, pending, acc.state, mode="exact", precision=64
+    )
+    assert restored.precision == 64
+    result = restored.finish_mean()
+    assert result.exact_grads is not None
+    third = result.exact_grads["p"]
+    assert third is not None
+    want = mpmath.libmp.from_rational(1, 3, 64, "n")
+    assert third[0]._mpf_ == want
+    assert want != mpmath.libmp.from_rational(1, 3, 256, "n")  # the default would differ

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wacc_torch import (
     WeightedGradientsAccumulator,
     all_reduce_mean,
+    ddp_hook,
 )
 from wacc_torch.ddp_hook import WeightedAllReduceHook, _bucket_gradient
 from wacc_torch.distributed import ProcessGroupUnavailableError
@@ -1056,3 +1057,68 @@ def test_a_failed_reduction_leaves_ddps_gradient_buffer_unscaled(one_rank_group:
     grads = _grads(model.module)
     for name, parameter in plain.named_parameters():
         assert_bitwise_equal(grads[name], parameter.grad, f".grad of {name}")
+
+
+class _Sent(Exception):
+    """Stops a metadata exchange once this rank's report has been captured."""
+
+
+@pytest.mark.parametrize("differs", ["loss_scale", "dtype", "device_type"])
+def test_ranks_disagreeing_on_scale_dtype_or_device_type_raise_alike_in_a_simulated_exchange(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch, differs: str
+) -> None:
+    """The metadata last_microbatch_sum exchanges carries its window's loss scale, work dtype
+    and parameters' device type, so that ranks disagreeing on one of them all raise the same
+    error before any gradient moves. In-process, two hooks play ranks 0 and 1 of a simulated
+    two-rank group (all_gather_object hands each rank both hooks' reports): when rank 1's
+    window differs in one of them, both ranks raise InvalidLossScaleError naming both scales
+    and ranks, or ParameterMismatchError listing every rank's dtype or device type (as the
+    spawned-rank test checks with real processes)."""
+    rank_0 = (torch.float32, LOSS_SCALE, "cpu")  # (work dtype, loss scale, parameters' device)
+    rank_1 = {
+        "loss_scale": (torch.float32, 2 * LOSS_SCALE, "cpu"),
+        "dtype": (torch.bfloat16, LOSS_SCALE, "cpu"),
+        "device_type": (torch.float32, LOSS_SCALE, "meta"),
+    }[differs]
+    expected = {
+        "loss_scale": {
+            "error": "InvalidLossScaleError",
+            "message": f"last_microbatch_sum: loss scale {2 * LOSS_SCALE!r} on rank 1 differs "
+            f"from {LOSS_SCALE!r} on rank 0; S must be the same on every rank",
+        },
+        "dtype": {
+            "error": "ParameterMismatchError",
+            "message": "last_microbatch_sum: the work dtype differs across ranks: "
+            "rank 0: float32, rank 1: bfloat16",
+        },
+        "device_type": {
+            "error": "ParameterMismatchError",
+            "message": "last_microbatch_sum: the buffers' device type differs across ranks: "
+            "rank 0: cpu, rank 1: meta",
+        },
+    }[differs]
+    hooks = []
+    for dtype, loss_scale, device in (rank_0, rank_1):
+        model = DistributedDataParallel(_mlp())
+        accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+        hooks.append(WeightedAllReduceHook(model, accumulator))
+        model.module.to(device)
+    monkeypatch.setattr(ddp_hook, "_membership", lambda group, *, caller: 2)
+    sent: list[object] = []
+
+    def capture(object_list: list[object], obj: object, group: object = None) -> None:
+        sent.append(obj)
+        raise _Sent
+
+    monkeypatch.setattr(dist, "all_gather_object", capture)
+    for hook in hooks:
+        with pytest.raises(_Sent):
+            hook.last_microbatch_sum(1.0)
+
+    def exchange(object_list: list[object], obj: object, group: object = None) -> None:
+        assert len(object_list) == len(sent) == 2
+        object_list[:] = sent
+
+    monkeypatch.setattr(dist, "all_gather_object", exchange)
+    for rank, hook in enumerate(hooks):
+        assert _captured(functools.partial(hook.last_microbatch_sum, 1.0)) == expected, rank

@@ -516,3 +516,20 @@ def test_a_non_bool_checksum_flag_is_refused_naming_it() -> None:
         with pytest.raises(TypeError) as caught:
             call(checksum="yes")  # type: ignore[arg-type]
         assert str(caught.value) == "checksum must be a bool, got 'yes'"
+
+
+@pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "no-checksum"])
+def test_a_snapshot_of_meta_buffers_is_refused_like_state_dict(checksum: bool) -> None:
+    """A window whose pending buffers are on the meta device holds no values, so no record of
+    CPU tensors (semantics §9) can be made of it: state_dict_async(...).result() raises the
+    same error as state_dict() instead of returning a record of meta tensors (a copy of a
+    non-CUDA buffer must be a CPU tensor, like state_dict's)."""
+    module = TwoLayer("meta")
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    accumulator.accumulate_sum(module, 5, grads={"second.bias": torch.ones(2, device="meta")})
+    with pytest.raises(Exception) as from_state_dict:
+        accumulator.state_dict(checksum=checksum)
+    with pytest.raises(Exception) as from_async:
+        accumulator.state_dict_async(checksum=checksum).result()
+    assert type(from_async.value) is type(from_state_dict.value)
+    assert str(from_async.value) == str(from_state_dict.value)

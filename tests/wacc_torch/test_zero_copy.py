@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -880,4 +881,149 @@ def test_grads_meddled_with_in_a_block_without_backward_break_the_window_on_leav
     with pytest.raises(BrokenWindowError, match="second.bias"):
         acc.finish_mean()
     acc.discard()
+    assert acc.state.issued == 0
+
+
+# --------------------------------------------------------------------- gaps found by mutants
+def test_ddp_outside_no_sync_is_refused_naming_the_way_out(one_rank_group: None) -> None:
+    """A block on a DistributedDataParallel model outside no_sync() raises ZeroCopyError at
+    entry, nothing changed, with the message that names the way out (no_sync() around each
+    block, all_reduce_sums after); inside no_sync() the same block runs and is counted."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(IN, OUT))
+    acc = _zero_copy(torch.float32)
+    x = torch.ones(3, IN)
+    with pytest.raises(ZeroCopyError) as caught:
+        with acc.microbatch(ddp, weight=3.0, kind="mean"):
+            pytest.fail("the block must not be entered")
+    assert str(caught.value) == (
+        "zero-copy accumulation under DistributedDataParallel needs its no_sync() context: "
+        "DDP would all-reduce a .grad the backward did not fill. Run every microbatch in "
+        "`with ddp.no_sync(), acc.microbatch(...)` and reduce the finished sums with "
+        "wacc_torch.all_reduce_sums"
+    )
+    assert acc.state.issued == 0 and all(p.grad is None for p in ddp.parameters())
+    with ddp.no_sync(), acc.microbatch(ddp, weight=3.0, kind="mean"):
+        ddp(x).sum().backward()
+    assert acc.state.issued == 1 and acc.state.total_weight == 3.0
+
+
+def test_fsdp_is_refused_naming_the_buffered_way_out(one_rank_group: None) -> None:
+    """A module with an FSDP unit (fully_shard) is refused at entry with ZeroCopyError whose
+    message names FSDP and the way out (the buffered accumulator with FSDPWeightedWindow);
+    nothing changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, OUT))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    acc = _zero_copy(torch.float32)
+    with pytest.raises(ZeroCopyError) as caught:
+        acc.microbatch(model, weight=1.0, kind="sum").__enter__()
+    assert str(caught.value) == (
+        "zero-copy accumulation does not support FSDP (fully_shard): FSDP writes sharded "
+        ".grad itself; use the buffered accumulator with FSDPWeightedWindow"
+    )
+    assert acc.state.issued == 0
+
+
+def test_a_block_is_entered_once() -> None:
+    """Entering a block object a second time, after it counted its backward, raises
+    ZeroCopyError saying to make a new one; nothing changes, and a new block goes on."""
+    acc, net, micros = _started()
+    block = acc.microbatch(net, weight=micros[2].weight, kind=micros[2].kind)
+    with block:
+        _loss(net, micros[2]).backward()
+    frozen = Frozen.of(acc, net)
+    with pytest.raises(ZeroCopyError) as caught:
+        with block:
+            pytest.fail("the block must not be entered again")
+    assert str(caught.value) == "a microbatch block can be entered once; make a new one"
+    frozen.check(acc, net)
+    _feed_zero_copy(acc, net, micros[3])
+    assert acc.state.issued == 3
+
+
+def test_a_nested_block_is_refused_with_the_rule_it_breaks() -> None:
+    """A block entered inside a block raises ZeroCopyError saying that only the outer block's
+    backward may run until it is left."""
+    acc, net, micros = _started()
+    with acc.microbatch(net, weight=micros[2].weight, kind=micros[2].kind):
+        with pytest.raises(ZeroCopyError) as caught:
+            acc.microbatch(net, weight=1.0, kind="sum").__enter__()
+        _loss(net, micros[2]).backward()
+    assert str(caught.value) == (
+        "a microbatch block inside a microbatch block; only the outer block's backward may run "
+        "until it is left"
+    )
+    assert acc.state.issued == 2
+
+
+def test_every_kind_of_damage_is_named_with_its_parameters() -> None:
+    """Between blocks, a pending .grad clipped in place, another replaced and a third removed:
+    the next call raises BrokenWindowError naming each parameter with what happened to it, all
+    three listed, in place first."""
+    acc, net, _ = _started()
+    assert net.second.bias.grad is not None
+    nn.utils.clip_grad_norm_([net.first.weight], max_norm=1e-3)  # in place
+    net.second.bias.grad = net.second.bias.grad.clone()
+    net.first.bias.grad = None
+    with pytest.raises(BrokenWindowError) as caught:
+        acc.finish_mean()
+    message = str(caught.value)
+    assert re.match(
+        r"the \.grad of \['first\.weight'\] was changed in place \(.*\); "
+        r"the \.grad of \['second\.bias'\] was replaced by another tensor; "
+        r"the \.grad of \['first\.bias'\] was removed \(.*\): "
+        r"the window's sums are no longer in \.grad\.",
+        message,
+    ), message
+    acc.discard()
+    assert acc.state.issued == 0
+
+
+def test_a_weight_not_surviving_d_is_refused_naming_it() -> None:
+    """A mean weight that vanishes in bfloat16 is refused at entry with InvalidWeightError
+    naming the weight as given and D."""
+    acc, net = _zero_copy(torch.bfloat16), _net(torch.bfloat16, "cpu")
+    with pytest.raises(InvalidWeightError, match=r"weight 1e-42 does not survive .*bfloat16"):
+        acc.microbatch(net, weight=1e-42, kind="mean").__enter__()
+    assert acc.state.issued == 0 and all(p.grad is None for p in net.parameters())
+
+
+def test_flushed_subnormals_at_entry_are_refused_naming_microbatch() -> None:
+    """Flush-to-zero on when a positive-weight block is entered raises
+    UnsupportedEnvironmentError naming the call (microbatch); nothing changes."""
+    acc, net, micros = _started()
+    frozen = Frozen.of(acc, net)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
+    try:
+        with pytest.raises(UnsupportedEnvironmentError) as caught:
+            acc.microbatch(net, weight=2.0, kind="sum").__enter__()
+    finally:
+        torch.set_flush_denormal(False)
+    assert str(caught.value).startswith("microbatch: the CPU flushes subnormals to zero")
+    frozen.check(acc, net)
+
+
+def test_a_model_moved_to_another_device_inside_the_block_is_refused_naming_it() -> None:
+    """A model moved (module.to with swapped parameters: same shapes, another device) between a
+    block's forward and its backward raises ParameterMismatchError naming both devices; the
+    block is not counted."""
+    net = nn.Linear(IN, OUT)
+    acc = _zero_copy(torch.float32)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(ParameterMismatchError, match=r"on meta .* tracked shape .* on cpu"):
+            with acc.microbatch(net, weight=2.0, kind="sum"):
+                loss = net(torch.ones(3, IN)).sum()
+                net.to("meta")
+                loss.backward()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     assert acc.state.issued == 0
