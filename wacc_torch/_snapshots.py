@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from wacc_torch import _commit
+from wacc_torch.errors import RecordError
 from wacc_torch.records import CHECKSUM_KEY, record_checksum_of
 
 __all__ = ["Snapshots", "StateDictHandle"]
@@ -56,6 +57,17 @@ class StateDictHandle:
         return self._record
 
 
+def _refuse_meta(pending: Mapping[str, torch.Tensor]) -> None:
+    """A window on the meta device accumulates shapes only (tracing, memory planning): its
+    buffers hold no values to write, and a record of them could never be loaded (§11)."""
+    for name, buffer in pending.items():
+        if buffer.is_meta:
+            raise RecordError(
+                f"cannot write a record: the buffer of parameter {name!r} is on the meta "
+                "device and holds no values"
+            )
+
+
 class Snapshots:
     """The window's snapshots in flight: copies made now or asynchronously, and the events a
     change of a buffer must wait for."""
@@ -67,6 +79,7 @@ class Snapshots:
         self, header: dict[str, Any], pending: Mapping[str, torch.Tensor], *, checksum: bool
     ) -> dict[str, Any]:
         """``header`` with CPU copies of ``pending`` (and the checksum): ``state_dict()``."""
+        _refuse_meta(pending)
         record = dict(header)
         with _commit.ordinary_tensors():
             record["pending"] = {
@@ -80,6 +93,7 @@ class Snapshots:
         self, header: dict[str, Any], pending: Mapping[str, torch.Tensor], *, checksum: bool
     ) -> StateDictHandle:
         """``header`` with copies of ``pending`` made asynchronously: ``state_dict_async()``."""
+        _refuse_meta(pending)
         record = dict(header)
         copies: dict[str, torch.Tensor] = {}
         cuda_devices: list[torch.device] = []

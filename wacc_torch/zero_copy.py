@@ -441,17 +441,26 @@ class Microbatch:
         plan = mode.plan(self._module, self._weight, mean=self._kind == "mean")
         nodes = [accumulate_grad_node(parameter) for _, parameter in plan.parameters]
         mode.window.snapshots.await_copies()  # the hooks change buffers a snapshot may copy
+        binding = plan.binding
+        # Register every hook before marking the block entered: a registration that fails part
+        # way removes the ones before it, so the accumulator is never left "inside a block"
+        # with hooks that no block owns. (The hooks read the block's state only when they fire.)
+        handles: list[torch.utils.hooks.RemovableHandle] = []
+        try:
+            for (name, parameter), node, shape, device in zip(
+                plan.parameters, nodes, binding.shapes, binding.devices, strict=True
+            ):
+                hook = self._hook_for(name, parameter, shape, device)
+                handles.append(node.register_prehook(hook))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
         self._entered = True
         self._plan = plan
         self._nodes = nodes
+        self._handles = handles
         mode.block = self
-        binding = plan.binding
-        self._handles = [
-            node.register_prehook(self._hook_for(name, parameter, shape, device))
-            for (name, parameter), node, shape, device in zip(
-                plan.parameters, nodes, binding.shapes, binding.devices, strict=True
-            )
-        ]
         return self
 
     def _hook_for(

@@ -40,6 +40,7 @@ from wacc_torch import (
     ZeroCopyError,
 )
 from wacc_torch.records import CHECKSUM_KEY
+from wacc_torch.zero_copy import Microbatch
 
 Kind = Literal["sum", "mean"]
 SCALE = 2.0**4
@@ -549,6 +550,43 @@ def test_hooks_are_removed_after_a_block_on_every_exit_path() -> None:
             (_Raise.apply(net.p * 1.0) * seed).sum().backward()
     plain_backward_is_untouched()
     assert acc.state.issued == 0
+
+
+def test_a_block_whose_hooks_fail_to_register_leaves_no_block_and_no_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entering a block registers one hook per parameter; when a registration fails part way
+    (here the second), the error propagates, the hooks already registered are removed and the
+    accumulator is not left inside a block: a plain backward adopts its gradient unchanged, the
+    accumulator's calls are allowed, and the next block accumulates normally."""
+    acc, net = _zero_copy(torch.float32), nn.Module()
+    net.p = nn.Parameter(torch.zeros(3))
+    net.q = nn.Parameter(torch.zeros(3))
+    seed = torch.tensor([-0.0, 1.5, -2.0])
+    real_hook_for = Microbatch._hook_for
+    made: list[str] = []
+
+    def fail_second(self: Microbatch, name: str, *args: Any) -> Any:
+        made.append(name)
+        if len(made) == 2:
+            raise RuntimeError(f"no hook for {name}")
+        return real_hook_for(self, name, *args)
+
+    monkeypatch.setattr(Microbatch, "_hook_for", fail_second)
+    with pytest.raises(RuntimeError, match="no hook for q"):
+        acc.microbatch(net, weight=3.0, kind="sum").__enter__()
+    monkeypatch.undo()
+    (net.p * seed + net.q * seed).sum().backward()
+    assert_bitwise_equal(net.p.grad, seed, "p.grad")
+    net.p.grad = net.q.grad = None
+    assert acc.state.issued == 0
+    acc.state_dict()  # refused inside a block
+    untouched, twin = _zero_copy(torch.float32), copy.deepcopy(net)
+    for accumulator, module in ((acc, net), (untouched, twin)):
+        with accumulator.microbatch(module, weight=3.0, kind="sum"):
+            (module.p * seed + module.q * seed).sum().backward()
+    assert acc.state == untouched.state
+    assert_records_equal(acc.state_dict(), untouched.state_dict())
 
 
 def test_a_second_backward_in_one_block_is_refused_and_breaks_the_window() -> None:
