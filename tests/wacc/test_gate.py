@@ -23,7 +23,11 @@ def gate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One unsharded baseline and two shard results of wacc_torch, made by the real command."""
+    """One unsharded baseline and two shard results of wacc_torch, made by the real command.
+
+    The unsharded run is also the suite's proof that the default implementation holds every
+    oracle on every check family and the machine under the ci profile, on every work dtype
+    (``--update-baseline`` exits 1 on any failing scenario); test_engine.py does not repeat it."""
     folder = tmp_path_factory.mktemp("gate")
     made = gate("--update-baseline", "--baseline", str(folder / "baseline.json"))
     assert made.returncode == 0, made.stdout + made.stderr
