@@ -42,8 +42,35 @@ def test_readme_has_the_usage_examples() -> None:
         "ReferenceAccumulator(",
         "WeightedAllReduceHook(",
         "zero_copy=True",
+        "WindowLossScaler(",
     ):
         _block(marker)
+
+
+def test_dynamic_loss_scaling_example_skips_overflowing_windows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The WindowLossScaler loop runs as written: every window it skips had found_inf, every
+    window it applied had none, its scales are what a fresh scaler gives for those decisions,
+    the run both skips and applies (the spiked window among the skipped), and the model stays
+    finite."""
+    from wacc_torch import WindowLossScaler
+
+    namespace: dict[str, Any] = {}
+    exec(compile(_block("WindowLossScaler("), str(README), "exec"), namespace)
+    lines = re.findall(
+        r"^window (\d+): S=(\S+) found_inf=(True|False) applied=(True|False)$",
+        capsys.readouterr().out,
+        flags=re.M,
+    )
+    assert [int(step) for step, *_ in lines] == list(range(len(namespace["windows"])))
+    replay = WindowLossScaler(growth_interval=2)
+    for _, scale, found, applied in lines:
+        assert float(scale) == replay.scale
+        assert (applied == "True") == (found == "False") == replay.update(found == "True")
+    decisions = [applied == "True" for *_, applied in lines]
+    assert any(decisions) and not all(decisions) and not decisions[6]
+    assert all(torch.isfinite(p).all() for p in namespace["model"].parameters())
 
 
 def test_training_loop_example_runs_and_resumes_mid_window(

@@ -265,6 +265,9 @@ class SpecAccumulator:
             issued=self.issued,
             zero_weight=self.zero_weight,
             normalized=normalized,
+            found_inf=any(
+                not bool(torch.isfinite(grad).all()) for grad in grads.values() if grad is not None
+            ),
         )
 
     def finish_sums(self) -> Any:

@@ -28,6 +28,7 @@ from wacc_torch.errors import (
     ZeroTotalWeightError,
 )
 from wacc_torch.records import FORMAT_VERSION, load_record, save_record
+from wacc_torch.scaler import WindowLossScaler
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,6 +44,7 @@ __all__ = [
     "UnsupportedEnvironmentError",
     "WeightedAccumulationError",
     "WeightedGradientsAccumulator",
+    "WindowLossScaler",
     "ZeroCopyError",
     "ZeroTotalWeightError",
     "all_reduce_mean",

@@ -25,11 +25,12 @@ from torch import nn
 
 from wacc_torch import _commit
 from wacc_torch._binding import Binder, Binding, Parameters, tracked_parameters
-from wacc_torch._dtypes import dtype_name
+from wacc_torch._dtypes import check_loss_scale, dtype_name
+from wacc_torch._finite import found_inf
 from wacc_torch._snapshots import Snapshots, StateDictHandle
 from wacc_torch._weights import count_weight
-from wacc_torch.errors import ZeroTotalWeightError
-from wacc_torch.normalize import normalize_sums
+from wacc_torch.errors import InvalidLossScaleError, ZeroTotalWeightError
+from wacc_torch.normalize import divide_sums
 from wacc_torch.records import FORMAT_VERSION, ValidatedRecord, validate_record
 from wacc_torch.results import AccumulatedGradients
 
@@ -86,7 +87,7 @@ class Window:
         names = () if self.binding is None else self.binding.names
         return {name: self.pending.get(name) for name in names}
 
-    def result(self, *, normalized: bool) -> AccumulatedGradients:
+    def result(self, *, normalized: bool, found_inf: bool) -> AccumulatedGradients:
         """The finished window (its buffers handed over, not copied)."""
         return AccumulatedGradients(
             grads=self.handover(),
@@ -95,6 +96,7 @@ class Window:
             issued=self.issued,
             zero_weight=self.zero_weight,
             normalized=normalized,
+            found_inf=found_inf,
         )
 
     def reset(self) -> None:
@@ -143,6 +145,9 @@ class WindowMode:
     def check_loadable(self) -> None:
         """Raise if the window cannot be replaced (a load, ``discard``) now (default: it can)."""
 
+    def check_outside_block(self, call: str) -> None:
+        """Raise if ``call`` cannot run now because a block is open (default: never)."""
+
     def division_targets(self) -> dict[str, torch.Tensor | None]:
         """The tensors ``finish_mean`` divides in place (default: each pending buffer)."""
         return dict(self.window.pending)
@@ -175,9 +180,10 @@ class WindowMode:
         """semantics §7; see ``WeightedGradientsAccumulator.finish_sums``."""
         self.check_readable()
         window = self.window
+        window.snapshots.await_copies()
+        overflowed = found_inf(window.pending.values())  # reads the buffers once
         with _commit.COMMIT:
-            window.snapshots.await_copies()
-            result = window.result(normalized=False)
+            result = window.result(normalized=False, found_inf=overflowed)
             self._end()
         return result
 
@@ -191,16 +197,32 @@ class WindowMode:
                 f"zero_weight={window.zero_weight}); nothing was cleared"
             )
         window.snapshots.await_copies()  # the in-place division must wait for snapshot copies
-        normalize_sums(
+        _, check = divide_sums(
             self.division_targets(),
             loss_scale=window.loss_scale,
             total_weight=window.total_weight,
             in_place=True,
+            find_inf=True,
         )
+        overflowed = check is not None and check.found()
         with _commit.COMMIT:
-            result = window.result(normalized=True)
+            result = window.result(normalized=True, found_inf=overflowed)
             self._end()
         return result
+
+    def set_loss_scale(self, loss_scale: object) -> None:
+        """semantics §4 Reading; see ``WeightedGradientsAccumulator.set_loss_scale``."""
+        self.check_outside_block("set_loss_scale")
+        window = self.window
+        if window.issued:
+            raise InvalidLossScaleError(
+                f"set_loss_scale({loss_scale!r}): the window has issued {window.issued} "
+                f"microbatch(es) under loss scale {window.loss_scale!r}, and every backward of a "
+                "window has one loss scale; finish or discard the window first"
+            )
+        scale = check_loss_scale(loss_scale, window.dtype)
+        with _commit.COMMIT:
+            window.loss_scale = scale
 
     def state_dict(self, *, checksum: bool) -> dict[str, Any]:
         """semantics §9; see ``WeightedGradientsAccumulator.state_dict``."""

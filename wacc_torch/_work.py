@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "Scratch", "chunk_numel", "chunk_rows", "pieces"]
+__all__ = ["CHUNK_ELEMENTS", "Scratch", "chunk_numel", "chunk_rows", "piece_count", "pieces"]
 
 # Elementwise passes over a tensor larger than this run in pieces of about this many elements
 # (whole rows of dim 0), so the work tensor of a two-rounding step stays cache-sized instead of
@@ -34,6 +34,14 @@ def chunk_numel(shape: torch.Size) -> int:
     if rows == 0:
         return shape.numel()
     return min(shape[0], rows) * (shape.numel() // shape[0])
+
+
+def piece_count(shape: torch.Size) -> int:
+    """How many pieces :func:`pieces` cuts a tensor of ``shape`` into."""
+    rows = chunk_rows(shape)
+    if rows == 0 or rows >= shape[0]:
+        return 1
+    return -(-shape[0] // rows)
 
 
 def pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:

@@ -196,6 +196,19 @@ class WeightedGradientsAccumulator:
         """
         self._mode.discard()
 
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """Make ``loss_scale`` the loss scale S of the window about to start (semantics §4).
+
+        Only between windows: the window must be empty (``issued == 0``: just constructed,
+        finished, discarded, or loaded from a record of an empty window), because every backward
+        of a window has one S; otherwise :class:`InvalidLossScaleError`, naming both scales. The
+        value is checked like the constructor's (finite, > 0, exactly representable in D:
+        :class:`InvalidLossScaleError` naming it). Nothing changes on a raise. This is how a
+        dynamic loss scale (:class:`wacc_torch.WindowLossScaler`) reaches the accumulator; it is
+        never changed otherwise, and never inferred from gradient values.
+        """
+        self._mode.set_loss_scale(loss_scale)
+
     # ---------------------------------------------------------------------------- finish
     def finish_sums(self) -> AccumulatedGradients:
         """Hand over the scaled sums and the window's weight W, and start a new window (§7).

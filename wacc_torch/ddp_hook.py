@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wacc_torch._dtypes import dtype_name
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._finite import FiniteCheck, found_in
 from wacc_torch._weights import count_weight, read_weight
 from wacc_torch.accumulator import WeightedGradientsAccumulator
 from wacc_torch.distributed import (
@@ -72,7 +73,7 @@ from wacc_torch.errors import (
     WeightedAccumulationError,
     ZeroCopyError,
 )
-from wacc_torch.normalize import normalize_sums
+from wacc_torch.normalize import divide_sums
 from wacc_torch.results import AccumulatedGradients
 
 __all__ = ["WeightedAllReduceHook"]
@@ -87,6 +88,7 @@ class _ArmedWindow:
     layout: _GlobalLayout
     pending: AccumulatedGradients | None = None  # taken from the accumulator at the first bucket
     reduced: dict[str, torch.Tensor] = field(default_factory=dict)
+    checks: list[FiniteCheck] = field(default_factory=list)  # found_inf, one per bucket
 
 
 class WeightedAllReduceHook:
@@ -244,9 +246,15 @@ class WeightedAllReduceHook:
         hook = weakref.ref(self)
 
         def normalize(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            normalize_sums(
-                {"bucket": flat}, loss_scale=loss_scale, total_weight=layout.weight, in_place=True
+            __, check = divide_sums(
+                {"bucket": flat},
+                loss_scale=loss_scale,
+                total_weight=layout.weight,
+                in_place=True,
+                find_inf=True,
             )
+            assert check is not None
+            armed.checks.append(check)  # asked once, when the last bucket is in
             buffer.copy_(flat)  # into the parameters' dtype, as apply_to's .to(dtype)
             offset = 0
             for name in names:
@@ -263,6 +271,8 @@ class WeightedAllReduceHook:
                     issued=layout.issued,
                     zero_weight=layout.zero_weight,
                     normalized=True,
+                    # Every rank divides the same all-reduced bits: the same answer everywhere.
+                    found_inf=found_in(armed.checks),
                 )
                 owner._armed = None
             return buffer

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._finite import found_inf
 from wacc_torch._weights import read_total_weight
 from wacc_torch.errors import (
     InvalidLossScaleError,
@@ -50,7 +51,7 @@ from wacc_torch.errors import (
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
-from wacc_torch.normalize import normalize_sums
+from wacc_torch.normalize import divide_sums
 from wacc_torch.results import AccumulatedGradients
 
 if TYPE_CHECKING:
@@ -162,11 +163,17 @@ def _all_reduce(
     reduced = _reduce_buffers(sums.grads, layout=layout, group=group)
     grads: dict[str, torch.Tensor | None] = {name: reduced.get(name) for name in sums.grads}
     loss_scale = layout.loss_scale
+    # found_inf of the reduced result: every rank holds the same reduced bits (an all_reduce
+    # hands every rank the same result, which data parallelism relies on), so every rank gets
+    # the same answer without another collective, and skips the window together.
     if normalize:
         # in_place: the reduced tensors are this call's own copies, never the caller's buffers.
-        grads = normalize_sums(
-            grads, loss_scale=loss_scale, total_weight=layout.weight, in_place=True
+        grads, check = divide_sums(
+            grads, loss_scale=loss_scale, total_weight=layout.weight, in_place=True, find_inf=True
         )
+        overflowed = check is not None and check.found()
+    else:
+        overflowed = found_inf(grads.values())
     return AccumulatedGradients(
         grads=grads,
         weight=layout.weight,
@@ -174,6 +181,7 @@ def _all_reduce(
         issued=layout.issued,
         zero_weight=layout.zero_weight,
         normalized=normalize,
+        found_inf=overflowed,
     )
 
 

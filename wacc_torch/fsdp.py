@@ -51,11 +51,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale, dtype_name
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._finite import flag_of
 from wacc_torch._weights import count_weight, read_weight
 from wacc_torch.distributed import (
     _exchange,
@@ -63,8 +65,12 @@ from wacc_torch.distributed import (
     _problem_report,
     _RankReport,
 )
-from wacc_torch.errors import UnsupportedEnvironmentError, WeightedAccumulationError
-from wacc_torch.normalize import normalize_sums
+from wacc_torch.errors import (
+    InvalidLossScaleError,
+    UnsupportedEnvironmentError,
+    WeightedAccumulationError,
+)
+from wacc_torch.normalize import divide_sums
 from wacc_torch.results import AccumulatedGradients
 
 if TYPE_CHECKING:
@@ -108,6 +114,24 @@ class FSDPWeightedWindow:
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """The loss scale S of the window about to start; only between windows (no weight added
+        since the last ``finish_mean``), checked like the constructor's. Local: call it with the
+        same S on every rank (``finish_mean``'s exchange refuses differing scales). Raises
+        :class:`InvalidLossScaleError` naming the value; nothing changes on a raise."""
+        if self._issued:
+            raise InvalidLossScaleError(
+                f"set_loss_scale({loss_scale!r}): the window has {self._issued} microbatch(es) "
+                f"under loss scale {self._loss_scale!r}, and every backward of a window has one "
+                "loss scale; finish_mean first"
+            )
+        self._loss_scale = check_loss_scale(loss_scale, self._dtype)
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale S of the current window."""
+        return self._loss_scale
 
     def microbatch(self, *, last: bool) -> None:
         """Call before each microbatch's forward: ``last=True`` for the window's last one (its
@@ -172,10 +196,21 @@ class FSDPWeightedWindow:
         layout = _exchange(
             report, group=self._group, world_size=world_size, caller=caller, normalize=True
         )
-        normalized = normalize_sums(
-            shards, loss_scale=self._loss_scale, total_weight=layout.weight, in_place=True
+        normalized, check = divide_sums(
+            shards,
+            loss_scale=self._loss_scale,
+            total_weight=layout.weight,
+            in_place=True,
+            find_inf=True,
         )
+        assert check is not None
         self._issued, self._zero_weight, self._total_weight = 0, 0, 0.0
+        # Each rank checked its own shards: one MAX all_reduce of a flag makes found_inf the
+        # global answer, the same on every rank, so that every rank skips the window together.
+        # After the window is finished: should the collective fail, the means are in .grad and
+        # the window is not divided twice by a retry.
+        flag = flag_of([check], _flag_device(self._parameters[0][1], shards))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return AccumulatedGradients(
             grads=normalized,
             weight=layout.weight,
@@ -183,4 +218,14 @@ class FSDPWeightedWindow:
             issued=layout.issued,
             zero_weight=layout.zero_weight,
             normalized=True,
+            found_inf=bool(flag.item()),
         )
+
+
+def _flag_device(parameter: nn.Parameter, shards: dict[str, torch.Tensor | None]) -> torch.device:
+    """Where the found_inf flag is reduced: the shards' device (a CUDA device under NCCL)."""
+    for shard in shards.values():
+        if shard is not None:
+            return shard.device
+    local = getattr(parameter, "_local_tensor", parameter)
+    return local.device

@@ -14,11 +14,12 @@ import torch
 from wacc_torch import _commit
 from wacc_torch._dtypes import check_loss_scale, check_work_dtype, op_dtype
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._finite import FiniteCheck
 from wacc_torch._weights import read_total_weight
 from wacc_torch._work import Scratch, chunk_numel, pieces
 from wacc_torch.errors import ParameterMismatchError
 
-__all__ = ["check_writable", "may_overlap", "normalize_sums", "scalar_tensor"]
+__all__ = ["check_writable", "divide_sums", "may_overlap", "normalize_sums", "scalar_tensor"]
 
 
 def scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,6 +54,24 @@ def normalize_sums(
     and :class:`UnsupportedEnvironmentError` under flush-to-zero in the calling thread (the
     divisors are rounded on the host CPU, and CPU tensors are divided there).
     """
+    divided, _ = divide_sums(
+        grads, loss_scale=loss_scale, total_weight=total_weight, in_place=in_place, find_inf=False
+    )
+    return divided
+
+
+def divide_sums(
+    grads: Mapping[str, torch.Tensor | None],
+    *,
+    loss_scale: float,
+    total_weight: float | torch.Tensor,
+    in_place: bool,
+    find_inf: bool,
+) -> tuple[dict[str, torch.Tensor | None], FiniteCheck | None]:
+    """:func:`normalize_sums`, and with ``find_inf`` a check of the quotients for NaN and ±inf
+    (else None; ask it with ``.found()``): each finished piece is checked right after its
+    division, while it is in cache, so ``found_inf`` of the means costs no pass of its own
+    (:mod:`wacc_torch._finite`)."""
     if not isinstance(grads, Mapping):
         raise TypeError(
             f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
@@ -111,6 +130,7 @@ def normalize_sums(
             else torch.empty_like(grad, memory_format=torch.contiguous_format)
             for name, grad in tensors
         }
+        check = FiniteCheck(outputs.values()) if find_inf else None
         with _commit.COMMIT:
             for name, grad in tensors:
                 scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
@@ -126,11 +146,13 @@ def normalize_sums(
                         out_piece.copy_(grad_piece)
                     if out.dtype == weight_tensor.dtype:
                         out_piece.div_(weight_tensor)
-                        continue
-                    quotient = scratch.view(out.device, weight_tensor.dtype, out_piece.shape)
-                    quotient.copy_(out_piece).div_(weight_tensor)
-                    out_piece.copy_(quotient)
-    return {name: None if grad is None else outputs[name] for name, grad in grads.items()}
+                    else:
+                        quotient = scratch.view(out.device, weight_tensor.dtype, out_piece.shape)
+                        quotient.copy_(out_piece).div_(weight_tensor)
+                        out_piece.copy_(quotient)
+                    if check is not None:
+                        check.add(out_piece)
+    return {name: None if grad is None else outputs[name] for name, grad in grads.items()}, check
 
 
 def may_overlap(tensor: torch.Tensor) -> bool:

@@ -39,7 +39,11 @@ class AccumulatedGradients:
     ``grads`` maps every tracked parameter name to its tensor in the work dtype (the pending
     buffer itself for sums, not a copy), or None when the parameter received no gradient in any
     positive-weight batch of the window. ``normalized`` is False for sums (still scaled by
-    ``loss_scale`` and not divided by ``weight``) and True for means.
+    ``loss_scale`` and not divided by ``weight``) and True for means. ``found_inf`` says whether
+    any element of any of these tensors is NaN or ±inf (for sums, of the scaled sums; for means,
+    of the means): the window overflowed, and a dynamic loss scale skips it
+    (:class:`wacc_torch.WindowLossScaler`). The distributed helpers answer it for the reduced
+    result, the same on every rank.
     """
 
     grads: dict[str, torch.Tensor | None]
@@ -48,6 +52,7 @@ class AccumulatedGradients:
     issued: int
     zero_weight: int
     normalized: bool
+    found_inf: bool
 
     def apply_to(self, module: nn.Module) -> None:
         """Write each gradient into the matching parameter's ``.grad``.

@@ -227,6 +227,10 @@ class ZeroCopyMode(WindowMode):
                     f"put the original parameter back, or {_RECOVER}"
                 )
 
+    def check_outside_block(self, call: str) -> None:
+        if self.block is not None:
+            raise ZeroCopyError(f"{call}() inside a microbatch block; leave the block first")
+
     def check_loadable(self) -> None:
         if self.block is not None:
             raise ZeroCopyError(

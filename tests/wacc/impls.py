@@ -43,6 +43,7 @@ class _DoubleUnscale(_Delegating):
             issued=result.issued,
             zero_weight=result.zero_weight,
             normalized=True,
+            found_inf=result.found_inf,
         )
 
 

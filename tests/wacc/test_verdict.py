@@ -219,6 +219,7 @@ def test_an_all_zero_gradient_for_an_untouched_parameter_is_a_note(
             issued=result.issued,
             zero_weight=result.zero_weight,
             normalized=False,
+            found_inf=result.found_inf,
         )
 
     monkeypatch.setattr(
@@ -263,6 +264,7 @@ class _FinishingWith:
             issued=result.issued,
             zero_weight=result.zero_weight,
             normalized=result.normalized,
+            found_inf=result.found_inf,
         )
 
     def finish_sums(self) -> wacc_torch.AccumulatedGradients:
@@ -1204,6 +1206,7 @@ class _FinishReportsMore(_Wrapping):
             issued=result.issued,
             zero_weight=result.zero_weight,
             normalized=result.normalized,
+            found_inf=result.found_inf,
         )
 
 

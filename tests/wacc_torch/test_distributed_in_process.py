@@ -89,6 +89,7 @@ def _local(grads: dict[str, torch.Tensor | None], **fields: Any) -> AccumulatedG
         "issued": 2,
         "zero_weight": 1,
         "normalized": False,
+        "found_inf": False,
     }
     values.update(fields)
     return AccumulatedGradients(grads=grads, **values)
@@ -224,6 +225,7 @@ def test_a_window_of_zero_weight_batches_only(one_rank_group: None) -> None:
         issued=2,
         zero_weight=2,
         normalized=False,
+        found_inf=False,
     )
     assert _raised(lambda: all_reduce_mean(local)) == (
         ZeroTotalWeightError,

@@ -52,6 +52,12 @@ COMMIT_OPERATIONS = frozenset(
         "device.__get__",  # attribute reads: no kernel, no allocation
         "dtype.__get__",
         "shape.__get__",
+        # found_inf (wacc_torch._finite): reductions into slots allocated in the prepare phase,
+        # then one value read back; the last two run over a few values per piece.
+        "aminmax",
+        "sub",
+        "sum",
+        "item",
     }
 )
 

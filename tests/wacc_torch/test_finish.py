@@ -234,7 +234,13 @@ def test_finish_sums_of_an_empty_window_is_allowed() -> None:
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     sums = accumulator.finish_sums()
     assert sums == AccumulatedGradients(
-        grads={}, weight=0.0, loss_scale=1.0, issued=0, zero_weight=0, normalized=False
+        grads={},
+        weight=0.0,
+        loss_scale=1.0,
+        issued=0,
+        zero_weight=0,
+        normalized=False,
+        found_inf=False,
     )
 
 
@@ -287,7 +293,13 @@ def test_apply_to_checks_every_name_before_writing() -> None:
         ),
     ):
         gradients = AccumulatedGradients(
-            grads=bad, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True
+            grads=bad,
+            weight=1.0,
+            loss_scale=1.0,
+            issued=1,
+            zero_weight=0,
+            normalized=True,
+            found_inf=False,
         )
         with pytest.raises(ParameterMismatchError, match=message):
             gradients.apply_to(module)
@@ -342,7 +354,13 @@ def test_apply_to_refuses_flushed_subnormals_only_when_it_converts_a_dtype_on_th
         name: torch.full(shape, 0.25) for name, shape in tracked_shapes(module).items()
     }
     same = AccumulatedGradients(
-        grads=grads, weight=1.0, loss_scale=1.0, issued=1, zero_weight=0, normalized=True
+        grads=grads,
+        weight=1.0,
+        loss_scale=1.0,
+        issued=1,
+        zero_weight=0,
+        normalized=True,
+        found_inf=False,
     )
     converting = AccumulatedGradients(
         grads={name: g.to(torch.bfloat16) for name, g in grads.items() if g is not None},
@@ -351,6 +369,7 @@ def test_apply_to_refuses_flushed_subnormals_only_when_it_converts_a_dtype_on_th
         issued=1,
         zero_weight=0,
         normalized=True,
+        found_inf=False,
     )
     if not torch.set_flush_denormal(True):
         torch.set_flush_denormal(False)
@@ -380,6 +399,7 @@ def test_apply_to_moves_each_gradient_to_its_parameters_device() -> None:
         issued=1,
         zero_weight=0,
         normalized=True,
+        found_inf=False,
     )
     gradients.apply_to(module)
     for name, shape in tracked_shapes(module).items():

@@ -1,0 +1,320 @@
+"""``WindowLossScaler`` (semantics §13): GradScaler's policy window by window, hysteresis as in
+Megatron-LM and DeepSpeed, every scale a value of the work dtype, and a state that resumes bit for
+bit. The training-loop tests with an accumulator are in ``test_dynamic_loss_scaling.py``."""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.wacc_torch.support import WORK_DTYPE_PARAMS, WORK_DTYPES, dtype_name, format_of
+from wacc_ref import formats
+from wacc_torch import (
+    InvalidLossScaleError,
+    RecordError,
+    WeightedAccumulationError,
+    WindowLossScaler,
+)
+from wacc_torch.scaler import SCALER_KEYS, round_to_dtype
+
+decisions = st.lists(st.booleans(), max_size=120)
+
+
+def _grad_scaler_run(overflows: list[bool], **options: Any) -> list[tuple[bool, float]]:
+    """torch.amp.GradScaler driven through real steps: per window, whether the optimizer step
+    ran and the scale after ``update()``; a window overflows when its gradient holds an inf."""
+    scaler = torch.amp.GradScaler("cpu", **options)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    out = []
+    for overflow in overflows:
+        optimizer.zero_grad()
+        poison = torch.tensor([math.inf if overflow else 1.0, 1.0])
+        scaler.scale((parameter * poison).sum()).backward()
+        before = parameter.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        out.append((not torch.equal(before, parameter.detach()), scaler.get_scale()))
+    return out
+
+
+@given(overflows=decisions, interval=st.sampled_from([1, 2, 3, 2000]))
+def test_the_defaults_follow_grad_scaler_window_by_window(
+    overflows: list[bool], interval: int
+) -> None:
+    """With GradScaler's defaults (and a float32 work dtype, GradScaler's own scale dtype), the
+    windows applied and the scale after each equal GradScaler's on the same overflow decisions,
+    growth to the top of float32 included (growth_interval=1)."""
+    ours = WindowLossScaler(growth_interval=interval, dtype=torch.float32)
+    expected = _grad_scaler_run(overflows, growth_interval=interval)
+    got = [(ours.update(overflow), ours.scale) for overflow in overflows]
+    assert got == expected
+
+
+def test_growth_to_the_top_of_float32_stops_like_grad_scaler() -> None:
+    """Forty clean windows of growth interval 1 from 2**100: GradScaler and the scaler both stop
+    at 2**127, the largest power of two float32 holds (the next growth would be inf)."""
+    ours = WindowLossScaler(2.0**100, growth_interval=1, dtype=torch.float32)
+    expected = _grad_scaler_run([False] * 40, init_scale=2.0**100, growth_interval=1)
+    got = [(ours.update(False), ours.scale) for _ in range(40)]
+    assert got == expected and got[-1][1] == 2.0**127
+
+
+def _megatron(
+    overflows: list[bool], scale: float, hysteresis: int, interval: int, cap: float
+) -> list[float]:
+    """Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py) on floats,
+    growth 2, backoff 0.5, min_scale 1, and the growth capped at ``cap`` (Megatron has no cap):
+    the hysteresis tracker counts overflows since the last growth."""
+    growth_tracker, hysteresis_tracker, out = 0, hysteresis, []
+    for found_inf in overflows:
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_tracker -= 1
+            if hysteresis_tracker <= 0:
+                scale = max(scale * 0.5, 1.0)
+        else:
+            growth_tracker += 1
+            if growth_tracker == interval:
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+                scale = min(scale * 2.0, cap)
+        out.append(scale)
+    return out
+
+
+@given(overflows=decisions, hysteresis=st.integers(1, 4), interval=st.integers(1, 5))
+def test_hysteresis_follows_megatron(overflows: list[bool], hysteresis: int, interval: int) -> None:
+    """hysteresis=h: the h-th overflow since the last growth backs off, and every one after it
+    until the next growth (Megatron-LM's rule, transcribed above); a window that overflowed is
+    skipped whether or not it backs off."""
+    ours = WindowLossScaler(
+        2.0**10, growth_interval=interval, hysteresis=hysteresis, min_scale=1.0, max_scale=2.0**15
+    )
+    scales, applied = [], []
+    for overflow in overflows:
+        applied.append(ours.update(overflow))
+        scales.append(ours.scale)
+    assert applied == [not overflow for overflow in overflows]
+    assert scales == _megatron(overflows, 2.0**10, hysteresis, interval, 2.0**15)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_round_to_dtype_is_the_reference_rounding(dtype: torch.dtype) -> None:
+    """round_to_dtype(x) equals wacc_ref's exact round_D on products of a value of D and a
+    factor (the rationals a scaler forms: not floats in general), near the top and bottom of
+    D's range, ties included; and torch's own float64 -> D conversion on float64 values."""
+    fmt = format_of(dtype)
+    generator = random.Random(7)
+    top, bottom = Fraction(fmt.max_finite), Fraction(fmt.min_subnormal)
+    values = [top, top * Fraction(3, 2), bottom, bottom / 2, bottom * Fraction(3, 4)]
+    for _ in range(3000):
+        scale = Fraction(2) ** generator.randint(fmt.emin - fmt.precision, fmt.emax)
+        factor = Fraction(generator.randint(1, 2**12), generator.choice([1, 3, 7, 1024, 1000]))
+        values.append(scale * factor)
+    for value in values:
+        want = formats.round_to(value, fmt)
+        assert round_to_dtype(value, dtype) == want, (value, dtype)
+    for _ in range(2000):
+        exponent = generator.randint(fmt.emin - 12, min(fmt.emax + 2, 1022))  # a float64
+        x = abs(generator.gauss(0.0, 1.0)) * 2.0**exponent
+        if x:
+            converted = torch.tensor(x, dtype=torch.float64).to(dtype).item()
+            assert round_to_dtype(Fraction(x), dtype) == converted, (x, dtype)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+@given(
+    overflows=decisions,
+    growth=st.sampled_from([1.5, 3.0, 1.1, 10.0, 2.0]),
+    backoff=st.sampled_from([0.3, 0.9, 0.5, 0.125, 1 / 3]),
+)
+def test_every_scale_is_a_loss_scale_the_accumulator_accepts(
+    dtype: torch.dtype, overflows: list[bool], growth: float, backoff: float
+) -> None:
+    """With any factors, every scale the scaler hands out is finite, > 0 and exactly
+    representable in D (the constructor's check passes), and each new scale is round_D of the
+    exact product with the factor, or the old scale where D cannot hold the product."""
+    fmt = format_of(dtype)
+    scaler = WindowLossScaler(
+        2.0**8, growth_factor=growth, backoff_factor=backoff, growth_interval=2, dtype=dtype
+    )
+    for overflow in overflows:
+        before = scaler.scale
+        scaler.update(overflow)
+        torch_ok = WindowLossScaler(scaler.scale, dtype=dtype)  # raises if not a loss scale of D
+        assert torch_ok.scale == scaler.scale
+        if scaler.scale != before:
+            factor = backoff if overflow else growth
+            assert scaler.scale == formats.round_to(Fraction(before) * Fraction(factor), fmt)
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_growth_past_the_top_of_d_keeps_the_scale_or_takes_max_scale(dtype: torch.dtype) -> None:
+    """From D's largest power of two, growth would overflow D: without max_scale the scale stays
+    (as GradScaler keeps its scale when growth would be inf); with it, it becomes max_scale."""
+    fmt = format_of(dtype)
+    top = 2.0**fmt.emax
+    free = WindowLossScaler(top, growth_interval=1, dtype=dtype)
+    assert free.update(False) and free.scale == top
+    capped_at = float(Fraction(fmt.max_finite))
+    capped = WindowLossScaler(top, growth_interval=1, max_scale=capped_at, dtype=dtype)
+    assert capped.update(False) and capped.scale == capped_at
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_backoff_below_the_bottom_of_d_keeps_the_scale_or_takes_min_scale(
+    dtype: torch.dtype,
+) -> None:
+    """From D's smallest subnormal, a backoff of 1/4 rounds to 0: without min_scale the scale
+    stays there; with it, it becomes min_scale (never 0, never inexact)."""
+    fmt = format_of(dtype)
+    bottom = float(Fraction(fmt.min_subnormal))
+    free = WindowLossScaler(bottom, backoff_factor=0.25, dtype=dtype)
+    assert not free.update(True) and free.scale == bottom
+    floor = WindowLossScaler(1.0, backoff_factor=0.25, min_scale=0.5, dtype=dtype)
+    assert not floor.update(True) and floor.scale == 0.5
+    assert not floor.update(True) and floor.scale == 0.5
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"init_scale": 0.0}, InvalidLossScaleError, r"0\.0"),
+        ({"init_scale": math.inf}, InvalidLossScaleError, "inf"),
+        ({"init_scale": 2049.0, "dtype": torch.float16}, InvalidLossScaleError, "2049"),
+        ({"dtype": torch.float16}, InvalidLossScaleError, r"2\*\*16 is beyond float16"),
+        ({"init_scale": 2.0**16, "dtype": torch.bfloat16, "max_scale": 2.0**10},
+         InvalidLossScaleError, "outside"),
+        ({"growth_factor": 1.0}, WeightedAccumulationError, r"growth_factor.*1\.0"),
+        ({"growth_factor": math.nan}, WeightedAccumulationError, "nan"),
+        ({"growth_factor": True}, WeightedAccumulationError, "True"),
+        ({"backoff_factor": 1.0}, WeightedAccumulationError, r"backoff_factor.*1\.0"),
+        ({"backoff_factor": 0.0}, WeightedAccumulationError, r"backoff_factor.*0\.0"),
+        ({"backoff_factor": -0.5}, WeightedAccumulationError, "-0.5"),
+        ({"growth_interval": 0}, WeightedAccumulationError, "growth_interval.*0"),
+        ({"growth_interval": 2.0}, TypeError, r"growth_interval.*2\.0"),
+        ({"growth_interval": True}, TypeError, "growth_interval.*True"),
+        ({"hysteresis": 0}, WeightedAccumulationError, "hysteresis.*0"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, InvalidLossScaleError, r"4\.0.*2\.0"),
+        ({"min_scale": 3.0000001}, InvalidLossScaleError, "3.0000001"),
+        ({"dtype": torch.int32}, WeightedAccumulationError, "int32"),
+        ({"dtype": "float16"}, TypeError, "float16"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_refused_naming_the_value(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Every option is checked: the error is the §11 class of that argument (TypeError for a
+    wrong type), and the message names the value."""
+    with pytest.raises(error, match=message):
+        WindowLossScaler(**options)
+
+
+def test_update_refuses_a_non_bool_and_changes_nothing() -> None:
+    """update() takes the finished result's found_inf, a bool: a tensor or a number is refused
+    with TypeError naming it, and the scaler is unchanged."""
+    scaler = WindowLossScaler(growth_interval=1)
+    before = scaler.state_dict()
+    for bad in (torch.tensor(True), 1, None, "yes"):
+        with pytest.raises(TypeError, match="found_inf"):
+            scaler.update(bad)  # type: ignore[arg-type]
+        assert scaler.state_dict() == before
+
+
+@given(overflows=decisions, cut=st.integers(0, 120), hysteresis=st.integers(1, 3))
+def test_a_restored_state_continues_the_same_sequence(
+    overflows: list[bool], cut: int, hysteresis: int
+) -> None:
+    """A scaler restored from another's state_dict() (saved and loaded as a file with
+    torch.save / torch.load(weights_only=True)) at any point continues the same decisions and
+    scales, bit for bit."""
+    import io
+
+    options = {"growth_interval": 3, "hysteresis": hysteresis, "dtype": torch.float16}
+    original = WindowLossScaler(2.0**12, **options)
+    cut = min(cut, len(overflows))
+    for overflow in overflows[:cut]:
+        original.update(overflow)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    restored = WindowLossScaler(2.0**12, **options)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.state_dict() == original.state_dict()
+    for overflow in overflows[cut:]:
+        assert restored.update(overflow) == original.update(overflow)
+        assert restored.scale == original.scale
+
+
+def test_state_dict_has_exactly_the_documented_keys() -> None:
+    """state_dict() holds exactly SCALER_KEYS, in plain Python types."""
+    state = WindowLossScaler(min_scale=1.0).state_dict()
+    assert tuple(state) == SCALER_KEYS
+    assert {type(v) for v in state.values()} <= {int, float, str, type(None)}
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    state = WindowLossScaler(growth_interval=4, hysteresis=2).state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("state", "field"),
+    [
+        ({k: v for k, v in _with().items() if k != "scale"}, "scale"),
+        (_with(extra=1), "extra"),
+        (_with(format_version=2), "format_version"),
+        (_with(dtype="bfloat16"), "dtype"),
+        (_with(growth_interval=5), "growth_interval"),
+        (_with(growth_interval=4.0), "growth_interval"),
+        (_with(hysteresis=1), "hysteresis"),
+        (_with(growth_factor=3.0), "growth_factor"),
+        (_with(backoff_factor=0.25), "backoff_factor"),
+        (_with(min_scale=1.0), "min_scale"),
+        (_with(max_scale=2.0**15), "max_scale"),
+        (_with(scale=3.0000001), "scale"),
+        (_with(scale=0.0), "scale"),
+        (_with(scale=65536), "scale"),  # an int, not the float state_dict writes
+        (_with(scale=math.inf), "scale"),
+        (_with(growth_tracker=4), "growth_tracker"),
+        (_with(growth_tracker=-1), "growth_tracker"),
+        (_with(growth_tracker=True), "growth_tracker"),
+        (_with(hysteresis_left=3), "hysteresis_left"),
+        (_with(hysteresis_left=1.0), "hysteresis_left"),
+    ],
+)
+def test_a_bad_state_is_refused_naming_the_field_and_changes_nothing(
+    state: dict[str, Any], field: str
+) -> None:
+    """load_state_dict checks every field first: a missing, unknown, mistyped, out-of-range or
+    differing one raises RecordError naming it, and the scaler keeps its own state."""
+    scaler = WindowLossScaler(growth_interval=4, hysteresis=2)
+    scaler.update(True)
+    before = scaler.state_dict()
+    with pytest.raises(RecordError, match=field):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_a_non_mapping_state_is_refused() -> None:
+    """A state that is not a mapping raises RecordError naming its type."""
+    with pytest.raises(RecordError, match="list"):
+        WindowLossScaler().load_state_dict([])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPES, ids=dtype_name)
+def test_formats_table_matches_the_reference(dtype: torch.dtype) -> None:
+    """The scaler's own (precision, emin, emax) table agrees with wacc_ref's formats."""
+    from wacc_torch.scaler import _FORMATS
+
+    fmt = formats.get_format(dtype_name(dtype))
+    assert _FORMATS[dtype] == (fmt.precision, fmt.emin, fmt.emax)
