@@ -51,4 +51,6 @@ FEATURES: Mapping[str, str] = {
     "records": "no state_dict / load_state_dict, so checkpoint steps are not run",
     "async_records": "no state_dict_async, so asynchronous checkpoints are taken synchronously",
     "checksum": "records without an integrity check",
+    "found_inf": "finished results without found_inf, so an overflowing window cannot be skipped "
+    "(dynamic loss scaling) and found_inf is not judged",
 }

@@ -16,7 +16,9 @@ allowed with ``--allow-missing FEATURE``):
 * ``checksum``: records that refuse a changed value, found by the probe of
   :mod:`wacc.integrity` (for the documented layout, a verified ``checksum`` field); judged only
   for an implementation with records, and without it the corruptions only an integrity check
-  can refuse are skipped.
+  can refuse are skipped;
+* ``found_inf``: a bool ``found_inf`` on every finished result (semantics §7), found by
+  finishing the probe's empty window; judged against the result's own gradients.
 
 Errors are judged by class: an exception counts as the §11 error ``RecordError`` (etc.) when it
 is that ``wacc_torch`` class or a subclass, or when a class of that name is in its MRO, so an
@@ -194,6 +196,16 @@ def _import_target(spec: str) -> Any:
     return target
 
 
+def _reports_found_inf(probe: Any) -> bool:
+    """Whether finishing the probe's empty window (allowed: semantics §7) gives a result with a
+    bool ``found_inf``; a finish that raises is judged by the run, not here."""
+    try:
+        result = probe.finish_sums()
+    except Exception:  # the implementation under test may raise anything
+        return False
+    return isinstance(getattr(result, "found_inf", None), bool)
+
+
 def load_implementation(spec: str) -> Implementation:
     """Import the factory ``spec`` and probe one instance (float32, loss scale 1).
 
@@ -223,6 +235,8 @@ def load_implementation(spec: str) -> Implementation:
         for feature, methods in FEATURE_METHODS.items()
         if not all(callable(getattr(probe, name, None)) for name in methods)
     )
+    if not _reports_found_inf(probe):
+        missing += ("found_inf",)
     integrity = None
     if "records" not in missing:
         integrity = probe_integrity(factory, refusal=lambda exc: error_class(exc) is not None)

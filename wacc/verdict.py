@@ -41,6 +41,7 @@ from wacc_ref.bits import array_differences, array_key
 from wacc_ref.bounds import BoundArgumentError, error_ratio, window_error_bound
 from wacc_ref.corruption import CHECKSUM_KINDS
 from wacc_ref.oracles import (
+    found_inf_violations,
     run_reference,
     stepwise_differences,
     trace_differences,
@@ -255,7 +256,8 @@ def _counters_only(trace: ScenarioTrace) -> ScenarioTrace:
         )
 
     def bare_result(result: FinishOutcome | None) -> FinishOutcome | None:
-        return None if result is None else replace(result, grads=())
+        # found_inf goes with the values it describes: the full trace's violations judge it.
+        return None if result is None else replace(result, grads=(), found_inf=None)
 
     return ScenarioTrace(
         outcomes=tuple(
@@ -419,7 +421,9 @@ def judge(
     if schema:
         violations = trace_violations(actual, refusals=("RecordError",))
     else:
+        # The view has no gradient values: found_inf is judged on the full trace.
         violations = trace_violations(actual_view, refusals=SEMANTICS_ERRORS)
+        violations += found_inf_violations(actual)
     semantics = _by_step(
         trace_differences(expected_view, actual_view, limit=10**6) + violations, count
     )

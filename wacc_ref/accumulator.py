@@ -126,7 +126,8 @@ class ReferenceResult:
     rounded once to float64.  ``exact_grads`` (``exact`` mode only): object arrays of
     :class:`mpmath.mpf`, the exact result rounded once to the accumulator's ``precision``;
     ``exact_weight`` (``exact`` mode only): W as an exact Fraction (``weight`` is W rounded once
-    to float64).
+    to float64). ``found_inf``: whether any value of ``grads`` is NaN or ±inf (semantics §7, §8;
+    in ``exact`` mode only a value beyond float64's range can be).
     """
 
     grads: dict[str, np.ndarray | None]
@@ -137,6 +138,12 @@ class ReferenceResult:
     normalized: bool
     exact_grads: dict[str, np.ndarray | None] | None = None
     exact_weight: Fraction | None = None
+    found_inf: bool = False
+
+
+def _found_inf(grads: Mapping[str, np.ndarray | None]) -> bool:
+    """semantics §7/§8: whether any handed-over value is NaN or ±inf."""
+    return any(not bool(np.isfinite(g).all()) for g in grads.values() if g is not None)
 
 
 def _object_array(values: list[Fraction], shape: tuple[int, ...]) -> np.ndarray:
@@ -380,6 +387,7 @@ class ReferenceAccumulator:
             normalized=normalized,
             exact_grads=exact_grads,
             exact_weight=total,
+            found_inf=_found_inf(grads),
         )
 
     def finish_sums(self) -> ReferenceResult:
@@ -387,16 +395,18 @@ class ReferenceAccumulator:
         if self._exact:
             result = self._exact_result(None, normalized=False)
         else:
+            sums = {
+                name: (None if name not in self._pending else self._pending[name].copy())
+                for name, _ in self._binding or ()
+            }
             result = ReferenceResult(
-                grads={
-                    name: (None if name not in self._pending else self._pending[name].copy())
-                    for name, _ in self._binding or ()
-                },
+                grads=sums,
                 weight=cast(float, self._total_weight),
                 loss_scale=self._loss_scale,
                 issued=self._issued,
                 zero_weight=self._zero_weight,
                 normalized=False,
+                found_inf=_found_inf(sums),
             )
         self._reset_window()
         return result
@@ -435,6 +445,7 @@ class ReferenceAccumulator:
                 issued=self._issued,
                 zero_weight=self._zero_weight,
                 normalized=True,
+                found_inf=_found_inf(grads),
             )
         self._reset_window()
         return result

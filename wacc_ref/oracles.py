@@ -46,6 +46,7 @@ from wacc_ref.traces import (
 )
 
 __all__ = [
+    "found_inf_violations",
     "run_reference",
     "stepwise_differences",
     "trace_differences",
@@ -85,7 +86,9 @@ def trace_violations(
     * a restore that did not raise gives exactly the state of the checkpoint it loaded;
     * a corrupted restore that was not skipped raised one of ``refusals``: ``RecordError`` for
       records of the §9 schema (the default); the judge passes every §11 class for an
-      implementation's opaque records (semantics §12).
+      implementation's opaque records (semantics §12);
+    * a finished result that reports ``found_inf`` says whether its own gradients hold a NaN or
+      an infinity (semantics §7, §8).
     The state before the first step is not in the trace, so step 0 is never compared with a
     previous state (a checkpoint's record is still compared with its state).
     """
@@ -106,12 +109,36 @@ def trace_violations(
                 latest_record = outcome.record
         if outcome.op == "restore" and outcome.error is None and latest_record is not None:
             lines += latest_record.differences(outcome.state, what=f"{what} restored state")
+        lines += _found_inf_violation(outcome, what=what)
         if outcome.op == "restore_corrupted" and not outcome.skipped:
             if outcome.error not in refusals:
                 names = tuple(refusals)
                 expected = names[0] if len(names) == 1 else f"one of {', '.join(names)}"
                 lines.append(f"{what}: expected {expected}, got {outcome.error}")
         previous = outcome.state
+    return lines
+
+
+def _found_inf_violation(outcome: StepOutcome, *, what: str) -> list[str]:
+    result = outcome.result
+    if result is None or result.found_inf is None:
+        return []
+    held = result.holds_non_finite()
+    if result.found_inf == held:
+        return []
+    return [
+        f"{what}: found_inf is {result.found_inf} but the finished gradients "
+        f"{'hold' if held else 'hold no'} NaN or ±inf"
+    ]
+
+
+def found_inf_violations(trace: ScenarioTrace) -> list[str]:
+    """The finished results whose ``found_inf`` misdescribes their own gradients (semantics
+    §7, §8); part of :func:`trace_violations`, and on its own for a trace whose other checks
+    run on a view without the gradient values."""
+    lines: list[str] = []
+    for outcome in trace.outcomes:
+        lines += _found_inf_violation(outcome, what=f"step {outcome.index} ({outcome.op})")
     return lines
 
 

@@ -174,7 +174,8 @@ class FinishOutcome:
     """A finished window in comparable form: every scenario parameter's gradient, in order.
 
     ``grads`` maps each parameter (scenario order) to a float64 array of its shape, or None when it
-    had no buffer in the window.
+    had no buffer in the window. ``found_inf`` is what the result reported (semantics §7), None
+    when it reports nothing (an implementation without the feature).
     """
 
     grads: tuple[tuple[str, np.ndarray | None], ...]
@@ -183,6 +184,11 @@ class FinishOutcome:
     issued: int
     zero_weight: int
     normalized: bool
+    found_inf: bool | None = None
+
+    def holds_non_finite(self) -> bool:
+        """Whether any gradient value is NaN or ±inf (what ``found_inf`` must say)."""
+        return any(not bool(np.isfinite(g).all()) for _, g in self.grads if g is not None)
 
     def key(self) -> tuple[object, ...]:
         """A hashable form: equal keys <=> identical outcomes (floats as bit patterns)."""
@@ -193,15 +199,19 @@ class FinishOutcome:
             self.issued,
             self.zero_weight,
             self.normalized,
+            self.found_inf,
         )
 
     def differences(self, other: FinishOutcome, *, what: str) -> list[str]:
-        """Human-readable differences from ``other`` (empty when identical)."""
+        """Human-readable differences from ``other`` (empty when identical; ``found_inf`` is
+        compared only when both report it)."""
         lines: list[str] = []
         for name in ("issued", "zero_weight", "normalized"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs or type(mine) is not type(theirs):
                 lines.append(f"{what}.{name}: expected {mine!r}, got {theirs!r}")
+        if None not in (self.found_inf, other.found_inf) and self.found_inf != other.found_inf:
+            lines.append(f"{what}.found_inf: expected {self.found_inf!r}, got {other.found_inf!r}")
         for name in ("weight", "loss_scale"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if float_key(mine) != float_key(theirs):
@@ -235,13 +245,17 @@ def finish_outcome(
 
     ``result`` needs the attributes ``grads`` (mapping name -> array/tensor or None), ``weight``,
     ``loss_scale``, ``issued``, ``zero_weight`` and ``normalized`` (``ReferenceResult`` and
-    ``wacc_torch.AccumulatedGradients`` both have them).  A parameter missing from ``grads`` is
-    recorded as None; a name in ``grads`` that is not in ``parameter_names`` is an error.
+    ``wacc_torch.AccumulatedGradients`` both have them), and may have ``found_inf`` (a bool).  A
+    parameter missing from ``grads`` is recorded as None; a name in ``grads`` that is not in
+    ``parameter_names``, or a ``found_inf`` that is not a bool, is an error.
     """
     grads: Mapping[str, object] = getattr(result, "grads")  # noqa: B009  # duck-typed
     unknown = [name for name in grads if name not in parameter_names]
     if unknown:
         raise ValueError(f"finish result has grads for unknown parameters {unknown!r}")
+    found_inf = getattr(result, "found_inf", None)
+    if found_inf is not None and not isinstance(found_inf, bool):
+        raise ValueError(f"finish result's found_inf must be a bool, got {found_inf!r}")
     entries: list[tuple[str, np.ndarray | None]] = []
     for name in parameter_names:
         grad = grads.get(name)
@@ -253,6 +267,7 @@ def finish_outcome(
         issued=getattr(result, "issued"),  # noqa: B009
         zero_weight=getattr(result, "zero_weight"),  # noqa: B009
         normalized=getattr(result, "normalized"),  # noqa: B009
+        found_inf=found_inf,
     )
 
 

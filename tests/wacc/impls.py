@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -275,3 +276,38 @@ def zero_copy_stealing(dtype: torch.dtype, loss_scale: float) -> Any:
     )
     accumulator._mode = _StealingZeroCopyMode(accumulator._mode.window)
     return ZeroCopyAdapter(accumulator)
+
+
+@dataclass(frozen=True)
+class _ResultWithoutFoundInf:
+    """A finished window as an accumulator written before found_inf (semantics §7) reports it."""
+
+    grads: dict[str, torch.Tensor | None]
+    weight: float
+    loss_scale: float
+    issued: int
+    zero_weight: int
+    normalized: bool
+
+
+class _NoFoundInf(_Delegating):
+    def _without(self, result: wacc_torch.AccumulatedGradients) -> _ResultWithoutFoundInf:
+        return _ResultWithoutFoundInf(
+            grads=result.grads,
+            weight=result.weight,
+            loss_scale=result.loss_scale,
+            issued=result.issued,
+            zero_weight=result.zero_weight,
+            normalized=result.normalized,
+        )
+
+    def finish_sums(self) -> _ResultWithoutFoundInf:
+        return self._without(self._inner.finish_sums())
+
+    def finish_mean(self) -> _ResultWithoutFoundInf:
+        return self._without(self._inner.finish_mean())
+
+
+def no_found_inf(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, but its finished results have no found_inf (the feature is missing)."""
+    return _NoFoundInf(dtype, loss_scale)

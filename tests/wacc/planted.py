@@ -8,7 +8,7 @@ show it (``None`` where no generated scenario can: the class docstring says why)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -178,6 +178,24 @@ class SumCountsConvertedWeight(SpecAccumulator):
         return converted
 
 
+class FoundInfFromInputs(SpecAccumulator):
+    """``found_inf`` says whether an incoming gradient was NaN or inf, not the finished values:
+    it misses an overflow that only the sum (or the division) creates."""
+
+    saw_non_finite = False
+
+    def add(self, buffer: torch.Tensor, grad: torch.Tensor, *, weight: float, mean: bool) -> None:
+        self.saw_non_finite = self.saw_non_finite or not bool(torch.isfinite(grad.float()).all())
+        super().add(buffer, grad, weight=weight, mean=mean)
+
+    def _result(self, grads: dict[str, torch.Tensor | None], *, normalized: bool) -> Any:
+        return replace(super()._result(grads, normalized=normalized), found_inf=self.saw_non_finite)
+
+    def reset_window(self) -> None:
+        super().reset_window()
+        self.saw_non_finite = False
+
+
 class _LazySnapshot:
     def __init__(self, accumulator: SpecAccumulator) -> None:
         self._accumulator = accumulator
@@ -237,5 +255,6 @@ PLANTED: dict[str, Planted] = {
         Planted(ResumeDropsZeroWeight, "interruptions", "float32", "semantics", 1),
         Planted(SumCountsConvertedWeight, "windows", "bfloat16", "semantics", 1),
         Planted(AsyncSnapshotLate, "interruptions", "float32", "semantics", 1),
+        Planted(FoundInfFromInputs, "windows", "float16", "semantics", 1),
     )
 }

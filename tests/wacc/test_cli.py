@@ -190,6 +190,23 @@ def test_records_without_integrity_fail_as_unsupported_checksum_unless_allowed(
     assert "unsupported" not in allowed.stdout
 
 
+def test_results_without_found_inf_fail_as_unsupported_unless_allowed(tmp_path: Path) -> None:
+    """A correct accumulator whose finished results have no found_inf: exit 1 with one
+    ``unsupported: found_inf`` line and no divergence; with ``--allow-missing found_inf`` it
+    passes (found_inf is then not judged)."""
+    common = ["--dtype", "float16", "--family", "windows", "--examples", "25",
+              "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    refused = wacc("check", "tests.wacc.impls:no_found_inf", *common)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    (line,) = [line for line in refused.stdout.splitlines() if line.startswith("unsupported:")]
+    assert line.startswith("unsupported: found_inf: finished results without found_inf")
+    assert line.endswith("(allow with --allow-missing found_inf)")
+    assert "DIVERGENCE" not in refused.stdout
+    allowed = wacc("check", "tests.wacc.impls:no_found_inf", *common,
+                   "--allow-missing", "found_inf")  # fmt: skip
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
 def test_opaque_records_with_integrity_pass_without_the_flag(tmp_path: Path) -> None:
     """Records of their own layout with a hash of their own: every corruption is judged, the
     flipped file included, and the check passes with no flag."""

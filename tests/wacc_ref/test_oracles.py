@@ -22,6 +22,7 @@ from wacc_ref.errors import (
     ZeroTotalWeightError,
 )
 from wacc_ref.oracles import (
+    found_inf_violations,
     run_reference,
     stepwise_differences,
     trace_differences,
@@ -308,6 +309,70 @@ def test_trace_violations_catches_a_raise_that_changed_state() -> None:
     lines = trace_violations(ScenarioTrace(outcomes=tuple(outcomes)))
     assert any(line.startswith("step 7 (finish_mean) raised but changed state") for line in lines)
     assert "step 3 (restore_corrupted): expected RecordError, got None" in lines
+
+
+def _float16_overflow() -> Scenario:
+    """float16, S = 1: two finite gradients of 40000 whose sum overflows (65504 is the top)."""
+    return make_scenario(
+        (
+            Accumulate.of("sum", 1.0, {"w": [40000.0, 1.0]}),
+            Accumulate.of("sum", 1.0, {"w": [40000.0, 1.0]}),
+            Finish("sums"),
+            Accumulate.of("sum", 1.0, {"w": [1.0, 2.0]}),
+            Finish("mean"),
+        ),
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1.0,
+    )
+
+
+def test_the_reference_reports_found_inf_of_its_own_finished_values() -> None:
+    """The reference's finish results carry found_inf (semantics §7): True for the sums whose
+    addition overflowed float16 although no gradient was infinite, False for a clean mean, and
+    its trace has no found_inf violation."""
+    trace = run_reference(_float16_overflow())
+    overflowed, clean = trace.outcomes[2].result, trace.outcomes[4].result
+    assert overflowed is not None and overflowed.found_inf is True
+    assert math.isinf(dict(overflowed.grads)["w"][0])  # type: ignore[index]
+    assert clean is not None and clean.found_inf is False
+    assert trace_violations(trace) == [] and found_inf_violations(trace) == []
+
+
+def test_a_found_inf_that_misdescribes_its_gradients_is_a_violation() -> None:
+    """found_inf False over an inf sum, or True over finite means, is reported at its step;
+    a result that reports nothing (None) is not judged here."""
+    outcomes = list(run_reference(_float16_overflow()).outcomes)
+    for index, wrong in ((2, False), (4, True), (2, None)):
+        changed = list(outcomes)
+        result = changed[index].result
+        assert result is not None
+        changed[index] = dataclasses.replace(
+            changed[index], result=dataclasses.replace(result, found_inf=wrong)
+        )
+        lines = found_inf_violations(ScenarioTrace(outcomes=tuple(changed)))
+        assert lines == trace_violations(ScenarioTrace(outcomes=tuple(changed)))
+        if wrong is None:
+            assert lines == []
+        else:
+            op = "finish_sums" if index == 2 else "finish_mean"
+            held = "hold" if index == 2 else "hold no"
+            assert lines == [
+                f"step {index} ({op}): found_inf is {wrong} but the finished gradients "
+                f"{held} NaN or ±inf"
+            ]
+
+
+def test_trace_differences_compare_found_inf_only_when_both_report_it() -> None:
+    """Two results that differ only in found_inf differ (named found_inf); one that reports
+    None is compared on everything else."""
+    trace = run_reference(_float16_overflow())
+    result = trace.outcomes[2].result
+    assert result is not None
+    flipped = dataclasses.replace(result, found_inf=False)
+    assert flipped.key() != result.key()
+    assert result.differences(flipped, what="r") == ["r.found_inf: expected True, got False"]
+    assert result.differences(dataclasses.replace(result, found_inf=None), what="r") == []
 
 
 def _corrupted_restore_raising(error: str | None) -> ScenarioTrace:
