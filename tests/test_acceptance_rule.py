@@ -219,6 +219,35 @@ def test_loss_scales_are_accepted_alike(pair: tuple[object, object], work_dtype:
         assert made[0] == made[1] and type(made[0]) is type(made[1]) is float
 
 
+@settings(max_examples=200)
+@given(pair=numbers(), work_dtype=st.sampled_from(WORK_DTYPES), mid_window=st.booleans())
+def test_set_loss_scale_accepts_alike(
+    pair: tuple[object, object], work_dtype: str, mid_window: bool
+) -> None:
+    """set_loss_scale (semantics §4 Reading) accepts the same values in both packages, as the
+    same float, and refuses the same ones with the same class; mid-window both refuse any value
+    with InvalidLossScaleError and keep their scale."""
+    for_torch, for_reference = pair
+    production = wacc_torch.WeightedGradientsAccumulator(
+        dtype=getattr(torch, work_dtype), loss_scale=1.0
+    )
+    reference = ReferenceAccumulator(dtype=work_dtype, loss_scale=1.0)
+    if mid_window:
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(torch.zeros(1, dtype=getattr(torch, work_dtype)))
+        production.accumulate_sum(module, 0.0, grads={"w": torch.zeros(1)})
+        reference.accumulate_sum({"w": (1,)}, 0.0, grads={"w": np.zeros(1)})
+    got = _torch_outcome(lambda: production.set_loss_scale(for_torch))  # type: ignore[arg-type]
+    want = _reference_outcome(
+        lambda: reference.set_loss_scale(for_reference)  # type: ignore[arg-type]
+    )
+    assert got == want, f"{for_torch!r} / {for_reference!r}: wacc_torch {got}, wacc_ref {want}"
+    if mid_window:
+        assert got == "InvalidLossScaleError"
+    p, r = production.state.loss_scale, reference.state.loss_scale
+    assert type(p) is type(r) is float and p.hex() == r.hex()
+
+
 @pytest.mark.parametrize(
     ("value", "accepted"),
     [

@@ -59,6 +59,7 @@ from wacc_ref.arith import (
     fused_mean_step_candidates,
 )
 from wacc_ref.errors import (
+    InvalidLossScaleError,
     ParameterMismatchError,
     RecordError,
     UnsupportedEnvironmentError,
@@ -71,6 +72,7 @@ from wacc_ref.records import (
     Binding,
     check_finite_gradient,
     converted_mean_weight,
+    format_value,
     record_checksum,
     total_after,
     validate_binding,
@@ -389,6 +391,18 @@ class ReferenceAccumulator:
             exact_weight=total,
             found_inf=_found_inf(grads),
         )
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """semantics §4 Reading: the loss scale of the window about to start, only while the
+        window is empty (else :class:`InvalidLossScaleError` naming both scales), checked like
+        the constructor's. Nothing changes on a raise."""
+        if self._issued:
+            raise InvalidLossScaleError(
+                f"set_loss_scale({format_value(loss_scale)}): the window has issued "
+                f"{self._issued} microbatch(es) under loss scale {self._loss_scale!r}, and every "
+                "backward of a window has one loss scale; finish or discard the window first"
+            )
+        self._loss_scale = validate_loss_scale(loss_scale, self._dtype)
 
     def finish_sums(self) -> ReferenceResult:
         """semantics §7: hand over the pending sums (no division) and start a new empty window."""

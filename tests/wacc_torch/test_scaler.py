@@ -318,3 +318,77 @@ def test_formats_table_matches_the_reference(dtype: torch.dtype) -> None:
 
     fmt = formats.get_format(dtype_name(dtype))
     assert _FORMATS[dtype] == (fmt.precision, fmt.emin, fmt.emax)
+
+
+@given(
+    overflows=decisions,
+    dtype=st.sampled_from(WORK_DTYPES),
+    growth=st.sampled_from([2.0, 1.5, 3.0, 1.0001, 65536.0]),
+    backoff=st.sampled_from([0.5, 0.3, 1 / 3, 0.999, 2.0**-20]),
+    interval=st.integers(1, 4),
+    hysteresis=st.integers(1, 3),
+    bounds=st.sampled_from([(None, None), (1.0, 2.0**10), (2.0**-3, None), (None, 2.0**14)]),
+)
+def test_the_reference_scaler_takes_the_same_decisions_and_scales(
+    overflows: list[bool],
+    dtype: torch.dtype,
+    growth: float,
+    backoff: float,
+    interval: int,
+    hysteresis: int,
+    bounds: tuple[float | None, float | None],
+) -> None:
+    """wacc_ref's ReferenceLossScaler (exact arithmetic, no torch) and WindowLossScaler agree on
+    every decision and every scale, bit for bit, for any options and overflow sequence,
+    including factors that round and scales that reach the ends of D."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    options: dict[str, Any] = {
+        "growth_factor": growth,
+        "backoff_factor": backoff,
+        "growth_interval": interval,
+        "hysteresis": hysteresis,
+        "min_scale": bounds[0],
+        "max_scale": bounds[1],
+    }
+    ours = WindowLossScaler(2.0**8, dtype=dtype, **options)
+    reference = ReferenceLossScaler(2.0**8, dtype=dtype_name(dtype), **options)
+    for overflow in overflows:
+        assert ours.update(overflow) == reference.update(overflow)
+        assert ours.scale.hex() == reference.scale.hex()
+        state = ours.state_dict()
+        assert (state["growth_tracker"], state["hysteresis_left"]) == (
+            reference.growth_tracker,
+            reference.hysteresis_left,
+        )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"init_scale": 0.0},
+        {"init_scale": 2049.0, "dtype": "float16"},
+        {"growth_factor": 1.0},
+        {"growth_factor": True},
+        {"backoff_factor": 1.0},
+        {"growth_interval": 0},
+        {"growth_interval": 2.0},
+        {"hysteresis": 0},
+        {"min_scale": 4.0, "max_scale": 2.0},
+        {"init_scale": 2.0**20, "max_scale": 2.0**10},
+    ],
+    ids=str,
+)
+def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[str, Any]) -> None:
+    """The two packages accept the same options and refuse a bad one with the same class name
+    (semantics §4's one rule for numbers applies to both)."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    torch_options = dict(options)
+    if "dtype" in torch_options:
+        torch_options["dtype"] = getattr(torch, torch_options["dtype"])
+    with pytest.raises(Exception) as ours:
+        WindowLossScaler(**torch_options)
+    with pytest.raises(Exception) as reference:
+        ReferenceLossScaler(**options)
+    assert type(ours.value).__name__ == type(reference.value).__name__
