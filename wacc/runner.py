@@ -257,7 +257,9 @@ class ImplementationRun:
                     if step.kind == "sums"
                     else self.accumulator.finish_mean()
                 )
-                result = finish_outcome(finished, list(self.scenario.params))
+                result = finish_outcome(
+                    finished, list(self.scenario.params), work_dtype=self.scenario.work_dtype
+                )
             elif isinstance(step, Checkpoint):
                 if step.asynchronous and self.implementation.supports("async_records"):
                     moment = counters_snapshot(self.accumulator.state, self.scenario.work_dtype)

@@ -88,7 +88,8 @@ def trace_violations(
       records of the §9 schema (the default); the judge passes every §11 class for an
       implementation's opaque records (semantics §12);
     * a finished result that reports ``found_inf`` says whether its own gradients hold a NaN or
-      an infinity (semantics §7, §8).
+      an infinity (semantics §7, §8);
+    * a finished gradient is a tensor of the work dtype (§7, §8 hand over the D buffers).
     The state before the first step is not in the trace, so step 0 is never compared with a
     previous state (a checkpoint's record is still compared with its state).
     """
@@ -110,6 +111,7 @@ def trace_violations(
         if outcome.op == "restore" and outcome.error is None and latest_record is not None:
             lines += latest_record.differences(outcome.state, what=f"{what} restored state")
         lines += _found_inf_violation(outcome, what=what)
+        lines += _dtype_violations(outcome, what=what)
         if outcome.op == "restore_corrupted" and not outcome.skipped:
             if outcome.error not in refusals:
                 names = tuple(refusals)
@@ -117,6 +119,17 @@ def trace_violations(
                 lines.append(f"{what}: expected {expected}, got {outcome.error}")
         previous = outcome.state
     return lines
+
+
+def _dtype_violations(outcome: StepOutcome, *, what: str) -> list[str]:
+    result = outcome.result
+    if result is None:
+        return []
+    return [
+        f"{what}: grads[{name!r}] is a {got} tensor; the finished gradients are the {work} "
+        "buffers (semantics §7, §8)"
+        for name, got, work in result.foreign_dtypes
+    ]
 
 
 def _found_inf_violation(outcome: StepOutcome, *, what: str) -> list[str]:

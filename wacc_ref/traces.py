@@ -185,6 +185,9 @@ class FinishOutcome:
     zero_weight: int
     normalized: bool
     found_inf: bool | None = None
+    # (name, dtype handed over, work dtype) of every finished tensor not in the work dtype
+    # (semantics §7, §8 hand over the D buffers); filled when finish_outcome is given D.
+    foreign_dtypes: tuple[tuple[str, str, str], ...] = ()
 
     def holds_non_finite(self) -> bool:
         """Whether any gradient value is NaN or ±inf (what ``found_inf`` must say)."""
@@ -240,6 +243,7 @@ def finish_outcome(
     parameter_names: Sequence[str],
     *,
     to_float64: Callable[[object], np.ndarray] = buffer_to_float64,
+    work_dtype: str | None = None,
 ) -> FinishOutcome:
     """A :class:`FinishOutcome` of a finish result of either implementation.
 
@@ -247,7 +251,9 @@ def finish_outcome(
     ``loss_scale``, ``issued``, ``zero_weight`` and ``normalized`` (``ReferenceResult`` and
     ``wacc_torch.AccumulatedGradients`` both have them), and may have ``found_inf`` (a bool).  A
     parameter missing from ``grads`` is recorded as None; a name in ``grads`` that is not in
-    ``parameter_names``, or a ``found_inf`` that is not a bool, is an error.
+    ``parameter_names``, or a ``found_inf`` that is not a bool, is an error. With
+    ``work_dtype`` (an implementation's result), every tensor whose ``dtype`` is not that work
+    dtype is listed in ``foreign_dtypes``.
     """
     grads: Mapping[str, object] = getattr(result, "grads")  # noqa: B009  # duck-typed
     unknown = [name for name in grads if name not in parameter_names]
@@ -257,9 +263,15 @@ def finish_outcome(
     if found_inf is not None and not isinstance(found_inf, bool):
         raise ValueError(f"finish result's found_inf must be a bool, got {found_inf!r}")
     entries: list[tuple[str, np.ndarray | None]] = []
+    foreign: list[tuple[str, str, str]] = []
     for name in parameter_names:
         grad = grads.get(name)
         entries.append((name, None if grad is None else to_float64(grad)))
+        dtype = getattr(grad, "dtype", None)
+        if work_dtype is not None and grad is not None:
+            spelled = str(dtype).removeprefix("torch.")
+            if spelled != work_dtype:
+                foreign.append((name, spelled, work_dtype))
     return FinishOutcome(
         grads=tuple(entries),
         weight=_float_field(getattr(result, "weight")),  # noqa: B009
@@ -268,6 +280,7 @@ def finish_outcome(
         zero_weight=getattr(result, "zero_weight"),  # noqa: B009
         normalized=getattr(result, "normalized"),  # noqa: B009
         found_inf=found_inf,
+        foreign_dtypes=tuple(foreign),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -311,3 +311,16 @@ class _NoFoundInf(_Delegating):
 def no_found_inf(dtype: torch.dtype, loss_scale: float) -> Any:
     """Correct, but its finished results have no found_inf (the feature is missing)."""
     return _NoFoundInf(dtype, loss_scale)
+
+
+class _WidensMeans(_Delegating):
+    def finish_mean(self) -> wacc_torch.AccumulatedGradients:
+        result = self._inner.finish_mean()
+        grads = {n: None if g is None else g.float() for n, g in result.grads.items()}
+        return replace(result, grads=grads)
+
+
+def widens_means(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Hands finish_mean's means over as float32 whatever D: the values are the right ones
+    (widening is exact), the tensors are not the D buffers §8 hands over."""
+    return _WidensMeans(dtype, loss_scale)

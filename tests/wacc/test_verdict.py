@@ -1401,3 +1401,28 @@ def test_a_wrong_fused_step_is_reported_for_every_element(monkeypatch: pytest.Mo
         "allowed ['0x1.8000000000000p+1'] "
         "(buf 0x0.0p+0, g 0x1.0000000000000p+0, w_D 0x1.8000000000000p+1)"
     ), elements[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_finished_gradient_in_another_dtype_than_d_fails_the_semantics(dtype: str) -> None:
+    """semantics §8 hands over the D buffers: means widened to float32 (the same values, exact)
+    fail oracle 3 with one line per gradient naming both dtypes, except where D is float32."""
+    scenario = Scenario(
+        work_dtype=dtype,
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)), ("bias", ())),
+        steps=(Accumulate.of("mean", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("mean")),
+    )
+    verdict = judge(load_implementation("tests.wacc.impls:widens_means"), scenario)
+    if dtype == "float32":
+        assert not verdict.failed, _verdict_text(verdict)
+        return
+    assert verdict.failed_oracles == ("semantics",), _verdict_text(verdict)
+    lines = [line for line in verdict.describe() if "tensor; the finished gradients" in line]
+    assert lines == [
+        f"[semantics] step 1 (finish_mean): grads[{name!r}] is a float32 tensor; the finished "
+        f"gradients are the {dtype} buffers (semantics §7, §8)"
+        for name in ("weight", "bias")
+    ], _verdict_text(verdict)
