@@ -177,14 +177,17 @@ def may_overlap(tensor: torch.Tensor) -> bool:
 
 def check_writable(tensor: torch.Tensor, *, what: str) -> None:
     """Refuse a tensor that an in-place update could not write element by element: overlapping
-    memory (an expanded, stride-0 view) or an inference tensor outside inference mode."""
+    memory (an expanded, stride-0 view) or an inference tensor. An inference tensor is refused
+    inside ``torch.inference_mode()`` too: every commit of ``wacc_torch`` runs with inference mode
+    off (:func:`wacc_torch._commit.ordinary_tensors`, so that the buffers it makes stay ordinary
+    tensors), where an in-place update of an inference tensor raises after the first write."""
     if may_overlap(tensor):
         raise ParameterMismatchError(
             f"{what} has overlapping memory (shape {list(tensor.shape)}, strides "
             f"{list(tensor.stride())}): it cannot be updated in place element by element"
         )
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+    if tensor.is_inference():
         raise ParameterMismatchError(
-            f"{what} is an inference tensor (made under torch.inference_mode()): it cannot be "
-            f"updated in place outside inference mode"
+            f"{what} is an inference tensor (made under torch.inference_mode()): wacc_torch "
+            "updates in place outside inference mode, where it cannot be written"
         )

@@ -22,6 +22,7 @@ from wacc_ref.errors import (
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
@@ -537,3 +538,62 @@ def test_same_inputs_give_identical_bits(dtype: str, variant: str) -> None:
         ReferenceAccumulator(dtype=dtype, loss_scale=8.0, fused=True, fused_variant=variant), 5
     )
     assert result_bits(first) == result_bits(second)
+
+
+# --- issue 16: constructor types, environment, overflow message, exact window reset ----------
+
+
+def test_precision_must_be_an_int_not_a_bool_or_float() -> None:
+    """``precision`` is a count of bits: a bool or a float is a TypeError naming the value (not
+    read as 1 or 64)."""
+    with pytest.raises(TypeError, match=r"precision.*got True"):
+        ReferenceAccumulator(dtype="float32", loss_scale=1.0, mode="exact", precision=True)
+    with pytest.raises(TypeError, match=r"precision.*got 64\.0"):
+        ReferenceAccumulator(dtype="float32", loss_scale=1.0, mode="exact", precision=64.0)  # type: ignore[arg-type]
+
+
+def test_a_flushing_environment_is_refused_with_the_detectors_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the gradual-underflow check fails (FTZ/DAZ), a weighted accumulate raises
+    UnsupportedEnvironmentError carrying the check's own reason, and nothing changes."""
+    from wacc_ref import arith
+
+    def flushing() -> None:
+        raise RuntimeError("subnormals are flushed (simulated FTZ)")
+
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0)
+    before = snapshot(acc)
+    monkeypatch.setattr(arith, "check_gradual_underflow", flushing)
+    with pytest.raises(UnsupportedEnvironmentError, match=r"subnormals are flushed \(simulated"):
+        acc.accumulate_sum(P, 1.0, grads={"w": [1.0, 1.0]})
+    assert snapshot(acc) == before
+
+
+def test_a_total_weight_overflow_message_starts_with_the_weight() -> None:
+    """The InvalidWeightError for a total W beyond float64 names the weight passed, as repr and
+    hex (the message format of every weight error)."""
+    largest = float.fromhex("0x1.fffffffffffffp+1023")
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0)
+    acc.accumulate_sum(P, largest, grads={"w": [1.0, 1.0]})
+    named = re.escape(f"weight {largest!r} ({largest.hex()}) makes the total weight overflow")
+    with pytest.raises(InvalidWeightError, match=f"^{named}"):
+        acc.accumulate_sum(P, largest, grads={"w": [1.0, 1.0]})
+
+
+def test_exact_mode_finish_starts_the_next_window_at_total_weight_zero() -> None:
+    """exact mode: after a finish, W is exactly 0 (so finish_mean of the empty window raises
+    ZeroTotalWeightError), and the next window's W and mean count only its own weights:
+    S = 2, W = 2, buf [1, 3] finishes at [1/4, 3/4]."""
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=2.0, mode="exact")
+    acc.accumulate_sum(P, 3, grads={"w": [1.0, 1.0]})
+    acc.finish_sums()
+    assert acc.state.total_weight == 0 and isinstance(acc.state.total_weight, Fraction)
+    with pytest.raises(ZeroTotalWeightError):
+        acc.finish_mean()
+    acc.accumulate_sum(P, 2, grads={"w": [1.0, 3.0]})
+    result = acc.finish_mean()
+    assert result.exact_weight == Fraction(2) and result.weight == 2.0
+    expected = [round_to(Fraction(g, 2 * 2), "float64") for g in (1, 3)]
+    assert bits(result.grads["w"]) == bits(np.array(expected))
+    assert acc.state.total_weight == 0

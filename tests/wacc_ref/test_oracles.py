@@ -7,6 +7,7 @@ import math
 from fractions import Fraction
 
 import numpy as np
+import pytest
 
 from tests.wacc_ref.scenario_support import (
     assert_array_bits,
@@ -422,6 +423,117 @@ def test_trace_violations_accepts_exactly_the_refusals_it_is_given() -> None:
             lines
         )
         assert lines[0].endswith(f", got {refused}") and all(name in lines[0] for name in family)
+
+
+def _edited(trace: ScenarioTrace, position: int, **changes: object) -> ScenarioTrace:
+    """``trace`` with the fields ``changes`` of outcome ``position`` replaced."""
+    outcomes = list(trace.outcomes)
+    outcomes[position] = dataclasses.replace(outcomes[position], **changes)  # type: ignore[arg-type]
+    return ScenarioTrace(outcomes=tuple(outcomes))
+
+
+def _two_checkpoints() -> Scenario:
+    """float32, S = 2: buf [1, 2] and issued 1 at the first checkpoint, buf [5, 10] and issued 2
+    at the second, then a restore (of the second) and a finish."""
+    return make_scenario(
+        (
+            Accumulate.of("sum", 1.0, {"w": [1.0, 2.0]}),
+            Checkpoint(),
+            Accumulate.of("sum", 3.0, {"w": [4.0, 8.0]}),
+            Checkpoint(),
+            Restore(),
+            Finish("sums"),
+        )
+    )
+
+
+def test_trace_violations_names_each_checkpoint_break_and_keeps_earlier_lines() -> None:
+    """A checkpoint record that differs from its state, and a later checkpoint that changed the
+    state (so that its record, unchanged, differs from it too), are each a line naming the step
+    and the field, in step order; no check drops the lines found before it (semantics §9)."""
+    trace = run_reference(_two_checkpoints())
+    assert trace_violations(trace) == []
+    first_record, second_state = trace.outcomes[1].record, trace.outcomes[3].state
+    assert first_record is not None and first_record.issued == 1 and second_state.issued == 2
+    broken = _edited(trace, 1, record=dataclasses.replace(first_record, issued=7))
+    broken = _edited(broken, 3, state=dataclasses.replace(second_state, issued=5, checksum=None))
+    assert trace_violations(broken) == [
+        "step 1 (checkpoint) record.issued: expected 1, got 7",
+        "step 3 (checkpoint) changed state.issued: expected 2, got 5",
+        "step 3 (checkpoint) record.issued: expected 5, got 2",
+    ]
+
+
+def test_trace_violations_compares_a_restore_with_the_latest_checkpoint_record() -> None:
+    """A restore that did not raise must give exactly the latest checkpoint's record: a restored
+    state with another ``issued`` (that of the first checkpoint) is one line naming the restore
+    and the field.  A restore that raised is judged only against the state before it."""
+    trace = run_reference(_two_checkpoints())
+    restored = trace.outcomes[4].state
+    assert restored.issued == 2
+    drifted = dataclasses.replace(restored, issued=1, checksum=None)
+    assert trace_violations(_edited(trace, 4, state=drifted)) == [
+        "step 4 (restore) restored state.issued: expected 2, got 1"
+    ]
+    assert trace_violations(_edited(trace, 4, state=drifted, error="RecordError")) == [
+        "step 4 (restore) raised but changed state.issued: expected 2, got 1"
+    ]
+
+
+def test_trace_violations_reports_a_checkpoint_without_a_record() -> None:
+    """A checkpoint that did not raise but gave no record is one line naming the step; the
+    restore after it then has no record to be compared with, and is not compared."""
+    trace = run_reference(_hand_scenario())
+    assert trace.outcomes[2].op == "checkpoint" and trace.outcomes[4].op == "restore"
+    assert trace_violations(_edited(trace, 2, record=None)) == ["step 2 (checkpoint): no record"]
+
+
+def test_trace_violations_lists_the_allowed_refusals_in_order() -> None:
+    """With two refusals, a corrupted restore that raised neither reads 'expected one of A, B,
+    got X': the refusals in the order given, separated by a comma and a space."""
+    refusals = ("RecordError", "ZeroTotalWeightError")
+    assert trace_violations(_corrupted_restore_raising(None), refusals=refusals) == [
+        "step 3 (restore_corrupted): expected one of RecordError, ZeroTotalWeightError, got None"
+    ]
+
+
+def test_trace_differences_names_skipped_result_and_record_differences() -> None:
+    """A different ``skipped`` flag, a missing finish result, and a checkpoint whose state and
+    record both differ are reported by lines naming the step and the field; a step keeps all of
+    its lines (the state's and the record's)."""
+    trace = run_reference(_hand_scenario())
+    assert trace_differences(trace, _edited(trace, 3, skipped=True)) == [
+        "step 3 (restore_corrupted): skipped expected False, got True"
+    ]
+    assert trace_differences(trace, _edited(trace, 6, result=None)) == [
+        "step 6 (finish_mean): result expected True, got None"
+    ]
+    checkpoint = trace.outcomes[2]
+    assert checkpoint.record is not None and checkpoint.state.issued == 2
+    both = _edited(
+        trace,
+        2,
+        state=dataclasses.replace(checkpoint.state, issued=3, checksum=None),
+        record=dataclasses.replace(checkpoint.record, issued=3),
+    )
+    assert trace_differences(trace, both) == [
+        "step 2 (checkpoint) state.issued: expected 2, got 3",
+        "step 2 (checkpoint) record.issued: expected 2, got 3",
+    ]
+
+
+def test_run_reference_labels_its_trace_and_validates_precision() -> None:
+    """The trace names the reference, its mode and its fused variant ('wacc_ref/<mode>/<variant>');
+    ``precision`` goes to the accumulator, which refuses one below 2 bits or not an int with a
+    message naming the value."""
+    scenario = _two_checkpoints()
+    assert run_reference(scenario).implementation == "wacc_ref/emulated/fma"
+    exact = run_reference(scenario, mode="exact", fused_variant="two_step", precision=2)
+    assert exact.implementation == "wacc_ref/exact/two_step"
+    with pytest.raises(ValueError, match=r"precision.*got 1$"):
+        run_reference(scenario, mode="exact", precision=1)
+    with pytest.raises(TypeError, match=r"precision.*got 'many'"):
+        run_reference(scenario, precision="many")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------

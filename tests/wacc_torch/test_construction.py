@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from wacc_torch import (
     WeightedAccumulationError,
     WeightedGradientsAccumulator,
 )
+from wacc_torch._scalars import as_float64
 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
@@ -140,3 +142,25 @@ def test_state_is_a_frozen_copy() -> None:
     assert before == AccumulatorState(
         dtype=torch.float32, loss_scale=4.0, issued=1, zero_weight=0, total_weight=3.0, fused=False
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param(10**400, math.inf, id="positive-beyond-range"),
+        pytest.param(-(10**400), -math.inf, id="negative-beyond-range"),
+        pytest.param(2**1024, math.inf, id="2**1024"),
+        pytest.param(-(2**1024), -math.inf, id="-2**1024"),
+        # 2**53 + 1 lies halfway between 2**53 and 2**53 + 2: ties to even give 2**53.
+        pytest.param(2**53 + 1, 2.0**53, id="tie-to-even"),
+        pytest.param(-(2**53 + 3), -(2.0**53 + 4), id="negative-tie-to-even"),
+    ],
+)
+def test_an_integer_is_read_as_round_64_with_signed_infinity_beyond_range(
+    value: int, expected: float
+) -> None:
+    """as_float64 of an int is round_64(value) (nearest float64, ties to even), and an int
+    beyond float64's range becomes the infinity of its own sign, never an error."""
+    result = as_float64(value)
+    assert type(result) is float
+    assert result == expected and math.copysign(1.0, result) == math.copysign(1.0, expected)

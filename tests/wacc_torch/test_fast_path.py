@@ -9,6 +9,7 @@ error. The reference here is the order written out tensor by tensor with plain t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -30,6 +31,8 @@ from wacc_torch import (
     ParameterMismatchError,
     WeightedGradientsAccumulator,
 )
+from wacc_torch._binding import binding_of, tracked_parameters
+from wacc_torch._gradients import GradientCheck
 
 Shapes = dict[str, tuple[int, ...]]
 # Small (arena) parameters of several ranks, a 0-d one and two large ones.
@@ -293,3 +296,106 @@ def test_small_groups_take_small_parameters_of_one_device_only() -> None:
     shapes = [torch.Size(s) for s in ((3,), (), (limit,), (limit + 1,), (0,), (2, 2))]
     assert wacc_torch._arena.small_groups(shapes, [cpu] * 6) == {cpu: (0, 2, 5)}
     assert wacc_torch._arena.small_groups(shapes[:2], [cpu] * 2) == {}
+
+
+def test_a_set_missing_only_large_gradients_still_matches_the_per_tensor_order() -> None:
+    """A call whose small gradients are all there but a large one is missing (no cached
+    signature): the small ones, of one dtype or of several, give the per-tensor order's bits."""
+    module = Bag(SHAPES)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=2.0)
+    one_dtype = _gradients(SHAPES, torch.float32, 11, missing=frozenset({"big"}))
+    mixed = _gradients(SHAPES, torch.float32, 12, missing=frozenset({"wide"}))
+    mixed["bias"] = mixed["bias"].to(torch.bfloat16)  # two dtypes among the small ones
+    batches: list[tuple[str, float, dict[str, torch.Tensor]]] = [
+        ("sum", 3, one_dtype),
+        ("mean", 5, mixed),
+        ("mean", 7, one_dtype),
+    ]
+    for kind, weight, grads in batches:
+        getattr(accumulator, f"accumulate_{kind}")(module, weight, grads=grads)
+    result = accumulator.finish_mean()
+    for name, tensor in _spec_order(batches, dtype=torch.float32, loss_scale=2.0).items():
+        actual = result.grads[name]
+        assert actual is not None and tensor is not None, name
+        assert_bitwise_equal(actual, tensor, name)
+
+
+def test_common_dtype_is_the_groups_one_dtype_or_none() -> None:
+    """GradientCheck.common_dtype: the one dtype of a group of the last collected set, None
+    when one of the group is missing or their dtypes differ; the same answers with the set's
+    signature cached (complete set), without it (a gradient missing elsewhere) and after
+    forget() has dropped the cache."""
+    shapes: Shapes = {"a": (3,), "b": (4,), "c": (2, 2), "big": (30, 30)}
+    parameters = tracked_parameters(Bag(shapes))
+    binding = binding_of(parameters)
+    grads = _gradients(shapes, torch.float32, 0)
+    grads["c"] = grads["c"].to(torch.bfloat16)
+    check = GradientCheck()
+
+    def answers(collected: list[torch.Tensor | None]) -> list[torch.dtype | None]:
+        return [
+            check.common_dtype(group, [collected[i] for i in group])
+            for group in ((0, 1), (1, 2), (0, 3), (2,))
+        ]
+
+    complete = check.collect(binding, parameters, grads)
+    assert answers(complete) == [torch.float32, None, torch.float32, torch.bfloat16]
+    again = check.collect(binding, parameters, grads)  # the cached signature
+    assert answers(again) == [torch.float32, None, torch.float32, torch.bfloat16]
+    check.forget()
+    assert answers(again) == [torch.float32, None, torch.float32, torch.bfloat16]
+    no_big = check.collect(binding, parameters, {k: v for k, v in grads.items() if k != "big"})
+    assert answers(no_big) == [torch.float32, None, None, torch.bfloat16]
+    no_a = check.collect(binding, parameters, {k: v for k, v in grads.items() if k != "a"})
+    assert answers(no_a) == [None, None, None, torch.bfloat16]
+
+
+def test_an_arena_of_multi_dimensional_parameters_adds_like_tensor_by_tensor() -> None:
+    """Small parameters that are all at least 2-d share one arena and a complete set of their
+    gradients is added as one tensor: the sums are each parameter's own, bit for bit."""
+    shapes: Shapes = {"m": (3, 4), "n": (2, 5), "k": (2, 2, 2)}
+    module = Bag(shapes)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    first, second = _gradients(shapes, torch.float32, 1), _gradients(shapes, torch.float32, 2)
+    accumulator.accumulate_sum(module, 1, grads=first)
+    accumulator.accumulate_sum(module, 1, grads=second)
+    sums = accumulator.finish_sums().grads
+    storages = {
+        tensor.untyped_storage().data_ptr() for tensor in sums.values() if tensor is not None
+    }
+    assert len(storages) == 1, "the three small buffers should be views of one arena"
+    for name, shape in shapes.items():
+        expected = torch.zeros(shape).add_(first[name]).add_(second[name])
+        actual = sums[name]
+        assert actual is not None
+        assert_bitwise_equal(actual, expected, name)
+
+
+def test_a_loaded_record_becomes_contiguous_copies_on_the_parameters_device() -> None:
+    """load_state_dict copies the record's buffers (arena members and the others) onto each
+    parameter's device as contiguous tensors: a transposed tensor in the record comes back
+    dense, accumulating afterwards leaves the record as it was, and a module on the meta device
+    gets meta buffers (semantics §9: on the parameters' devices, as copies)."""
+    module = Bag(SHAPES)
+    first = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    first.accumulate_sum(module, 2, grads=_gradients(SHAPES, torch.float32, 3))
+    record = first.state_dict()
+    big = record["pending"]["big"]
+    record["pending"]["big"] = big.t().contiguous().t()  # same values, transposed
+    assert not record["pending"]["big"].is_contiguous()
+    kept = copy.deepcopy(record)
+    second = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    second.load_state_dict(record, module)
+    restored = second._mode.window.pending
+    assert set(restored) == set(SHAPES)
+    for name, buffer in restored.items():
+        assert buffer.is_contiguous(), name
+        assert_bitwise_equal(buffer, kept["pending"][name], name)
+    second.accumulate_sum(module, 1, grads=_gradients(SHAPES, torch.float32, 4))
+    assert_records_equal(record, kept)
+
+    third = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    third.load_state_dict(kept, Bag(SHAPES).to("meta"))
+    for name, buffer in third.finish_sums().grads.items():
+        assert buffer is not None and buffer.device.type == "meta", name
+        assert buffer.shape == SHAPES[name], name

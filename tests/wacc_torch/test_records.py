@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -537,3 +538,163 @@ def test_a_snapshot_of_meta_buffers_is_refused_like_state_dict(checksum: bool) -
     assert str(from_async.value) == str(from_state_dict.value)
     assert accumulator.state == before
     assert accumulator.finish_sums().grads["second.bias"].device.type == "meta"
+
+
+def _resealed(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its checksum recomputed (edited on purpose: only the field check can
+    refuse it)."""
+    record[CHECKSUM_KEY] = record_checksum_of(record)
+    return record
+
+
+def test_one_positive_batch_with_a_zero_total_weight_is_refused() -> None:
+    """After a single positive-weight batch W > 0 (semantics §9: "if some batch had positive
+    weight, then W > 0"): a sealed record with issued=1, zero_weight=0 and total_weight 0.0
+    raises RecordError naming total_weight, and the target is unchanged."""
+    module = TwoLayer()
+    source = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    source.accumulate_sum(module, 2, grads={"second.bias": torch.tensor([1.5, -2.0])})
+    record = source.state_dict()
+    assert (record["issued"], record["zero_weight"]) == (1, 0)
+    record["total_weight"] = 0.0
+    _resealed(record)
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    before = target.state_dict()
+    with pytest.raises(RecordError, match=r"total_weight.*\b0\.0\b"):
+        target.load_state_dict(record, TwoLayer())
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize(
+    ("index", "entry"),
+    [
+        pytest.param(3, [2.0], id="float-size"),
+        pytest.param(3, 2, id="int-not-a-list"),
+        pytest.param(1, [-3], id="negative-size"),
+        pytest.param(0, {3: 4}, id="dict"),
+    ],
+)
+def test_bad_param_shapes_entry_is_named_by_index_and_value(index: int, entry: object) -> None:
+    """An entry of param_shapes that is not a list of non-negative ints (a float size equal to
+    the parameter's, a bare int, a negative size, a dict) raises RecordError naming the field,
+    the entry's index and the entry itself (semantics §9: shapes are lists of non-negative
+    ints)."""
+    record = _filled(TwoLayer()).state_dict()
+    record["param_shapes"][index] = entry
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    before = target.state_dict()
+    pattern = rf"'param_shapes'\[{index}\].*{re.escape(repr(entry))}"
+    with pytest.raises(RecordError, match=pattern):
+        target.load_state_dict(record, TwoLayer())
+    assert_unchanged(target, before)
+
+
+class _WithEmpty(nn.Module):
+    """A parameter with no elements (shape [2, 0]) next to an ordinary one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(2, 0))
+        self.bias = nn.Parameter(torch.zeros(3))
+
+
+def test_a_parameter_with_no_elements_round_trips_through_a_record() -> None:
+    """A size of 0 is a non-negative int (semantics §9): a window with a pending buffer of
+    shape [2, 0] gives a sealed record listing that shape, and the record loads into a fresh
+    accumulator, which then finishes to the same sums as the original."""
+    original = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    grads = {"empty": torch.zeros(2, 0), "bias": torch.tensor([1.0, -0.5, 0.25])}
+    original.accumulate_sum(_WithEmpty(), 3, grads=grads)
+    record = original.state_dict()
+    assert record["param_shapes"] == [[2, 0], [3]]
+    assert record["pending"]["empty"].shape == (2, 0)
+    assert record[CHECKSUM_KEY] == record_checksum_of(record)
+    restored = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    restored.load_state_dict(record, _WithEmpty())
+    assert_records_equal(restored.state_dict(), record)
+    expected, actual = original.finish_sums(), restored.finish_sums()
+    assert actual.grads["empty"].shape == (2, 0)
+    assert_bitwise_equal(actual.grads["bias"], expected.grads["bias"], "bias")
+
+
+@pytest.mark.parametrize(
+    "names", [pytest.param(4, id="int"), pytest.param(dict.fromkeys(_NAMES), id="dict")]
+)
+def test_param_names_that_is_not_a_list_is_refused_naming_it(names: object) -> None:
+    """param_names must be a list of str (semantics §9): an int, or a dict whose keys are
+    exactly the module's names, raises RecordError naming the field and the value."""
+    record = _filled(TwoLayer()).state_dict()
+    record["param_names"] = names
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    before = target.state_dict()
+    with pytest.raises(RecordError, match=rf"'param_names'.*{re.escape(repr(names))}"):
+        target.load_state_dict(record, TwoLayer())
+    assert_unchanged(target, before)
+
+
+def test_param_names_with_a_name_the_module_lacks_is_refused_naming_it() -> None:
+    """A record listing every parameter of the module plus one it lacks (with a shape for it)
+    does not bind exactly the module's parameters (semantics §9): RecordError naming
+    param_names and the missing name."""
+    record = _filled(TwoLayer()).state_dict()
+    record["param_names"] = [*_NAMES, "third.weight"]
+    record["param_shapes"] = [*_SHAPES, [1]]
+    _resealed(record)
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    before = target.state_dict()
+    with pytest.raises(RecordError, match=r"param_names.*'third\.weight'"):
+        target.load_state_dict(record, TwoLayer())
+    assert_unchanged(target, before)
+
+
+def test_an_unknown_dtype_is_refused_naming_it_and_the_work_dtypes() -> None:
+    """A record dtype that is no work dtype raises RecordError naming the field, the value and
+    each of the four work dtypes of semantics §2 as a word of its own."""
+    record = _filled(TwoLayer()).state_dict()
+    record["dtype"] = "int8"
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    with pytest.raises(RecordError, match=r"'dtype'.*'int8'") as caught:
+        target.load_state_dict(record, TwoLayer())
+    for name in ("float64", "float32", "float16", "bfloat16"):
+        assert re.search(rf"(?<![\w.]){name}(?!\w)", str(caught.value)), name
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        pytest.param(_set("pending", [1]), r"'pending'.*\blist\b", id="pending-a-list"),
+        pytest.param(
+            _set_pending("second.bias", [1.5, -2.0]),
+            r"'pending'\['second\.bias'\].*\blist\b",
+            id="buffer-a-list",
+        ),
+        pytest.param(
+            _set_pending("second.bias", (1.5, -2.0)),
+            r"'pending'\['second\.bias'\].*\btuple\b",
+            id="buffer-a-tuple",
+        ),
+    ],
+)
+def test_a_pending_of_the_wrong_type_is_refused_naming_the_type(
+    mutate: Callable[[dict[str, Any]], None], pattern: str
+) -> None:
+    """A pending that is not a dict, or a pending buffer that is not a tensor, raises
+    RecordError naming the field (and the buffer's name) and the type it got."""
+    record = _filled(TwoLayer()).state_dict()
+    mutate(record)
+    target = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    with pytest.raises(RecordError, match=pattern):
+        target.load_state_dict(record, TwoLayer())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_checksum_does_not_depend_on_the_buffers_device(device: str) -> None:
+    """The checksum hashes values, not where they live (semantics §9 Reading): the record's
+    pending buffers moved to ``device`` give the same checksum, and the moved record loads
+    (its checksum verified) into a module on that device."""
+    record = _filled(TwoLayer()).state_dict()
+    moved = {**record, "pending": {k: v.to(device) for k, v in record["pending"].items()}}
+    assert record_checksum_of(moved) == record[CHECKSUM_KEY]
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    accumulator.load_state_dict(moved, TwoLayer(device))
+    assert_records_equal(accumulator.state_dict(), record)
