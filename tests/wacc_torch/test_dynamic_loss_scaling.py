@@ -265,6 +265,7 @@ def test_set_loss_scale_mid_window_is_refused_and_changes_nothing(
         (True, InvalidLossScaleError, "True"),
         ("2", InvalidLossScaleError, "'2'"),
     ],
+    ids=["beyond-float16", "zero", "nan", "inexact", "bool", "str"],
 )
 def test_a_bad_loss_scale_is_refused_like_the_constructors(
     mode: Mode, value: object, error: type[Exception], message: str

@@ -208,6 +208,7 @@ def test_backoff_below_the_bottom_of_d_keeps_the_scale_or_takes_min_scale(
         ({"dtype": torch.int32}, WeightedAccumulationError, "int32"),
         ({"dtype": "float16"}, TypeError, "float16"),
     ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else '',
 )  # fmt: skip
 def test_bad_options_are_refused_naming_the_value(
     options: dict[str, Any], error: type[Exception], message: str
