@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import gmpy2
 import mpmath
@@ -25,13 +26,79 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 _MUTMUT_DURATIONS = mutant.read_durations()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+_STAGES = pytest.StashKey[list[list[str]]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> bool | None:
+    """Under mutmut, collect a mutant's covering tests in stages, fastest first
+    (``mutant.stages``): only the first stage now, the next ones in ``pytest_runtestloop`` once
+    every test before them passed. Any other run (CI, a developer's, mutmut's stats and clean
+    runs, an argument that is not a node id) collects as usual."""
+    args = session.config.args
+    if not (mutant.under_mutant() and _MUTMUT_DURATIONS and all("::" in arg for arg in args)):
+        return None
+    if not isinstance(getattr(session._fixturemanager, "_pending_conftests", None), dict):
+        return None  # a pytest whose fixture manager works otherwise: collect as usual
+    cuts = mutant.stages(args, _MUTMUT_DURATIONS)
+    session.config.stash[_STAGES] = cuts
+    session.perform_collect(cuts[0])
+    return True
+
+
+def _conftests_pending_again(session: pytest.Session) -> None:
+    """pytest parses a conftest's fixtures when its directory is first collected, onto that
+    collection's directory node; a later collection makes new nodes, which would see none of
+    them. Mark every conftest pending again, as pytest did when it registered them."""
+    pending = session._fixturemanager._pending_conftests
+    for name, plugin in session.config.pluginmanager.list_name_plugin():
+        if name and name.endswith("conftest.py"):
+            pending[Path(name).absolute().parent] = plugin
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """Run the staged collection's tests, one stage after another (pytest's own loop otherwise).
+    A failure or a collection error stops the run as ``-x`` would: mutmut reads the exit code."""
+    cuts = session.config.stash.get(_STAGES, None)
+    if cuts is None:
+        return None
+    for index, cut in enumerate(cuts):
+        if index:
+            _conftests_pending_again(session)
+        items = session.items if index == 0 else session.perform_collect(cut)
+        if session.testsfailed:
+            raise session.Interrupted(f"collection of stage {index + 1} failed")
+        for position, item in enumerate(items):
+            nextitem = items[position + 1] if position + 1 < len(items) else None
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+    return True
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--campaigns",
+        action="store_true",
+        help="also run the tests marked `campaign` (minutes each; `tox -e nightly` runs them)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under mutmut, run a mutant's covering tests fastest first. mutmut passes them in set order
     and stops at the first failure (``-x``), so a killed mutant otherwise often waits for a slow
     test that a fast one would have beaten; a survivor runs them all either way, so the verdicts
     are the same (the tests are independent: the suite passes in any order under xdist)."""
     if mutant.under_mutant() and _MUTMUT_DURATIONS:
         items[:] = mutant.fastest_first(items, _MUTMUT_DURATIONS)
+    if not config.getoption("--campaigns"):
+        skip = pytest.mark.skip(reason="a campaign: run with --campaigns (tox -e nightly)")
+        for item in items:
+            if item.get_closest_marker("campaign"):
+                item.add_marker(skip)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

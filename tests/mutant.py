@@ -41,3 +41,27 @@ def fastest_first(items: Sequence[_Item], durations: dict[str, float]) -> list[_
     """The items by recorded duration, fastest first; one never timed goes last (stable)."""
     unknown = max(durations.values(), default=0.0) + 1.0
     return sorted(items, key=lambda item: durations.get(item.nodeid, unknown))
+
+
+FIRST_STAGE = 16  # node ids collected before the first test runs; each later stage is 4x larger
+
+
+def stages(node_ids: Sequence[str], durations: dict[str, float]) -> list[list[str]]:
+    """The node ids fastest first, cut into stages of 16, 64, 256, ... ids (the last takes the
+    rest): a mutant's pytest collects a stage only once the one before it passed.
+
+    Collecting every covering test (a core function has 500 to 750) costs about a second in each
+    forked worker, more than running the test that kills a typical mutant; with stages, a mutant
+    killed by one of its fastest tests collects a few modules instead of 30. A survivor still runs
+    every id, in the same order, so the verdicts are the same.
+    """
+    unknown = max(durations.values(), default=0.0) + 1.0
+    ordered = sorted(node_ids, key=lambda node_id: durations.get(node_id, unknown))
+    cuts: list[list[str]] = []
+    size = FIRST_STAGE
+    while ordered:
+        last = len(ordered) <= 2 * size  # no stage of a few stragglers: the last takes them
+        cuts.append(ordered if last else ordered[:size])
+        ordered = [] if last else ordered[size:]
+        size *= 4
+    return cuts

@@ -93,3 +93,102 @@ def test_every_test_mutmut_runs_has_an_id_it_can_pass_back() -> None:
     assert len(ids) > 1000
     bad = [i for i in ids if "\\" in i or not i.isascii() or not i.isprintable()]
     assert not bad, bad[:5]
+
+
+def test_stages_cover_every_id_once_fastest_first_in_growing_stages() -> None:
+    """The stages are the ids sorted by duration (untimed last, stable), cut into 16, 64, 256,
+    ... ids, the last stage taking a remainder of up to twice its size: every id exactly once."""
+    ids = [f"t.py::t{n}" for n in range(500)]
+    durations = {node_id: float(500 - n) for n, node_id in enumerate(ids[:400])}
+    cuts = mutant.stages(ids, durations)
+    assert [len(cut) for cut in cuts] == [16, 64, 420]
+    flat = [node_id for cut in cuts for node_id in cut]
+    assert flat == ids[:400][::-1] + ids[400:]
+    assert mutant.stages(ids[:40], {}) == [ids[:16], ids[16:40]]
+    assert mutant.stages(ids[:32], {}) == [ids[:32]]
+    assert mutant.stages([], {}) == []
+
+
+_STAGED_SUITE = {
+    "tests/__init__.py": "",
+    "tests/deep/__init__.py": "",
+    "tests/deep/conftest.py": (
+        "import pytest\n\n@pytest.fixture\ndef deep_value():\n    return 7\n"
+    ),
+    "tests/deep/test_deep.py": (
+        "import os, pathlib\n\n"
+        "def _log(name):\n"
+        "    with pathlib.Path(os.environ['STAGE_LOG']).open('a') as f:\n"
+        "        f.write(name + '\\n')\n\n"
+        "{tests}\n"
+    ),
+}
+
+
+def _staged_suite(tmp_path: Path, failing: int | None) -> list[str]:
+    """A small suite in ``tmp_path`` with this repository's conftest and ``tests/mutant.py``:
+    40 tests in a directory whose own conftest holds a fixture (parsed again for each stage),
+    test ``n`` lasting ``40 - n`` by the stats file, so fastest first is the reverse order."""
+    import shutil
+
+    repo_tests = Path(__file__).resolve().parents[1]
+    for name, text in _STAGED_SUITE.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tests = "\n".join(
+            f"def test_{n}(deep_value):\n    _log('test_{n}')\n    assert deep_value == 7"
+            + (" and False" if n == failing else "")
+            + "\n"
+            for n in range(40)
+        )
+        path.write_text(text.replace("{tests}", tests), encoding="utf-8")
+    shutil.copy(repo_tests / "conftest.py", tmp_path / "tests" / "conftest.py")
+    shutil.copy(repo_tests / "mutant.py", tmp_path / "tests" / "mutant.py")
+    ids = [f"tests/deep/test_deep.py::test_{n}" for n in range(40)]
+    stats = {"duration_by_test": {node_id: float(40 - n) for n, node_id in enumerate(ids)}}
+    (tmp_path / "mutmut-stats.json").write_text(json.dumps(stats), encoding="utf-8")
+    return ids
+
+
+def _run_staged(tmp_path: Path, ids: list[str], mutant_name: str | None) -> tuple[int, list[str]]:
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "stage.log"
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, STAGE_LOG=str(log), PYTHONPATH=str(tmp_path))
+    env.pop("MUTANT_UNDER_TEST", None)
+    if mutant_name is not None:
+        env["MUTANT_UNDER_TEST"] = mutant_name
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+         "--rootdir", str(tmp_path), "-c", "/dev/null", *ids],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    ran = log.read_text(encoding="utf-8").split() if log.exists() else []
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    return result.returncode, ran
+
+
+def test_staged_collection_runs_what_pytest_runs_fastest_first(tmp_path: Path) -> None:
+    """Under a mutant, a suite that passes runs every given test once, fastest first, across
+    stages (16 then 24 tests), with a later stage still seeing its directory's conftest fixture;
+    without a mutant the same ids run in pytest's own order. Exit 0 both ways."""
+    ids = _staged_suite(tmp_path, failing=None)
+    code, ran = _run_staged(tmp_path, ids, "pkg.mod.x_f__mutmut_1")
+    assert code == 0
+    assert ran == [f"test_{n}" for n in reversed(range(40))]
+    code, ran = _run_staged(tmp_path, ids, None)
+    assert code == 0
+    assert ran == [f"test_{n}" for n in range(40)]
+
+
+@pytest.mark.parametrize("failing", [30, 5], ids=["stage-1", "stage-2"])
+def test_staged_collection_stops_at_the_first_failure_like_x(tmp_path: Path, failing: int) -> None:
+    """A failing test in any stage ends the run with exit 1 right after it, as ``-x`` does
+    without stages: the mutant counts as killed, and no later stage is collected or run."""
+    ids = _staged_suite(tmp_path, failing=failing)
+    code, ran = _run_staged(tmp_path, ids, "pkg.mod.x_f__mutmut_1")
+    assert code == 1
+    assert ran == [f"test_{n}" for n in reversed(range(failing, 40))]
