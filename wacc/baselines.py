@@ -24,6 +24,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
+from wacc.implementation import wacc_torch_loss_scaler
 from wacc_ref.records import RECORD_KEYS
 from wacc_torch import (
     FORMAT_VERSION,
@@ -106,13 +107,8 @@ class SpecAccumulator:
     def __init__(self, *, dtype: torch.dtype, loss_scale: float) -> None:
         if dtype not in _WORK_DTYPES.values():
             raise WeightedAccumulationError(f"unsupported work dtype {dtype!r}")
-        scale = _finite(loss_scale)
-        if scale is None or scale <= 0 or scale != loss_scale or _conv(scale, dtype) != scale:
-            raise InvalidLossScaleError(
-                f"loss_scale {loss_scale!r} is not a finite float > 0 exact in {dtype}"
-            )
         self.dtype = dtype
-        self.loss_scale = scale
+        self.loss_scale = self.checked_scale(loss_scale)
         self.names: tuple[str, ...] = ()  # the tracked set; () while unbound
         self.shapes: tuple[torch.Size, ...] = ()
         self.pending: dict[str, torch.Tensor] = {}
@@ -121,6 +117,25 @@ class SpecAccumulator:
         self.total_weight = 0.0
 
     # ------------------------------------------------------------------ hooks
+    def checked_scale(self, loss_scale: object) -> float:
+        """A loss scale of D (semantics §4), or InvalidLossScaleError naming it."""
+        scale = _finite(loss_scale)
+        if scale is None or scale <= 0 or scale != loss_scale or _conv(scale, self.dtype) != scale:
+            raise InvalidLossScaleError(
+                f"loss_scale {loss_scale!r} is not a finite float > 0 exact in {self.dtype}"
+            )
+        return scale
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """semantics §13: the next window's scale, only while the window is empty."""
+        scale = self.checked_scale(loss_scale)
+        if self.issued:
+            raise InvalidLossScaleError(
+                f"set_loss_scale({loss_scale!r}) on a window of {self.issued} microbatch(es) "
+                f"under loss scale {self.loss_scale!r}"
+            )
+        self.loss_scale = scale
+
     @property
     def buffer_dtype(self) -> torch.dtype:
         """The dtype of the pending buffers: D."""
@@ -469,3 +484,9 @@ def scale_times_weight(dtype: torch.dtype, loss_scale: float) -> SpecAccumulator
 def fused_undeclared(dtype: torch.dtype, loss_scale: float) -> SpecAccumulator:
     """One-pass ``add_(g, alpha=w)`` claiming the reproducible order (:class:`FusedUndeclared`)."""
     return FusedUndeclared(dtype=dtype, loss_scale=loss_scale)
+
+
+# Every baseline pairs its accumulator with wacc_torch's window loss scaler (the feature
+# ``loss_scaler`` of wacc.implementation), so the dynamic-scaling family judges the accumulator.
+for _factory in (spec_accumulator, pixparse_loop, scale_times_weight, fused_undeclared):
+    _factory.loss_scaler = wacc_torch_loss_scaler  # type: ignore[attr-defined]

@@ -34,6 +34,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "invalid_weights",
     "interruptions",
     "non_finite",
+    "dynamic_scaling",
     MACHINE,
 )
 
@@ -53,4 +54,8 @@ FEATURES: Mapping[str, str] = {
     "checksum": "records without an integrity check",
     "found_inf": "finished results without found_inf, so an overflowing window cannot be skipped "
     "(dynamic loss scaling) and found_inf is not judged",
+    "set_loss_scale": "no set_loss_scale, so the loss scale cannot change between windows and "
+    "the set_loss_scale steps are not run",
+    "loss_scaler": "no window loss scaler (the factory's loss_scaler attribute), so the "
+    "update_scaler steps are not run",
 }

@@ -18,7 +18,13 @@ allowed with ``--allow-missing FEATURE``):
   for an implementation with records, and without it the corruptions only an integrity check
   can refuse are skipped;
 * ``found_inf``: a bool ``found_inf`` on every finished result (semantics §7), found by
-  finishing the probe's empty window; judged against the result's own gradients.
+  finishing the probe's empty window; judged against the result's own gradients;
+* ``set_loss_scale``: ``set_loss_scale(loss_scale)`` on the accumulator (semantics §13);
+* ``loss_scaler``: the window loss scaler of dynamic-scaling scenarios, the factory's attribute
+  ``loss_scaler``: called as ``loss_scaler(dtype, init_scale, **options)`` with the options of
+  :class:`wacc_ref.scenario.ScalerOptions`, it returns an object with ``wacc_torch``'s
+  ``WindowLossScaler`` API (``scale``, ``update(found_inf)``, ``state_dict()``,
+  ``load_state_dict(state)``). The three ``wacc_torch`` factories have it.
 
 Errors are judged by class: an exception counts as the §11 error ``RecordError`` (etc.) when it
 is that ``wacc_torch`` class or a subclass, or when a class of that name is in its MRO, so an
@@ -58,6 +64,7 @@ __all__ = [
     "error_class",
     "load_implementation",
     "wacc_torch_fused",
+    "wacc_torch_loss_scaler",
     "wacc_torch_reproducible",
     "wacc_torch_zero_copy",
 ]
@@ -68,6 +75,7 @@ CORE_METHODS: tuple[str, ...] = ("accumulate_sum", "accumulate_mean", "finish_su
 FEATURE_METHODS: Mapping[str, tuple[str, ...]] = {
     "records": ("state_dict", "load_state_dict"),
     "async_records": ("state_dict_async",),
+    "set_loss_scale": ("set_loss_scale",),
 }
 # The semantics' error classes, most specific first (the base class last).
 SEMANTICS_ERRORS: tuple[str, ...] = (
@@ -121,6 +129,16 @@ def wacc_torch_zero_copy(dtype: torch.dtype, loss_scale: float) -> Any:
     )
 
 
+def wacc_torch_loss_scaler(dtype: torch.dtype, init_scale: float, **options: Any) -> Any:
+    """``wacc_torch.WindowLossScaler`` for work dtype ``dtype`` (the ``loss_scaler`` of the
+    ``wacc_torch`` factories)."""
+    return wacc_torch.WindowLossScaler(init_scale, **options, dtype=dtype)
+
+
+for _factory in (wacc_torch_reproducible, wacc_torch_fused, wacc_torch_zero_copy):
+    _factory.loss_scaler = wacc_torch_loss_scaler  # type: ignore[attr-defined]
+
+
 def error_class(exc: BaseException) -> str | None:
     """The §11 error class name ``exc`` counts as, or None when it is not an error of §11."""
     names = {cls.__name__ for cls in type(exc).__mro__}
@@ -143,6 +161,10 @@ class Implementation:
     def make(self, dtype: torch.dtype, loss_scale: float) -> Any:
         """A fresh accumulator (the factory's exceptions propagate)."""
         return self.factory(dtype, loss_scale)
+
+    def make_scaler(self, dtype: torch.dtype, init_scale: float, **options: Any) -> Any:
+        """A fresh window loss scaler (feature ``loss_scaler``; its exceptions propagate)."""
+        return self.factory.loss_scaler(dtype, init_scale, **options)  # type: ignore[attr-defined]
 
     def supports(self, feature: str) -> bool:
         """Whether the implementation has ``feature`` (its methods; for checksum, the probe's)."""
@@ -237,6 +259,8 @@ def load_implementation(spec: str) -> Implementation:
     )
     if not _reports_found_inf(probe):
         missing += ("found_inf",)
+    if not callable(getattr(factory, "loss_scaler", None)):
+        missing += ("loss_scaler",)
     integrity = None
     if "records" not in missing:
         integrity = probe_integrity(factory, refusal=lambda exc: error_class(exc) is not None)

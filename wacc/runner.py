@@ -46,10 +46,19 @@ from wacc.integrity import (
 )
 from wacc.modules import module_of
 from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
-from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, Scenario
+from wacc_ref.scenario import (
+    Accumulate,
+    Checkpoint,
+    Finish,
+    Restore,
+    Scenario,
+    SetLossScale,
+    UpdateScaler,
+)
 from wacc_ref.traces import (
     FinishOutcome,
     RecordSnapshot,
+    ScalerSnapshot,
     ScenarioTrace,
     StepOutcome,
     finish_outcome,
@@ -158,17 +167,38 @@ class ImplementationRun:
         self.device = device
         self._scratch = scratch
         self._dtype = TORCH_DTYPES[scenario.work_dtype]
-        self.accumulator, self.module = self._fresh()
+        self._scale = scenario.loss_scale  # in force: the last one set without an error
+        self.accumulator, self.module = self._fresh(self._scale)
+        # The implementation's window loss scaler, made with the run as a loop makes it.
+        self.scaler: Any = None
+        if scenario.scaler is not None and implementation.supports("loss_scaler"):
+            self.scaler = self._fresh_scaler()
         self._latest: Any = None  # a record, or an async handle not resolved yet
+        self._latest_scale = scenario.loss_scale
+        self._latest_scaler: Any = None  # the scaler's state_dict() at the latest checkpoint
         self._unresolved: dict[int, tuple[Any, RecordSnapshot]] = {}  # handle, its moment
         self._records: dict[int, RecordSnapshot] = {}
         self.outcomes: list[StepOutcome] = []
         self.messages: dict[int, str] = {}  # step index -> the exception's message
         self.schema = False  # set by the first record taken
 
-    def _fresh(self) -> tuple[Any, nn.Module]:
-        accumulator = self.implementation.make(self._dtype, self.scenario.loss_scale)
+    def _fresh(self, loss_scale: float) -> tuple[Any, nn.Module]:
+        accumulator = self.implementation.make(self._dtype, loss_scale)
         return accumulator, build_module(self.scenario.params, device=self.device)
+
+    def _fresh_scaler(self) -> Any:
+        options = self.scenario.scaler
+        assert options is not None  # Scenario validation: update_scaler needs a scaler
+        return self.implementation.make_scaler(
+            self._dtype, self.scenario.loss_scale, **options.as_kwargs()
+        )
+
+    def _scaler_snapshot(self, applied: object) -> ScalerSnapshot:
+        scale = self.scaler.scale
+        # A tensor scale is read as its value; anything else is compared as it is.
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = float(scale.item())
+        return ScalerSnapshot(applied=applied, scale=scale)
 
     def _resolve_latest(self) -> Any:
         if not isinstance(self._latest, Mapping) and hasattr(self._latest, "result"):
@@ -233,8 +263,13 @@ class ImplementationRun:
         error: str | None = None
         skipped = False
         result: FinishOutcome | None = None
+        scaler: ScalerSnapshot | None = None
         try:
-            if not isinstance(step, Accumulate | Finish) and not self.implementation.supports(
+            if isinstance(step, SetLossScale | UpdateScaler):
+                feature = "set_loss_scale" if isinstance(step, SetLossScale) else "loss_scaler"
+                if not self.implementation.supports(feature):
+                    raise _Unsupported(feature)
+            elif not isinstance(step, Accumulate | Finish) and not self.implementation.supports(
                 "records"
             ):
                 raise _Unsupported("records")
@@ -268,10 +303,25 @@ class ImplementationRun:
                 else:
                     self._latest = self.accumulator.state_dict()
                     self._records[index] = self._snapshot(self._latest)
+                self._latest_scale = self._scale
+                if self.scaler is not None:
+                    self._latest_scaler = self.scaler.state_dict()
             elif isinstance(step, Restore):
                 record = self._round_trip(self._resolve_latest())
-                self.accumulator, self.module = self._fresh()
+                self.accumulator, self.module = self._fresh(self._latest_scale)
                 self.accumulator.load_state_dict(record, self.module)
+                self._scale = self._latest_scale
+                if self._latest_scaler is not None:
+                    # As a training loop resumes: a fresh scaler loads the state saved with the
+                    # checkpoint, through the same real file.
+                    self.scaler = self._fresh_scaler()
+                    self.scaler.load_state_dict(self._round_trip(self._latest_scaler))
+                    scaler = self._scaler_snapshot(None)
+            elif isinstance(step, SetLossScale):
+                self.accumulator.set_loss_scale(step.loss_scale)
+                self._scale = step.loss_scale
+            elif isinstance(step, UpdateScaler):
+                scaler = self._scaler_snapshot(self.scaler.update(step.found_inf))
             else:
                 record = self._resolve_latest()
                 if follows_schema(record):
@@ -299,6 +349,7 @@ class ImplementationRun:
             skipped=skipped,
             state=self._state(),
             result=result,
+            scaler=scaler,
         )
         self.outcomes.append(outcome)
         return outcome

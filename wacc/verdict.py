@@ -174,6 +174,7 @@ class _Term:
     kind: str
     weight: float
     grads: dict[str, np.ndarray | None]
+    loss_scale: float  # the window's (semantics §13: one scale for every batch of a window)
 
 
 def _windows(scenario: Scenario, expected: ScenarioTrace) -> list[list[_Term] | None]:
@@ -186,7 +187,10 @@ def _windows(scenario: Scenario, expected: ScenarioTrace) -> list[list[_Term] | 
         current: list[_Term] | None = None
         if isinstance(step, Accumulate):
             if outcome.error is None:
-                window = [*window, _Term(step.kind, step.weight, scenario.grad_arrays(step))]
+                term = _Term(
+                    step.kind, step.weight, scenario.grad_arrays(step), outcome.state.loss_scale
+                )
+                window = [*window, term]
             current = window
         elif isinstance(step, Finish):
             if outcome.error is None:
@@ -204,6 +208,7 @@ def _exact_and_bound(
 ) -> tuple[list[Fraction], np.ndarray] | None:
     """The exact value and the bound of parameter ``name`` over ``terms``; None if untouched."""
     dtype = scenario.work_dtype
+    loss_scale = terms[0].loss_scale if terms else scenario.loss_scale
     grads = [term.grads.get(name) for term in terms]
     weights = [term.weight for term in terms]
     try:
@@ -212,7 +217,7 @@ def _exact_and_bound(
             grads=grads,
             weights=weights,
             dtype=dtype,
-            loss_scale=scenario.loss_scale,
+            loss_scale=loss_scale,
             normalized=normalized,
         )
     except BoundArgumentError:
@@ -232,7 +237,7 @@ def _exact_and_bound(
             if exact is not None:  # a NaN/inf gradient: the bound is +inf there, never read
                 total[position] += exact * Fraction(multiplier)
     if normalized:
-        total = [x / Fraction(scenario.loss_scale) / weight_sum for x in total]
+        total = [x / Fraction(loss_scale) / weight_sum for x in total]
     return total, bound
 
 

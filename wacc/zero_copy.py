@@ -177,6 +177,10 @@ class ZeroCopyAdapter:
         self._release()
         return result
 
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """The accumulator's ``set_loss_scale`` (no block is open between calls)."""
+        self._accumulator.set_loss_scale(loss_scale)
+
     def state_dict(self) -> dict[str, Any]:
         """The zero-copy accumulator's record (the buffered mode's schema)."""
         return self._accumulator.state_dict()

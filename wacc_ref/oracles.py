@@ -23,8 +23,10 @@ exactly the semantics' set.  For float32/float64 on CPU the fused result is the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,10 +36,20 @@ from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_ref.arith import fused_mean_step_accepts, fused_mean_step_candidates
 from wacc_ref.corruption import applicable_corruptions, corrupt_record
 from wacc_ref.errors import WeightedAccumulationError
-from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, Scenario
+from wacc_ref.scaler import ReferenceLossScaler
+from wacc_ref.scenario import (
+    Accumulate,
+    Checkpoint,
+    Finish,
+    Restore,
+    Scenario,
+    SetLossScale,
+    UpdateScaler,
+)
 from wacc_ref.traces import (
     FinishOutcome,
     RecordSnapshot,
+    ScalerSnapshot,
     ScenarioTrace,
     StepOutcome,
     finish_outcome,
@@ -157,11 +169,11 @@ def found_inf_violations(trace: ScenarioTrace) -> list[str]:
 
 def _reference_factory(
     scenario: Scenario, *, mode: str, fused_variant: str, precision: int
-) -> Callable[[], ReferenceAccumulator]:
-    def fresh() -> ReferenceAccumulator:
+) -> Callable[[float], ReferenceAccumulator]:
+    def fresh(loss_scale: float) -> ReferenceAccumulator:
         return ReferenceAccumulator(
             dtype=scenario.work_dtype,
-            loss_scale=scenario.loss_scale,
+            loss_scale=loss_scale,
             fused=scenario.fused,
             fused_variant=fused_variant,
             mode=mode,
@@ -171,57 +183,93 @@ def _reference_factory(
     return fresh
 
 
-def _run_step(
-    scenario: Scenario,
-    index: int,
-    accumulator: ReferenceAccumulator,
-    latest: Mapping[str, Any] | None,
-    fresh: Callable[[], ReferenceAccumulator],
-) -> tuple[StepOutcome, ReferenceAccumulator, Mapping[str, Any] | None]:
-    """Run step ``index`` on ``accumulator``; return its outcome, the accumulator to continue
-    with (a fresh one after a restore) and the latest checkpoint record."""
+@dataclass
+class _ReferenceRun:
+    """The reference's side of a run between steps: the accumulator, the loss scale in force
+    (the last one set without an error), the latest checkpoint (its record, that scale, and a
+    copy of the scaler), and the scenario's scaler (None without one)."""
+
+    accumulator: ReferenceAccumulator
+    fresh: Callable[[float], ReferenceAccumulator]
+    scale: float
+    scaler: ReferenceLossScaler | None
+    latest: Mapping[str, Any] | None = None
+    latest_scale: float = 1.0
+    latest_scaler: ReferenceLossScaler | None = None
+
+
+def _reference_scaler(scenario: Scenario) -> ReferenceLossScaler | None:
+    if scenario.scaler is None:
+        return None
+    return ReferenceLossScaler(
+        scenario.loss_scale,
+        **scenario.scaler.as_kwargs(),
+        dtype=scenario.work_dtype,
+    )
+
+
+def _run_step(scenario: Scenario, index: int, run: _ReferenceRun) -> StepOutcome:
+    """Run step ``index`` on ``run`` (which it advances: a restore makes a fresh accumulator)
+    and return its outcome."""
     step = scenario.steps[index]
     params = scenario.params
     error: str | None = None
     skipped = False
     result: FinishOutcome | None = None
     record: RecordSnapshot | None = None
+    scaler: ScalerSnapshot | None = None
     try:
         if isinstance(step, Accumulate):
+            accumulator = run.accumulator
             method = (
                 accumulator.accumulate_sum if step.kind == "sum" else accumulator.accumulate_mean
             )
             method(params, step.weight, grads=scenario.grad_arrays(step))
         elif isinstance(step, Finish):
             finished = (
-                accumulator.finish_sums() if step.kind == "sums" else accumulator.finish_mean()
+                run.accumulator.finish_sums()
+                if step.kind == "sums"
+                else run.accumulator.finish_mean()
             )
             result = finish_outcome(finished, list(params))
         elif isinstance(step, Checkpoint):
-            latest = accumulator.state_dict()
-            record = snapshot_record(latest)
+            run.latest = run.accumulator.state_dict()
+            run.latest_scale = run.scale
+            run.latest_scaler = copy.copy(run.scaler)
+            record = snapshot_record(run.latest)
         elif isinstance(step, Restore):
-            assert latest is not None  # Scenario validation: a checkpoint came first
-            accumulator = fresh()
-            accumulator.load_state_dict(latest, params)
+            assert run.latest is not None  # Scenario validation: a checkpoint came first
+            accumulator = run.fresh(run.latest_scale)
+            accumulator.load_state_dict(run.latest, params)
+            run.accumulator, run.scale = accumulator, run.latest_scale
+            if run.latest_scaler is not None:
+                run.scaler = copy.copy(run.latest_scaler)
+                scaler = ScalerSnapshot(applied=None, scale=run.scaler.scale)
+        elif isinstance(step, SetLossScale):
+            run.accumulator.set_loss_scale(step.loss_scale)
+            run.scale = step.loss_scale
+        elif isinstance(step, UpdateScaler):
+            assert run.scaler is not None  # Scenario validation: only with a scaler
+            applied = run.scaler.update(step.found_inf)
+            scaler = ScalerSnapshot(applied=applied, scale=run.scaler.scale)
         else:
-            assert latest is not None
-            if step.kind in applicable_corruptions(latest):
-                accumulator.load_state_dict(corrupt_record(latest, step.kind), params)
+            assert run.latest is not None
+            if step.kind in applicable_corruptions(run.latest):
+                run.accumulator.load_state_dict(corrupt_record(run.latest, step.kind), params)
             else:
                 skipped = True
     except WeightedAccumulationError as exc:
         error = type(exc).__name__
-    outcome = StepOutcome(
+    return StepOutcome(
         index=index,
         op=step.op,
         error=error,
         skipped=skipped,
-        state=snapshot_record(accumulator.state_dict()),
+        state=snapshot_record(run.accumulator.state_dict()),
         result=result,
         record=record,
+        scaler=scaler,
     )
-    return outcome, accumulator, latest
 
 
 def run_reference(
@@ -238,17 +286,18 @@ def run_reference(
     ``fused_variant`` (``"fma"``, ``"op_rounded"`` or ``"two_step"``, used only when the scenario
     is fused) and ``precision`` go to :class:`~wacc_ref.accumulator.ReferenceAccumulator`, which
     validates them.  In ``"exact"`` mode the snapshots show each exact value rounded once to
-    float64.
+    float64.  A scenario with a scaler runs :class:`~wacc_ref.scaler.ReferenceLossScaler`.
     """
     fresh = _reference_factory(
         scenario, mode=mode, fused_variant=fused_variant, precision=precision
     )
-    accumulator = fresh()
-    latest: Mapping[str, Any] | None = None
-    outcomes: list[StepOutcome] = []
-    for index in range(len(scenario.steps)):
-        outcome, accumulator, latest = _run_step(scenario, index, accumulator, latest, fresh)
-        outcomes.append(outcome)
+    run = _ReferenceRun(
+        accumulator=fresh(scenario.loss_scale),
+        fresh=fresh,
+        scale=scenario.loss_scale,
+        scaler=_reference_scaler(scenario),
+    )
+    outcomes = [_run_step(scenario, index, run) for index in range(len(scenario.steps))]
     return ScenarioTrace(
         outcomes=tuple(outcomes), implementation=f"wacc_ref/{mode}/{fused_variant}"
     )
@@ -269,6 +318,10 @@ def _outcome_differences(expected: StepOutcome, actual: StepOutcome, *, what: st
         lines.append(f"{what}: record present expected {expected.record is not None}")
     elif expected.record is not None and actual.record is not None:
         lines += expected.record.differences(actual.record, what=f"{what} record")
+    if (expected.scaler is None) != (actual.scaler is None):
+        lines.append(f"{what}: scaler expected {expected.scaler}, got {actual.scaler}")
+    elif expected.scaler is not None and actual.scaler is not None:
+        lines += expected.scaler.differences(actual.scaler, what=f"{what} scaler")
     return lines
 
 
@@ -345,21 +398,29 @@ def stepwise_differences(
     if len(actual) != len(scenario.steps):
         lines.append(f"trace length: expected {len(scenario.steps)} steps, got {len(actual)}")
     before: RecordSnapshot | None = None
-    latest: Mapping[str, Any] | None = None
+    # The scaler's inputs are the scenario's found_inf values: the reference's own scaler runs
+    # on, and so does its latest checkpoint (its record is replaced by the actual one).
+    run = _ReferenceRun(
+        accumulator=fresh(scenario.loss_scale),
+        fresh=fresh,
+        scale=scenario.loss_scale,
+        scaler=_reference_scaler(scenario),
+    )
     for index, outcome in enumerate(actual.outcomes[: len(scenario.steps)]):
         step = scenario.steps[index]
         what = f"step {index} ({step.op})"
         if outcome.op != step.op or outcome.index != index:
             lines.append(f"{what}: got step {outcome.index} ({outcome.op})")
             break
-        accumulator = fresh()
         if before is not None:
             try:
-                accumulator.load_state_dict(record_from_snapshot(before), params)
+                run.accumulator = fresh(before.loss_scale)
+                run.accumulator.load_state_dict(record_from_snapshot(before), params)
             except WeightedAccumulationError as exc:
                 lines.append(f"{what}: the state before it does not load into the reference: {exc}")
                 break
-        expected, _, _ = _run_step(scenario, index, accumulator, latest, fresh)
+            run.scale = before.loss_scale
+        expected = _run_step(scenario, index, run)
         fused_mean = isinstance(step, Accumulate) and step.kind == "mean" and scenario.fused
         if (
             fused_mean
@@ -374,7 +435,8 @@ def stepwise_differences(
             if outcome.record is None:
                 lines.append(f"{what}: the actual trace has no record for this checkpoint")
                 break
-            latest = record_from_snapshot(outcome.record)
+            run.latest = record_from_snapshot(outcome.record)
+            run.latest_scale = outcome.record.loss_scale
         before = outcome.state
         if len(lines) >= limit:
             break

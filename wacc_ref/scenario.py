@@ -17,26 +17,43 @@ step                      meaning
                           the data position is the scenario's: no step is replayed
 ``RestoreCorrupted(k)``   load ``corrupt_record(latest checkpoint, k)`` into the CURRENT
                           accumulator: it must raise ``RecordError`` and change nothing
+``SetLossScale(s)``       ``set_loss_scale(s)`` (§13): the next window's loss scale; only
+                          on an empty window, else ``InvalidLossScaleError``
+``UpdateScaler(f)``       ``scaler.update(f)`` on the scenario's window loss scaler (§13),
+                          ``f`` the ``found_inf`` of the window it decides on
 ========================  =============================================================
+
+A scenario with a window loss scaler (``scaler``, :class:`ScalerOptions`; its ``init_scale`` is
+the scenario's ``loss_scale``) is a dynamic-scaling scenario: the judge builds the
+implementation's scaler from the options and compares every decision and scale of
+``UpdateScaler`` with the reference scaler's. ``UpdateScaler`` carries its ``found_inf``, so the
+scaler is judged on exactly the decisions the scenario names, whatever the accumulator returned
+(the finish steps judge ``found_inf`` itself). ``Restore`` builds the fresh accumulator at the
+loss scale in force when the checkpoint was taken (a ``SetLossScale`` that raised changed
+nothing), and a fresh scaler loaded with the scaler's state of that moment.
 
 Gradient values are stored flat, in row-major order, one tuple of Python floats per parameter,
 each exactly a value of ``G`` (checked when the scenario is built).  A parameter absent from a
 step's ``grads``, or mapped to ``None``, is a zero contribution (§5).  Weights are arbitrary
 Python floats, so that invalid weights (negative, NaN, inf) can be scenario steps too.
 
-Scenarios serialize losslessly to JSON (:func:`to_json`, :func:`from_json`): every float is written
-with :meth:`float.hex` (``0x0.0p+0`` and ``-0x0.0p+0`` keep the sign of zero, ``inf``/``-inf`` and
-``nan`` are spelled out).  The only thing not kept is the sign and payload of a NaN, which no
-comparison in this project looks at (a NaN is a NaN).  A failing scenario can therefore be saved
-with ``to_json`` and replayed with ``from_json``.
+Scenarios serialize losslessly to JSON (:func:`to_json`, :func:`from_json`): every float is
+written with :meth:`float.hex` (``0x0.0p+0`` and ``-0x0.0p+0`` keep the sign of zero,
+``inf``/``-inf`` and ``nan`` are spelled out).  The only thing not kept is the sign and payload
+of a NaN, which no comparison in this project looks at (a NaN is a NaN).  A failing scenario can
+therefore be saved with ``to_json`` and replayed with ``from_json``.  The format is version 1;
+version 2 adds the ``scaler`` field (an object or null) and the two steps of dynamic scaling,
+and is written only for a scenario that has a scaler or such a step (every other scenario's
+JSON is what it always was).
 
 :func:`from_json` reads strictly, by the rules of :mod:`wacc_ref.strict_json`: exactly the fields
 ``to_json`` writes, none missing, unknown or repeated; every float spelled exactly as
 ``float.hex`` writes it (``nan``, ``inf``, ``-0x0.0p+0``, negative weights are scenario data;
 ``1.8p1``, ``0x1p+0``, ``infinity``, a decimal, and values beyond float64 such as
-``0x1.0p+1024`` are refused); ``version`` and shape dimensions JSON integers (never ``true``;
-a dimension below 2**63); ``fused`` and ``asynchronous`` ``true``/``false`` (never 0/1).  Every
-problem is a :class:`ScenarioError` of one line that starts with the field's path
+``0x1.0p+1024`` are refused); ``version``, shape dimensions and the scaler's counts JSON
+integers (never ``true``; a dimension below 2**63); ``fused``, ``asynchronous`` and
+``found_inf`` ``true``/``false`` (never 0/1).  Every problem is a :class:`ScenarioError` of one
+line that starts with the field's path
 (``steps[2].grads['w'][0]: ...``).
 
 
@@ -59,6 +76,7 @@ import numpy as np
 from wacc_ref import formats
 from wacc_ref.bits import float_key
 from wacc_ref.corruption import CORRUPTION_KINDS
+from wacc_ref.scaler import ReferenceLossScaler
 from wacc_ref.strict_json import (
     FieldError,
     expect_bool,
@@ -83,17 +101,24 @@ __all__ = [
     "GradValues",
     "Restore",
     "RestoreCorrupted",
+    "ScalerOptions",
     "Scenario",
     "ScenarioError",
+    "SetLossScale",
     "Step",
+    "UpdateScaler",
+    "INTERRUPTIONS",
+    "JSON_VERSION_DYNAMIC",
     "from_json",
+    "is_dynamic",
     "scenarios_identical",
     "to_json",
     "without_interruptions",
 ]
 
 JSON_FORMAT = "wacc-scenario"
-JSON_VERSION = 1
+JSON_VERSION = 1  # a scenario without a scaler or dynamic-scaling steps (byte for byte as before)
+JSON_VERSION_DYNAMIC = 2  # one with them: the "scaler" field (an object or null) and two ops
 
 
 class ScenarioError(ValueError):
@@ -234,7 +259,74 @@ class RestoreCorrupted:
         return "restore_corrupted"
 
 
-Step: TypeAlias = Accumulate | Finish | Checkpoint | Restore | RestoreCorrupted
+@dataclass(frozen=True)
+class SetLossScale:
+    """``set_loss_scale(loss_scale)``: the next window's loss scale (semantics §13).
+
+    Any float is scenario data (a zero, a NaN or a value D cannot hold must be refused with
+    ``InvalidLossScaleError``, as on a window that is not empty)."""
+
+    loss_scale: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_scale", _as_float(self.loss_scale, what="loss_scale"))
+
+    @property
+    def op(self) -> str:
+        """The accumulator method this step calls."""
+        return "set_loss_scale"
+
+
+@dataclass(frozen=True)
+class UpdateScaler:
+    """``scaler.update(found_inf)`` on the scenario's window loss scaler (semantics §13)."""
+
+    found_inf: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.found_inf, bool):
+            raise ScenarioError(f"UpdateScaler found_inf must be a bool, got {self.found_inf!r}")
+
+    @property
+    def op(self) -> str:
+        """The name of this step in traces."""
+        return "update_scaler"
+
+
+Step: TypeAlias = (
+    Accumulate | Finish | Checkpoint | Restore | RestoreCorrupted | SetLossScale | UpdateScaler
+)
+_STEP_TYPES = (
+    Accumulate, Finish, Checkpoint, Restore, RestoreCorrupted, SetLossScale, UpdateScaler
+)  # fmt: skip
+# The steps without_interruptions() removes: resuming must not change anything the others see.
+INTERRUPTIONS = (Checkpoint, Restore, RestoreCorrupted)
+
+
+@dataclass(frozen=True)
+class ScalerOptions:
+    """The options of a scenario's window loss scaler (``WindowLossScaler`` without
+    ``init_scale``, which is the scenario's ``loss_scale``, and ``dtype``, its work dtype).
+    Checked with the scenario, by the reference scaler's own rules (semantics §13)."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``WindowLossScaler`` / ``ReferenceLossScaler`` (no init_scale,
+        no dtype)."""
+        return {
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +356,7 @@ class Scenario:
     fused: bool
     parameters: tuple[tuple[str, tuple[int, ...]], ...]
     steps: tuple[Step, ...]
+    scaler: ScalerOptions | None = None
 
     def __post_init__(self) -> None:
         if self.work_dtype not in formats.WORK_DTYPES:
@@ -287,7 +380,22 @@ class Scenario:
             raise ScenarioError(f"fused: must be a bool, got {shown(self.fused)}")
         object.__setattr__(self, "parameters", self._checked_parameters())
         object.__setattr__(self, "steps", tuple(self.steps))
+        self._check_scaler()
         self._check_steps()
+
+    def _check_scaler(self) -> None:
+        if self.scaler is None:
+            return
+        if not isinstance(self.scaler, ScalerOptions):
+            raise ScenarioError(f"scaler: must be ScalerOptions or None, got {shown(self.scaler)}")
+        try:  # the reference scaler's own checks, so both agree on what is a scaler
+            ReferenceLossScaler(
+                self.loss_scale,
+                **self.scaler.as_kwargs(),
+                dtype=self.work_dtype,
+            )
+        except (TypeError, ValueError) as exc:  # WeightedAccumulationError is a ValueError
+            raise ScenarioError(f"scaler: {exc}") from None
 
     def _checked_parameters(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         checked: list[tuple[str, tuple[int, ...]]] = []
@@ -313,8 +421,10 @@ class Scenario:
         checkpointed = False
         for index, step in enumerate(self.steps):
             where = item("steps", index)
-            if not isinstance(step, Accumulate | Finish | Checkpoint | Restore | RestoreCorrupted):
+            if not isinstance(step, _STEP_TYPES):
                 raise ScenarioError(f"{where}: not a scenario step: {shown(step)}")
+            if isinstance(step, UpdateScaler) and self.scaler is None:
+                raise ScenarioError(f"{where}: update_scaler in a scenario without a scaler")
             if isinstance(step, Checkpoint):
                 checkpointed = True
             elif isinstance(step, Restore | RestoreCorrupted) and not checkpointed:
@@ -386,14 +496,41 @@ def _step_to_json(step: Step) -> dict[str, Any]:
         return {"op": step.op, "asynchronous": step.asynchronous}
     if isinstance(step, RestoreCorrupted):
         return {"op": step.op, "kind": step.kind}
+    if isinstance(step, SetLossScale):
+        return {"op": step.op, "loss_scale": _hex(step.loss_scale)}
+    if isinstance(step, UpdateScaler):
+        return {"op": step.op, "found_inf": step.found_inf}
     return {"op": step.op}
 
 
+def is_dynamic(scenario: Scenario) -> bool:
+    """Whether the scenario has a scaler or a dynamic-scaling step (JSON version 2)."""
+    return scenario.scaler is not None or any(
+        isinstance(step, SetLossScale | UpdateScaler) for step in scenario.steps
+    )
+
+
+def _scaler_to_json(options: ScalerOptions | None) -> dict[str, Any] | None:
+    if options is None:
+        return None
+    return {
+        "growth_factor": _hex(options.growth_factor),
+        "backoff_factor": _hex(options.backoff_factor),
+        "growth_interval": options.growth_interval,
+        "hysteresis": options.hysteresis,
+        "min_scale": None if options.min_scale is None else _hex(options.min_scale),
+        "max_scale": None if options.max_scale is None else _hex(options.max_scale),
+    }
+
+
 def to_json(scenario: Scenario, *, indent: int | None = None) -> str:
-    """The scenario as JSON text; every float as ``float.hex`` (lossless, ±0 and inf included)."""
-    document = {
+    """The scenario as JSON text; every float as ``float.hex`` (lossless, ±0 and inf included).
+    Version 1 unless the scenario is dynamic (:func:`is_dynamic`): then version 2, with
+    ``scaler``."""
+    dynamic = is_dynamic(scenario)
+    document: dict[str, Any] = {
         "format": JSON_FORMAT,
-        "version": JSON_VERSION,
+        "version": JSON_VERSION_DYNAMIC if dynamic else JSON_VERSION,
         "work_dtype": scenario.work_dtype,
         "grad_dtype": scenario.grad_dtype,
         "loss_scale": _hex(scenario.loss_scale),
@@ -401,12 +538,17 @@ def to_json(scenario: Scenario, *, indent: int | None = None) -> str:
         "parameters": [{"name": name, "shape": list(shape)} for name, shape in scenario.parameters],
         "steps": [_step_to_json(step) for step in scenario.steps],
     }
+    if dynamic:
+        document["scaler"] = _scaler_to_json(scenario.scaler)
     return json.dumps(document, indent=indent, allow_nan=False)
 
 
 _MAX_DIM = 2**63 - 1
+_MAX_COUNT = 2**63 - 1
 _TOP_FIELDS = ("format", "version", "work_dtype", "grad_dtype", "loss_scale", "fused",
                "parameters", "steps")  # fmt: skip
+_SCALER_FIELDS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                  "min_scale", "max_scale")  # fmt: skip
 _STEP_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "accumulate_sum": ("op", "weight", "grads"),
@@ -418,14 +560,26 @@ _STEP_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "restore_corrupted": ("op", "kind"),
     }
 )
+_DYNAMIC_STEP_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        **_STEP_FIELDS,
+        "set_loss_scale": ("op", "loss_scale"),
+        "update_scaler": ("op", "found_inf"),
+    }
+)
 
 
-def _step_from_json(obj: object, where: str) -> Step:
+def _step_from_json(obj: object, where: str, *, dynamic: bool) -> Step:
     step = expect_object(obj, where)
     if "op" not in step:
         raise FieldError(field(where, "op"), "missing")
-    op = expect_str(step["op"], field(where, "op"), choices=_STEP_FIELDS)
-    fields = expect_object(step, where, _STEP_FIELDS[op])
+    known = _DYNAMIC_STEP_FIELDS if dynamic else _STEP_FIELDS
+    op = expect_str(step["op"], field(where, "op"), choices=known)
+    fields = expect_object(step, where, known[op])
+    if op == "set_loss_scale":
+        return SetLossScale(parse_hex(fields["loss_scale"], field(where, "loss_scale")))
+    if op == "update_scaler":
+        return UpdateScaler(expect_bool(fields["found_inf"], field(where, "found_inf")))
     if op in ("accumulate_sum", "accumulate_mean"):
         weight = parse_hex(fields["weight"], field(where, "weight"))
         grads_at = field(where, "grads")
@@ -462,9 +616,13 @@ def _from_document(document: object) -> Scenario:
     if top.get("format") != JSON_FORMAT:
         raise FieldError("format", f"must be {JSON_FORMAT!r}, got {shown(top.get('format'))}")
     version = top.get("version")
-    if type(version) is not int or version != JSON_VERSION:  # not True, not 1.0
-        raise FieldError("version", f"must be {JSON_VERSION}, got {shown(version)}")
-    expect_object(top, "", _TOP_FIELDS)
+    # not True, not 1.0
+    if type(version) is not int or version not in (JSON_VERSION, JSON_VERSION_DYNAMIC):
+        raise FieldError(
+            "version", f"must be {JSON_VERSION} or {JSON_VERSION_DYNAMIC}, got {shown(version)}"
+        )
+    dynamic = version == JSON_VERSION_DYNAMIC
+    expect_object(top, "", (*_TOP_FIELDS, "scaler") if dynamic else _TOP_FIELDS)
     parameters: list[tuple[str, tuple[int, ...]]] = []
     for position, entry in enumerate(expect_list(top["parameters"], "parameters")):
         where = item("parameters", position)
@@ -484,7 +642,33 @@ def _from_document(document: object) -> Scenario:
         loss_scale=parse_hex(top["loss_scale"], "loss_scale"),
         fused=expect_bool(top["fused"], "fused"),
         parameters=tuple(parameters),
-        steps=tuple(_step_from_json(step, item("steps", i)) for i, step in enumerate(steps)),
+        steps=tuple(
+            _step_from_json(step, item("steps", i), dynamic=dynamic) for i, step in enumerate(steps)
+        ),
+        scaler=_scaler_from_json(top["scaler"]) if dynamic else None,
+    )
+
+
+def _scaler_from_json(obj: object) -> ScalerOptions | None:
+    if obj is None:
+        return None
+    fields = expect_object(obj, "scaler", _SCALER_FIELDS)
+
+    def scale(name: str) -> float | None:
+        value = fields[name]
+        return None if value is None else parse_hex(value, field("scaler", name))
+
+    return ScalerOptions(
+        growth_factor=parse_hex(fields["growth_factor"], "scaler.growth_factor"),
+        backoff_factor=parse_hex(fields["backoff_factor"], "scaler.backoff_factor"),
+        growth_interval=expect_int(
+            fields["growth_interval"], "scaler.growth_interval", minimum=1, maximum=_MAX_COUNT
+        ),
+        hysteresis=expect_int(
+            fields["hysteresis"], "scaler.hysteresis", minimum=1, maximum=_MAX_COUNT
+        ),
+        min_scale=scale("min_scale"),
+        max_scale=scale("max_scale"),
     )
 
 
@@ -518,7 +702,24 @@ def _step_key(step: Step) -> tuple[object, ...]:
         return (step.op, step.asynchronous)
     if isinstance(step, RestoreCorrupted):
         return (step.op, step.kind)
+    if isinstance(step, SetLossScale):
+        return (step.op, float_key(step.loss_scale))
+    if isinstance(step, UpdateScaler):
+        return (step.op, step.found_inf)
     return (step.op,)
+
+
+def _scaler_key(options: ScalerOptions | None) -> tuple[object, ...] | None:
+    if options is None:
+        return None
+    return (
+        float_key(options.growth_factor),
+        float_key(options.backoff_factor),
+        options.growth_interval,
+        options.hysteresis,
+        None if options.min_scale is None else float_key(options.min_scale),
+        None if options.max_scale is None else float_key(options.max_scale),
+    )
 
 
 def _scenario_key(scenario: Scenario) -> tuple[object, ...]:
@@ -529,6 +730,7 @@ def _scenario_key(scenario: Scenario) -> tuple[object, ...]:
         scenario.fused,
         scenario.parameters,
         tuple(_step_key(step) for step in scenario.steps),
+        _scaler_key(scenario.scaler),
     )
 
 
@@ -538,7 +740,8 @@ def scenarios_identical(first: Scenario, second: Scenario) -> bool:
 
 
 def without_interruptions(scenario: Scenario) -> Scenario:
-    """The scenario with every checkpoint, restore and corrupted restore removed.
+    """The scenario with every checkpoint, restore and corrupted restore removed (the scale and
+    scaler steps stay).
 
     When every restore comes right after the checkpoint it loads (only checkpoints and corrupted
     restores in between), resume is exact (§9) and the finish results of both scenarios must
@@ -550,5 +753,6 @@ def without_interruptions(scenario: Scenario) -> Scenario:
         loss_scale=scenario.loss_scale,
         fused=scenario.fused,
         parameters=scenario.parameters,
-        steps=tuple(s for s in scenario.steps if isinstance(s, Accumulate | Finish)),
+        steps=tuple(s for s in scenario.steps if not isinstance(s, INTERRUPTIONS)),
+        scaler=scenario.scaler,
     )

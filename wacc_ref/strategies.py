@@ -18,6 +18,11 @@ Each strategy is small and named after the family of inputs it reaches:
 * :func:`checkpoint_interruptions` — checkpoints (sync or async) inserted before any step, each
   optionally followed by corrupted-record restores and by a restore right away or some steps later.
 * :func:`scenarios` — complete :class:`~wacc_ref.scenario.Scenario` objects combining them.
+* :func:`scaler_options` / :func:`dynamic_scenarios` — dynamic loss scaling (semantics §13):
+  several windows, each started with ``set_loss_scale`` at the reference scaler's scale, its
+  gradients scaled by that scale (heavy-tailed magnitudes, so some windows overflow), finished
+  and decided on with ``update_scaler``; now and then a scale set mid-window or an invalid one,
+  and checkpoints anywhere.
 
 Sizes are capped by the named constants below so that a scenario runs on the reference in
 milliseconds.  Cancellation (``x`` in one microbatch, ``-x`` in a later one of the same window) is
@@ -31,12 +36,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from hypothesis import strategies as st
 
 from wacc_ref import formats
+from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_ref.corruption import (
     CORRUPTION_KINDS,
 )
+from wacc_ref.errors import WeightedAccumulationError
+from wacc_ref.scaler import ReferenceLossScaler
 from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
@@ -44,8 +53,11 @@ from wacc_ref.scenario import (
     GradValues,
     Restore,
     RestoreCorrupted,
+    ScalerOptions,
     Scenario,
+    SetLossScale,
     Step,
+    UpdateScaler,
 )
 
 __all__ = [
@@ -62,10 +74,12 @@ __all__ = [
     "PARAMETER_NAMES",
     "Interruption",
     "checkpoint_interruptions",
+    "dynamic_scenarios",
     "gradient_values",
     "loss_scales",
     "overflow_prone_scales",
     "scaled_gradient_values",
+    "scaler_options",
     "scenarios",
     "unequal_microbatches",
     "zero_weights",
@@ -472,9 +486,11 @@ def scenarios(
     invalid_weights: bool = True,
     max_interruptions: int = MAX_INTERRUPTIONS,
     corruption_kinds: Sequence[str] = CORRUPTION_KINDS,
+    dynamic: bool = False,
 ) -> Scenario:
     """Complete scenarios: dtypes, loss scale, parameters, windows of microbatches, finishes and
-    checkpoint interruptions.
+    checkpoint interruptions; with ``dynamic``, :func:`dynamic_scenarios` (which takes the dtypes,
+    ``fused``, ``max_interruptions`` and ``corruption_kinds`` and ignores the rest).
 
     ``grad_dtypes`` defaults to all six formats.  ``max_steps`` caps the accumulate and finish
     steps; interruptions add at most ``max_interruptions * (2 + MAX_CORRUPTIONS_PER_CHECKPOINT)``
@@ -485,6 +501,16 @@ def scenarios(
     overflow-prone); a parameter may be None or absent in a step; an element may repeat the
     negation of one of its earlier values in the window (cancellation).  ``fused`` None draws it.
     """
+    if dynamic:
+        return draw(
+            dynamic_scenarios(
+                work_dtypes=work_dtypes,
+                grad_dtypes=grad_dtypes,
+                fused=fused,
+                max_interruptions=max_interruptions,
+                corruption_kinds=corruption_kinds,
+            )
+        )
     work_choice = _check_dtypes(work_dtypes, name="work_dtypes", allowed=formats.WORK_DTYPES)
     grad_choice = _check_dtypes(
         tuple(formats.FORMATS) if grad_dtypes is None else grad_dtypes,
@@ -566,3 +592,189 @@ def scenarios(
         parameters=parameters,
         steps=steps,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic loss scaling (semantics §13)
+# ---------------------------------------------------------------------------------------------
+
+MAX_DYNAMIC_WINDOWS = 6  # windows per dynamic-scaling scenario
+# Factors of the scaler: powers of two, and inexact ones whose products round in D.
+GROWTH_FACTORS = (2.0, 4.0, 1.5, 3.0)
+BACKOFF_FACTORS = (0.5, 0.25, 0.75, 0.3)
+# The heavy tail of a window's unscaled gradients starts at most at 2**HEAVY_TAIL_EXPONENT.
+HEAVY_TAIL_EXPONENT = 16
+# Set mid-window, or refused anywhere: zero, NaN, inf, a value no work dtype holds exactly.
+_BAD_SCALES = (0.0, -1.0, math.nan, math.inf, float.fromhex("0x1.0000000000001p+0"))
+
+
+@st.composite
+def scaler_options(draw: st.DrawFn, dtype: str, init_scale: float) -> ScalerOptions:
+    """Options of a window loss scaler for work dtype ``dtype`` starting at ``init_scale``: short
+    growth intervals (growth happens within a scenario), hysteresis 1 to 3, power-of-two and
+    inexact factors, and sometimes a ``min_scale`` / ``max_scale`` around the start."""
+    fmt = formats.get_format(dtype)
+    low = high = None
+    if draw(st.booleans()):
+        low = formats.round_to(init_scale / draw(st.sampled_from((1.0, 4.0, 64.0))), fmt)
+        low = low if low > 0 else None
+    if draw(st.booleans()):
+        high = formats.round_to(init_scale * draw(st.sampled_from((1.0, 4.0, 64.0))), fmt)
+        high = high if math.isfinite(high) else None
+    return ScalerOptions(
+        growth_factor=draw(st.sampled_from(GROWTH_FACTORS)),
+        backoff_factor=draw(st.sampled_from(BACKOFF_FACTORS)),
+        growth_interval=draw(st.integers(1, 3)),
+        # 2 first: Hypothesis starts from (and keeps coming back to) the first choice, and a
+        # hysteresis of 1 cannot show the count of overflows since the last growth.
+        hysteresis=draw(st.sampled_from((2, 1, 3))),
+        min_scale=low,
+        max_scale=high,
+    )
+
+
+def _unscaled(exponents: st.SearchStrategy[int]) -> st.SearchStrategy[float]:
+    """Signed values of 5 significant bits in the binades ``exponents`` (scaled, then rounded
+    to G, they are a window's gradients)."""
+    mantissa = st.integers(2**4, 2**5 - 1).map(lambda m: m / 2**4)
+    return st.builds(
+        lambda sign, m, k: sign * math.ldexp(m, k),
+        st.sampled_from((1.0, -1.0)),
+        mantissa,
+        exponents,
+    )
+
+
+def _window_values(work: formats.Format, scale: float, *, spiky: bool) -> st.SearchStrategy[float]:
+    """A window's unscaled gradient values: moderate ones, and in a ``spiky`` window a heavy
+    tail reaching D's overflow threshold at this scale (so whether a window overflows depends
+    on its own gradients, as in training, and not only on how high the scale is)."""
+    moderate = st.integers(-MODERATE_EXPONENT, MODERATE_EXPONENT)
+    if not spiky:
+        return _unscaled(moderate)
+    top = work.emax - math.frexp(scale)[1]  # scale * 2**top is about D's largest binade
+    tail = st.integers(min(top - 2, HEAVY_TAIL_EXPONENT), top + 1)
+    return _unscaled(st.one_of(moderate, tail))
+
+
+@st.composite
+def dynamic_scenarios(
+    draw: st.DrawFn,
+    *,
+    work_dtypes: Sequence[str] = formats.WORK_DTYPES,
+    grad_dtypes: Sequence[str] | None = None,
+    max_windows: int = MAX_DYNAMIC_WINDOWS,
+    max_parameters: int = 2,
+    max_elements: int = MAX_PARAMETER_ELEMENTS,
+    fused: bool | None = None,
+    max_interruptions: int = MAX_INTERRUPTIONS,
+    corruption_kinds: Sequence[str] = CORRUPTION_KINDS,
+) -> Scenario:
+    """Dynamic-scaling scenarios (semantics §13): the training loop of a window loss scaler.
+
+    Gradients are in D, or in float32 for a 16-bit D (``grad_dtypes`` to choose). The initial
+    scale is ordinary or (one time in four) overflow-prone for D, the scaler's options come from
+    :func:`scaler_options`. Each window starts with ``SetLossScale(scale)`` at the reference
+    scaler's scale, accumulates microbatches whose gradients are that scale times heavy-tailed
+    values rounded to G (so an overflow to ±inf happens, in G or only in the sums or means),
+    finishes, and ends with ``UpdateScaler(found_inf)``, ``found_inf`` being the reference's own
+    (:class:`~wacc_ref.accumulator.ReferenceAccumulator` in emulated mode runs the windows while
+    they are drawn). Now and then a ``SetLossScale`` comes in the middle of a window or asks for
+    a scale no work dtype accepts (both must be refused and change nothing). One window in three
+    ends with a checkpoint and a restore (a loop stopped and resumed between windows), and
+    further checkpoints go anywhere (:func:`checkpoint_interruptions`), mid-window included.
+    """
+    work_choice = _check_dtypes(work_dtypes, name="work_dtypes", allowed=formats.WORK_DTYPES)
+    _check_positive_int(max_windows, name="max_windows")
+    work = draw(st.sampled_from(work_choice))
+    fmt = formats.get_format(work)
+    if grad_dtypes is None:  # as AMP does: gradients in D, or in float32 for a 16-bit D
+        grad = draw(st.sampled_from((work, "float32") if fmt.precision < 24 else (work,)))
+    else:
+        grad = draw(
+            st.sampled_from(
+                _check_dtypes(grad_dtypes, name="grad_dtypes", allowed=tuple(formats.FORMATS))
+            )
+        )
+    grad_fmt = formats.get_format(grad)
+    # Overflow-prone starts one time in four: every window overflows until the scale backs off.
+    init_scale = draw(
+        overflow_prone_scales(work) if draw(st.integers(0, 3)) == 0 else loss_scales(work)
+    )
+    options = draw(scaler_options(work, init_scale))
+    is_fused = draw(st.booleans()) if fused is None else fused
+    count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
+    names = draw(st.permutations(PARAMETER_NAMES))[:count]
+    parameters = tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+    params = dict(parameters)
+
+    scaler = ReferenceLossScaler(init_scale, **options.as_kwargs(), dtype=work)
+    reference = ReferenceAccumulator(dtype=work, loss_scale=init_scale, fused=is_fused)
+    base: list[Step] = []
+    # Most windows first (Hypothesis starts from the simplest draw, here the longest loop): a
+    # scaler's story (overflow, growth, overflow after growth) needs several windows.
+    windows = max_windows - draw(st.integers(0, max_windows - 1))
+    # Which windows are spiky: one draw for all, so that the pattern varies from window to
+    # window (one draw per window tends to repeat itself).
+    spikes = draw(st.integers(0, 2**windows - 1))
+    for window in range(windows):
+        scale = scaler.scale
+        base.append(SetLossScale(scale))
+        reference.set_loss_scale(scale)
+        kind = _ACCUMULATE_KINDS[draw(st.sampled_from(("sum", "mean")))]
+        unscaled = _window_values(fmt, scale, spiky=bool(spikes >> window & 1))
+        for position in range(draw(st.integers(1, 4))):
+            if position and draw(st.integers(0, 5)) == 0:
+                # A valid new scale set mid-window: refused all the same (the invalid ones
+                # come between windows, below).
+                doubled = formats.round_to(scale * 2, fmt)
+                base.append(SetLossScale(doubled if math.isfinite(doubled) else scale / 2))
+            weight = float(draw(st.integers(0 if position else 1, 2**10)))
+            grads = {
+                name: tuple(
+                    formats.round_to(scale * draw(unscaled), grad_fmt)
+                    for _ in range(math.prod(shape))
+                )
+                for name, shape in parameters
+            }
+            step = Accumulate.of(kind, weight, grads)
+            base.append(step)
+            reference_grads = {
+                name: None if values is None else _array(values, params[name])
+                for name, values in step.grads
+            }
+            getattr(reference, step.op)(params, step.weight, grads=reference_grads)
+        finish = draw(st.sampled_from(("sums", "mean")))
+        base.append(Finish(_FINISH_KINDS[finish]))
+        try:
+            result = reference.finish_sums() if finish == "sums" else reference.finish_mean()
+        except WeightedAccumulationError:
+            continue  # nothing to decide on: the loop skips the update (a zero total weight)
+        base.append(UpdateScaler(result.found_inf))
+        scaler.update(result.found_inf)
+        if draw(st.integers(0, 7)) == 0:
+            base.append(SetLossScale(draw(st.sampled_from(_BAD_SCALES))))
+        if max_interruptions and draw(st.integers(0, 2)) == 0:
+            # The usual checkpoint of a training loop: between windows, then stop and resume.
+            base += [Checkpoint(asynchronous=draw(st.booleans())), Restore()]
+
+    steps: tuple[Step, ...] = tuple(base)
+    if max_interruptions:
+        steps = draw(
+            checkpoint_interruptions(
+                base, max_interruptions=max_interruptions, corruption_kinds=corruption_kinds
+            )
+        )
+    return Scenario(
+        work_dtype=work,
+        grad_dtype=grad,
+        loss_scale=init_scale,
+        fused=is_fused,
+        parameters=parameters,
+        steps=steps,
+        scaler=options,
+    )
+
+
+def _array(values: tuple[float, ...], shape: tuple[int, ...]) -> np.ndarray:
+    return np.array(values, dtype=np.float64).reshape(shape)

@@ -11,7 +11,9 @@ returns a :class:`ScenarioTrace`: one :class:`StepOutcome` per step, holding
 * ``result``: for finish steps that did not raise, a :class:`FinishOutcome` (the grads of every
   scenario parameter in order, as float64 arrays of the parameter's shape or None, the weight, the
   loss scale, the counters and ``normalized``);
-* ``record``: for checkpoint steps, the snapshot of the record that the step produced.
+* ``record``: for checkpoint steps, the snapshot of the record that the step produced;
+* ``scaler``: for ``update_scaler`` steps and for restores in a scenario with a scaler, a
+  :class:`ScalerSnapshot` (what ``update`` returned, and the scaler's next scale).
 
 The production side (a harness driving ``wacc_torch``) builds the same structure with
 :func:`snapshot_record` and :func:`finish_outcome`, which accept torch tensors by duck typing
@@ -38,6 +40,7 @@ __all__ = [
     "RECORD_KEYS",
     "FinishOutcome",
     "RecordSnapshot",
+    "ScalerSnapshot",
     "ScenarioTrace",
     "StepOutcome",
     "buffer_to_float64",
@@ -295,6 +298,7 @@ class StepOutcome:
     state: RecordSnapshot
     result: FinishOutcome | None = None
     record: RecordSnapshot | None = None
+    scaler: ScalerSnapshot | None = None
 
     def key(self) -> tuple[object, ...]:
         """A hashable form: equal keys <=> identical outcomes."""
@@ -306,7 +310,35 @@ class StepOutcome:
             self.state.key(),
             None if self.result is None else self.result.key(),
             None if self.record is None else self.record.key(),
+            None if self.scaler is None else self.scaler.key(),
         )
+
+
+@dataclass(frozen=True)
+class ScalerSnapshot:
+    """What the window loss scaler showed after an ``update_scaler`` step (``applied``: what
+    ``update`` returned) or a restore (``applied`` None): the decision and the next scale."""
+
+    applied: object  # a bool from update(); None after a restore
+    scale: object  # a float: the next window's scale
+
+    def key(self) -> tuple[object, ...]:
+        """A hashable form: equal keys <=> identical snapshots (the scale as a bit pattern)."""
+        scale = float_key(self.scale) if isinstance(self.scale, float) else self.scale
+        return (type(self.applied).__name__, self.applied, type(self.scale).__name__, scale)
+
+    def differences(self, other: ScalerSnapshot, *, what: str) -> list[str]:
+        """Human-readable differences from ``other`` (empty when identical)."""
+        lines: list[str] = []
+        if self.applied is not other.applied:  # None, True, False: identity, so 1 is not True
+            lines.append(f"{what}.applied: expected {self.applied!r}, got {other.applied!r}")
+        if self.key()[2:] != other.key()[2:]:
+            lines.append(f"{what}.scale: expected {_shown(self.scale)}, got {_shown(other.scale)}")
+        return lines
+
+
+def _shown(value: object) -> str:
+    return value.hex() if isinstance(value, float) else f"{value!r} ({type(value).__name__})"
 
 
 @dataclass(frozen=True, eq=False)

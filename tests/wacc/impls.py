@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import wacc_torch
-from wacc.implementation import Implementation
+from wacc.implementation import Implementation, wacc_torch_loss_scaler
 from wacc.zero_copy import ZeroCopyAdapter
 from wacc_torch.zero_copy import ZeroCopyMode
 
@@ -54,7 +54,7 @@ def double_unscale(dtype: torch.dtype, loss_scale: float) -> Any:
 
 
 class _CountersOnly:
-    """The core API only: no records at all."""
+    """The core API and set_loss_scale only: no records at all."""
 
     def __init__(self, dtype: torch.dtype, loss_scale: float) -> None:
         inner = wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
@@ -62,6 +62,7 @@ class _CountersOnly:
         self.accumulate_mean = inner.accumulate_mean
         self.finish_sums = inner.finish_sums
         self.finish_mean = inner.finish_mean
+        self.set_loss_scale = inner.set_loss_scale
         self._inner = inner
 
     @property
@@ -213,6 +214,7 @@ def refusing_with(error: type[Exception], *, opaque: bool) -> Implementation:
         )
         return _RefusingWith(inner, error)
 
+    make.loss_scaler = wacc_torch_loss_scaler  # type: ignore[attr-defined]
     layout = "opaque" if opaque else "schema"
     return Implementation(
         spec=f"tests.wacc.impls:refusing_with({error.__name__}, {layout})",
@@ -324,3 +326,38 @@ def widens_means(dtype: torch.dtype, loss_scale: float) -> Any:
     """Hands finish_mean's means over as float32 whatever D: the values are the right ones
     (widening is exact), the tensors are not the D buffers §8 hands over."""
     return _WidensMeans(dtype, loss_scale)
+
+
+def no_loss_scaler(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with set_loss_scale, but its factory has no loss_scaler (the feature missing)."""
+    return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+
+class _ScalerForgetsRun(wacc_torch.WindowLossScaler):
+    """Resumes without its run of clean windows: load_state_dict drops growth_tracker."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict({**state, "growth_tracker": 0})
+
+
+def scaler_forgets_run(dtype: torch.dtype, loss_scale: float) -> Any:
+    """wacc_torch's accumulator with a scaler that loses its clean-window count at a resume."""
+    return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+
+def _scaler_forgets_run_scaler(dtype: torch.dtype, init_scale: float, **options: Any) -> Any:
+    return _ScalerForgetsRun(init_scale, **options, dtype=dtype)
+
+
+# Every factory here pairs its accumulator with wacc_torch's window loss scaler (the feature
+# loss_scaler), except no_loss_scaler and scaler_forgets_run.
+for _name, _factory in list(globals().items()):
+    if (
+        callable(_factory)
+        and not _name.startswith("_")
+        and getattr(_factory, "__module__", None) == __name__
+        and not isinstance(_factory, type)
+        and _name not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with")
+    ):
+        _factory.loss_scaler = wacc_torch_loss_scaler
+scaler_forgets_run.loss_scaler = _scaler_forgets_run_scaler  # type: ignore[attr-defined]

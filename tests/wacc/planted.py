@@ -2,7 +2,8 @@
 
 Each variant is listed in :data:`PLANTED` with the strategy family and work dtype where the
 judge must see it, the oracle that sees it, and the fewest accumulate steps a scenario needs to
-show it (``None`` where no generated scenario can: the class docstring says why).
+show it (``None`` where the generated scenarios of the ci budget do not: the class docstring
+says why, and a constructed scenario shows it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from wacc.baselines import FusedUndeclared, ScaleTimesWeight, SpecAccumulator
 from wacc.implementation import Implementation
-from wacc_torch import InvalidWeightError, ZeroTotalWeightError
+from wacc_torch import InvalidWeightError, WindowLossScaler, ZeroTotalWeightError
 
 
 class EqualWeightMean(SpecAccumulator):
@@ -196,6 +197,33 @@ class FoundInfFromInputs(SpecAccumulator):
         self.saw_non_finite = False
 
 
+class ScaleChangedMidWindow(SpecAccumulator):
+    """``set_loss_scale`` is accepted in the middle of a window: the batches after it are
+    divided by a scale they were not multiplied by (semantics §13: one scale per window)."""
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        self.loss_scale = self.checked_scale(loss_scale)
+
+
+class HysteresisKeptAtGrowth(WindowLossScaler):
+    """The scaler does not restore ``hysteresis_left`` when the scale grows, so the first
+    overflow after a growth backs off at once where ``hysteresis`` overflows should be absorbed
+    (a backoff applied right after growth).
+
+    Not reached by the ci budget: it needs hysteresis >= 2 and an overflow, a growth and an
+    overflow in that order, and the 100 generated loops of ``dynamic_scaling`` never had them
+    (float16, bfloat16, float32; a budget of 1000 finds it at the 71st loop). The judge sees it
+    on the constructed loop of ``tests/wacc/test_power.py``."""
+
+    def update(self, found_inf: bool) -> bool:
+        left = self._hysteresis_left
+        grows = not found_inf and self._growth_tracker + 1 == self._interval
+        applied = super().update(found_inf)
+        if grows:
+            self._hysteresis_left = left
+        return applied
+
+
 class _LazySnapshot:
     def __init__(self, accumulator: SpecAccumulator) -> None:
         self._accumulator = accumulator
@@ -215,7 +243,7 @@ class AsyncSnapshotLate(SpecAccumulator):
 class Planted:
     """A planted bug, where it shows, the oracle that sees it, the fewest accumulates it needs."""
 
-    cls: type[SpecAccumulator]
+    cls: type[SpecAccumulator] | type[WindowLossScaler]
     family: str
     dtype: str
     oracle: str
@@ -223,11 +251,18 @@ class Planted:
 
     @property
     def implementation(self) -> Implementation:
-        """The variant as the judge loads an implementation."""
+        """The variant as the judge loads an implementation: a SpecAccumulator variant with
+        wacc_torch's scaler, or SpecAccumulator with a WindowLossScaler variant."""
+        accumulator = self.cls if issubclass(self.cls, SpecAccumulator) else SpecAccumulator
+        scaler = self.cls if issubclass(self.cls, WindowLossScaler) else WindowLossScaler
 
         def make(dtype: torch.dtype, loss_scale: float) -> SpecAccumulator:
-            return self.cls(dtype=dtype, loss_scale=loss_scale)
+            return accumulator(dtype=dtype, loss_scale=loss_scale)
 
+        def loss_scaler(dtype: torch.dtype, init_scale: float, **options: Any) -> Any:
+            return scaler(init_scale, **options, dtype=dtype)
+
+        make.loss_scaler = loss_scaler  # type: ignore[attr-defined]
         return Implementation(
             spec=f"planted:{self.cls.__name__}", factory=make, fused=False, missing=()
         )
@@ -256,5 +291,7 @@ PLANTED: dict[str, Planted] = {
         Planted(SumCountsConvertedWeight, "windows", "bfloat16", "semantics", 1),
         Planted(AsyncSnapshotLate, "interruptions", "float32", "semantics", 1),
         Planted(FoundInfFromInputs, "windows", "float16", "semantics", 1),
+        Planted(ScaleChangedMidWindow, "dynamic_scaling", "float16", "semantics", 1),
+        Planted(HysteresisKeptAtGrowth, "dynamic_scaling", "float16", "semantics", None),
     )
 }

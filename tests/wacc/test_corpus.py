@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from wacc.engine import FAMILIES
+from wacc.engine import CORPUS_FAMILIES
 from wacc.report.corpus import CORPUS_SIZES, FROZEN_CORPUS, build_corpus
 from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
 from wacc_ref import formats
@@ -17,7 +17,9 @@ def test_the_frozen_default_corpus_fills_every_cell() -> None:
     assert FROZEN_CORPUS.is_file()
     corpus = build_corpus()
     cells = Counter((e.family, e.scenario.work_dtype, e.scenario.grad_dtype) for e in corpus)
-    expected = {(f, w, g) for f in FAMILIES for w in formats.WORK_DTYPES for g in formats.FORMATS}
+    expected = {
+        (f, w, g) for f in CORPUS_FAMILIES for w in formats.WORK_DTYPES for g in formats.FORMATS
+    }
     assert set(cells) == expected and set(cells.values()) == {CORPUS_SIZES["default"]}
     assert len({e.scenario_id for e in corpus}) == len(corpus)
 

@@ -771,15 +771,22 @@ def test_a_baseline_covers_the_whole_run(folder: Path) -> None:
     assert_names(run_wacc(*gate_argv(paths)), paths["baseline"], "shard")
 
 
-@pytest.mark.parametrize("value", [True, 1.0, "1", 2])
+@pytest.mark.parametrize("value", [True, 1.0, "1", 3])
 def test_version_is_the_json_integer_1(folder: Path, value: object) -> None:
-    """``"version": true`` and ``1.0`` equal 1 in Python but are refused, like ``"1"`` and 2, in
-    scenario files and gate files alike."""
+    """``"version": true`` and ``1.0`` equal 1 in Python but are refused, like ``"1"`` and 3
+    (scenario files have versions 1 and 2), in scenario files and gate files alike."""
     file = scenario_file(folder, lambda d: d.update(version=value), f"version-{value!r}.json")
     assert_names(run_wacc("replay", str(file)), file, "version")
     paths = gate_folder(folder, f"version-{value!r}")
     edit_json(paths["baseline"], lambda d: d.update(version=value))
     assert_names(run_wacc(*gate_argv(paths)), paths["baseline"], "version")
+
+
+def test_a_version_2_scenario_without_its_scaler_field_names_it(folder: Path) -> None:
+    """A scenario file that says version 2 (dynamic loss scaling) must carry ``scaler`` (an
+    object or null): one line naming the missing field, exit 2."""
+    file = scenario_file(folder, lambda d: d.update(version=2), "version-2.json")
+    assert_names(run_wacc("replay", str(file)), file, "scaler")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,30 @@ def test_missing_features_are_listed() -> None:
     assert implementation.missing == ("records", "async_records")
 
 
+def test_dynamic_scaling_features_are_listed(tmp_path: Path) -> None:
+    """A factory without ``loss_scaler`` misses that feature; an accumulator without
+    ``set_loss_scale`` misses that one too (semantics §13; the dynamic_scaling family needs
+    both, and is skipped without them)."""
+    assert load_implementation("tests.wacc.impls:no_loss_scaler").missing == ("loss_scaler",)
+    source = tmp_path / "fixed_scale.py"
+    source.write_text(
+        "import wacc_torch\n"
+        "class Fixed:\n"
+        "    def __init__(self, dtype, loss_scale):\n"
+        "        self._a = wacc_torch.WeightedGradientsAccumulator(\n"
+        "            dtype=dtype, loss_scale=loss_scale)\n"
+        "        for name in ('accumulate_sum', 'accumulate_mean', 'finish_sums', 'finish_mean',\n"
+        "                     'state_dict', 'load_state_dict', 'state_dict_async'):\n"
+        "            setattr(self, name, getattr(self._a, name))\n"
+        "    @property\n"
+        "    def state(self):\n"
+        "        return self._a.state\n",
+        encoding="utf-8",
+    )
+    missing = load_implementation(f"{source}:Fixed").missing
+    assert missing == ("set_loss_scale", "loss_scaler")
+
+
 def test_a_file_path_factory_loads(tmp_path: Path) -> None:
     """``path/to/file.py:attr`` imports the file and takes its factory."""
     source = tmp_path / "my_acc.py"

@@ -39,7 +39,7 @@ def test_a_correct_implementation_passes_inside_the_users_run(tmp_path: Path) ->
         "--wacc-dtype", "bfloat16", "--wacc-examples", "10",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 passed" in result.stdout  # the user's test + 4 families + the machine
+    assert "7 passed" in result.stdout  # the user's test + 5 families + the machine
 
 
 def test_a_buggy_implementation_fails_with_a_replay_command(tmp_path: Path) -> None:
@@ -70,4 +70,4 @@ def test_records_without_integrity_fail_unless_allowed_in_the_plugin_too(tmp_pat
     assert "(allow with --wacc-allow-missing checksum)" in refused.stdout
     allowed = _user_pytest(tmp_path, *common, "--wacc-allow-missing", "checksum")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
-    assert "1 passed, 5 deselected" in allowed.stdout  # -k keeps the interruptions item only
+    assert "1 passed, 6 deselected" in allowed.stdout  # -k keeps the interruptions item only

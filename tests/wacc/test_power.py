@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.wacc.planted import PLANTED, Planted, WeightInFloat32
+from tests.wacc.planted import PLANTED, HysteresisKeptAtGrowth, Planted, WeightInFloat32
 from wacc.engine import CheckConfig, run_family
+from wacc.implementation import DEFAULT_IMPL, load_implementation
 from wacc.verdict import ScenarioVerdict, judge
-from wacc_ref.scenario import Accumulate, Finish, Scenario
+from wacc_ref.scenario import (
+    Accumulate,
+    Finish,
+    ScalerOptions,
+    Scenario,
+    SetLossScale,
+    UpdateScaler,
+)
 
 MAX_SHRUNK_ACCUMULATES = 3  # the issue's limit for a shrunk scenario
 EXAMPLES = 100  # per planted bug (the ci budget); each stops at its first failure
@@ -73,6 +81,34 @@ def test_weight_in_float32_is_flagged_on_a_window_beyond_two_to_the_24() -> None
 def test_weight_in_float32_is_found_by_the_engine() -> None:
     """The generated windows reach a total weight that float32 cannot hold."""
     _flagged(PLANTED[WeightInFloat32.__name__])
+
+
+def test_hysteresis_kept_at_growth_is_flagged_on_overflow_growth_overflow() -> None:
+    """Hysteresis 2, interval 1: an overflow is absorbed, a clean window grows the scale and
+    restores the hysteresis, so the next overflow is absorbed again; the planted scaler backs
+    off there instead, and the judge names that update's scale (semantics)."""
+    scenario = Scenario(
+        work_dtype="float16",
+        grad_dtype="float16",
+        loss_scale=1024.0,
+        fused=False,
+        parameters=(("w", (1,)),),
+        steps=(
+            UpdateScaler(True),
+            UpdateScaler(False),
+            SetLossScale(2048.0),
+            Accumulate(kind="sum", weight=1.0, grads=(("w", (1.0,)),)),
+            Finish("sums"),
+            UpdateScaler(True),
+        ),
+        scaler=ScalerOptions(growth_interval=1, hysteresis=2),
+    )
+    verdict = judge(PLANTED[HysteresisKeptAtGrowth.__name__].implementation, scenario)
+    assert verdict.failed_oracles == ("semantics",), verdict.describe()
+    (line,) = verdict.describe()
+    assert "step 5 (update_scaler) scaler.scale: expected 0x1.0000000000000p+11" in line, line
+    correct = judge(load_implementation(DEFAULT_IMPL), scenario)
+    assert not correct.failed, correct.describe()  # wacc_torch's scaler passes the same loop
 
 
 def test_stateful_machine_flags_a_planted_bug() -> None:

@@ -2,14 +2,16 @@
 
 Every strategy family (windows of unequal microbatches with zero weights and overflow-prone
 loss scales, invalid weights, checkpoint interruptions with corrupted restores, NaN/inf
-gradients) and the stateful machine run on each work dtype; every scenario is compared with the
-reference step by step. A divergence is shrunk, written as JSON under --out, and a one-line
-`wacc replay` command is printed.
+gradients, dynamic loss scaling) and the stateful machine run on each work dtype; every
+scenario is compared with the reference step by step. A divergence is shrunk, written as JSON
+under --out, and a one-line `wacc replay` command is printed.
 
 Features (each missing one fails unless --allow-missing names it): records (state_dict and
 load_state_dict), async_records (state_dict_async), checksum (records that refuse a changed
 value: a probe flips bytes of a probe record; without it the corruptions only an integrity check
-can refuse are not judged, in either record layout).
+can refuse are not judged, in either record layout), found_inf (a bool on every finished
+result), set_loss_scale and loss_scaler (the factory's attribute loss_scaler(dtype, init_scale,
+**options): a window loss scaler; without both, the dynamic_scaling family is skipped).
 
 examples:
   wacc check                                   # wacc_torch, all four work dtypes, ci profile

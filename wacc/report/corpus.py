@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from wacc.engine import FAMILIES
+from wacc.engine import CORPUS_FAMILIES, FAMILIES
 from wacc_ref import formats
 from wacc_ref.scenario import Scenario, from_json, to_json
 from wacc_ref.strategies import scenarios
@@ -76,7 +76,7 @@ def draw_corpus(*, size: str, corpus_seed: int) -> list[CorpusEntry]:
     """Every family x work dtype x gradient dtype, ``CORPUS_SIZES[size]`` each, drawn now."""
     count = CORPUS_SIZES[size]
     entries: list[CorpusEntry] = []
-    for family in FAMILIES:
+    for family in CORPUS_FAMILIES:
         for work in formats.WORK_DTYPES:
             for grad in formats.FORMATS:
                 for scenario in _cell(family, work, grad, count, corpus_seed):
