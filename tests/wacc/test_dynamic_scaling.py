@@ -78,5 +78,8 @@ def test_a_dynamic_divergence_is_written_as_version_2_and_replays(tmp_path: Path
     assert document["version"] == 2 and document["scaler"]["growth_interval"] >= 2
     replay = wacc("replay", str(written), "--impl", impl)
     assert replay.returncode == 1 and "DIVERGES" in replay.stdout, replay.stdout + replay.stderr
+    # the table's argument column says what each scaling step asked for
+    assert "found_inf=" in replay.stdout, replay.stdout
+    assert "argument" in replay.stdout.splitlines()[1], replay.stdout
     agrees = wacc("replay", str(written))
     assert agrees.returncode == 0, agrees.stdout + agrees.stderr

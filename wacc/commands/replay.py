@@ -1,7 +1,8 @@
 """Replay one scenario file (wacc_ref scenario JSON) on IMPL and print every step, judged.
 
-The table shows, per step: the op, its weight, the error class of the reference and of the
-implementation, max ulps in the work dtype against the bit-exact emulation, max relative error
+The table shows, per step: the op, its argument (an accumulate's weight, the scale a
+set_loss_scale asks for, the found_inf an update_scaler is given), the error class of the
+reference and of the implementation, max ulps in the work dtype against the bit-exact emulation, max relative error
 and max error/bound against the exact result, and the verdict (which oracles failed).
 
 examples:
@@ -106,16 +107,29 @@ def parse_scenario(path: Path, data: bytes) -> Scenario:
     return scenario
 
 
+def _argument(step: object) -> str:
+    """What a step is asked to do, in the table's argument column."""
+    from wacc_ref.scenario import Accumulate, SetLossScale, UpdateScaler
+
+    if isinstance(step, Accumulate):
+        return repr(step.weight)
+    if isinstance(step, SetLossScale):
+        return f"S={step.loss_scale!r}"
+    if isinstance(step, UpdateScaler):
+        return f"found_inf={step.found_inf}"
+    return ""
+
+
 def _table(verdict: ScenarioVerdict) -> str:
     from wacc.tables import format_metric, render_table
 
     rows = []
-    for step in verdict.steps:
+    for step, scenario_step in zip(verdict.steps, verdict.scenario.steps, strict=True):
         rows.append(
             [
                 str(step.index),
                 step.op,
-                "" if step.weight is None else repr(step.weight),
+                _argument(scenario_step),
                 step.expected_error or "-",
                 step.actual_error or "-",
                 format_metric(step.max_ulps),
@@ -127,7 +141,7 @@ def _table(verdict: ScenarioVerdict) -> str:
     header = [
         "step",
         "op",
-        "weight",
+        "argument",
         "error ref",
         "error impl",
         "max ulps",
