@@ -2,8 +2,9 @@
 
 The table shows, per step: the op, its argument (an accumulate's weight, the scale a
 set_loss_scale asks for, the found_inf an update_scaler is given), the error class of the
-reference and of the implementation, max ulps in the work dtype against the bit-exact emulation, max relative error
-and max error/bound against the exact result, and the verdict (which oracles failed).
+reference and of the implementation, max ulps in the work dtype against the bit-exact
+emulation, max relative error and max error/bound against the exact result, and the verdict
+(which oracles failed).
 
 examples:
   wacc replay wacc-check/divergence-01-float16-windows.json
