@@ -453,6 +453,26 @@ def _shapes(draw: st.DrawFn, *, max_elements: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _parameters(
+    draw: st.DrawFn, max_parameters: int, max_elements: int
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
+    names = draw(st.permutations(PARAMETER_NAMES))[:count]
+    return tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+
+
+def _interrupted(
+    draw: st.DrawFn, base: list[Step], max_interruptions: int, corruption_kinds: Sequence[str]
+) -> tuple[Step, ...]:
+    if not max_interruptions:
+        return tuple(base)
+    return draw(
+        checkpoint_interruptions(
+            base, max_interruptions=max_interruptions, corruption_kinds=corruption_kinds
+        )
+    )
+
+
 @st.composite
 def _window_weights(draw: st.DrawFn, *, max_size: int, invalid_weights: bool) -> list[float]:
     weights: list[float]
@@ -530,9 +550,7 @@ def scenarios(
     scale = draw(overflow_prone_scales(work) if overflow_prone else loss_scales(work))
     is_fused = draw(st.booleans()) if fused is None else fused
 
-    count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
-    names = draw(st.permutations(PARAMETER_NAMES))[:count]
-    parameters = tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+    parameters = _parameters(draw, max_parameters, max_elements)
 
     values = gradient_values(
         grad, work_dtype=work, allow_nan=allow_nan, allow_infinity=allow_infinity
@@ -577,13 +595,7 @@ def scenarios(
         if ending != "open" and len(base) < max_steps:
             base.append(Finish(_FINISH_KINDS[ending]))
 
-    steps: tuple[Step, ...] = tuple(base)
-    if max_interruptions:
-        steps = draw(
-            checkpoint_interruptions(
-                base, max_interruptions=max_interruptions, corruption_kinds=corruption_kinds
-            )
-        )
+    steps = _interrupted(draw, base, max_interruptions, corruption_kinds)
     return Scenario(
         work_dtype=work,
         grad_dtype=grad,
@@ -703,9 +715,7 @@ def dynamic_scenarios(
     )
     options = draw(scaler_options(work, init_scale))
     is_fused = draw(st.booleans()) if fused is None else fused
-    count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
-    names = draw(st.permutations(PARAMETER_NAMES))[:count]
-    parameters = tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+    parameters = _parameters(draw, max_parameters, max_elements)
     params = dict(parameters)
 
     scaler = ReferenceLossScaler(init_scale, **options.as_kwargs(), dtype=work)
@@ -758,13 +768,7 @@ def dynamic_scenarios(
             # The usual checkpoint of a training loop: between windows, then stop and resume.
             base += [Checkpoint(asynchronous=draw(st.booleans())), Restore()]
 
-    steps: tuple[Step, ...] = tuple(base)
-    if max_interruptions:
-        steps = draw(
-            checkpoint_interruptions(
-                base, max_interruptions=max_interruptions, corruption_kinds=corruption_kinds
-            )
-        )
+    steps = _interrupted(draw, base, max_interruptions, corruption_kinds)
     return Scenario(
         work_dtype=work,
         grad_dtype=grad,
