@@ -195,9 +195,16 @@ class ImplementationRun:
 
     def _scaler_snapshot(self, applied: object) -> ScalerSnapshot:
         scale = self.scaler.scale
-        # A tensor scale is read as its value; anything else is compared as it is.
+        # A one-element tensor or a float subclass (numpy's) is read as its value; anything
+        # else is compared as it is (and differs from the reference's float).
         if isinstance(scale, torch.Tensor) and scale.numel() == 1:
             scale = float(scale.item())
+        elif isinstance(scale, float):
+            scale = float(scale)
+        else:  # shown, and never equal to a float: the judge compares, it does not crash
+            scale = f"{type(scale).__name__} {scale!r}"
+        if not (applied is None or isinstance(applied, bool)):
+            applied = f"{type(applied).__name__} {applied!r}"  # update() must return a bool
         return ScalerSnapshot(applied=applied, scale=scale)
 
     def _resolve_latest(self) -> Any:

@@ -349,6 +349,26 @@ def _scaler_forgets_run_scaler(dtype: torch.dtype, init_scale: float, **options:
     return _ScalerForgetsRun(init_scale, **options, dtype=dtype)
 
 
+class _TensorScaler(wacc_torch.WindowLossScaler):
+    """Answers with tensors: its scale a one-element float64 tensor, update() a bool tensor."""
+
+    @property
+    def scale(self) -> Any:
+        return torch.tensor(super().scale, dtype=torch.float64)
+
+    def update(self, found_inf: bool) -> Any:
+        return torch.tensor(super().update(found_inf))
+
+
+def tensor_scaler(dtype: torch.dtype, loss_scale: float) -> Any:
+    """wacc_torch's accumulator with a scaler that answers with tensors (update must be bool)."""
+    return wacc_torch.WeightedGradientsAccumulator(dtype=dtype, loss_scale=loss_scale)
+
+
+def _tensor_scaler_scaler(dtype: torch.dtype, init_scale: float, **options: Any) -> Any:
+    return _TensorScaler(init_scale, **options, dtype=dtype)
+
+
 # Every factory here pairs its accumulator with wacc_torch's window loss scaler (the feature
 # loss_scaler), except no_loss_scaler and scaler_forgets_run.
 for _name, _factory in list(globals().items()):
@@ -357,7 +377,8 @@ for _name, _factory in list(globals().items()):
         and not _name.startswith("_")
         and getattr(_factory, "__module__", None) == __name__
         and not isinstance(_factory, type)
-        and _name not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with")
+        and _name not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with", "tensor_scaler")
     ):
         _factory.loss_scaler = wacc_torch_loss_scaler
 scaler_forgets_run.loss_scaler = _scaler_forgets_run_scaler  # type: ignore[attr-defined]
+tensor_scaler.loss_scaler = _tensor_scaler_scaler  # type: ignore[attr-defined]

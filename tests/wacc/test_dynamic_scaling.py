@@ -11,6 +11,8 @@ import pytest
 from tests.wacc.test_cli import wacc
 from wacc.engine import CheckConfig, run_family
 from wacc.implementation import load_implementation
+from wacc.verdict import judge
+from wacc_ref.scenario import ScalerOptions, Scenario, UpdateScaler
 
 EXAMPLES = 40
 
@@ -83,3 +85,24 @@ def test_a_dynamic_divergence_is_written_as_version_2_and_replays(tmp_path: Path
     assert "argument" in replay.stdout.splitlines()[1], replay.stdout
     agrees = wacc("replay", str(written))
     assert agrees.returncode == 0, agrees.stdout + agrees.stderr
+
+
+def test_a_scaler_answering_with_tensors_is_judged_not_crashed() -> None:
+    """A one-element tensor scale is read as its value (so the scale sequence agrees), but an
+    update() returning a bool tensor is not a bool: each update step is a divergence naming what
+    it returned, and the judge itself never raises."""
+    implementation = load_implementation("tests.wacc.impls:tensor_scaler")
+    scenario = Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("w", (1,)),),
+        steps=(UpdateScaler(False), UpdateScaler(True)),
+        scaler=ScalerOptions(growth_interval=1),
+    )
+    verdict = judge(implementation, scenario)
+    assert verdict.failed_oracles == ("semantics",)
+    lines = verdict.describe(limit=10)
+    assert any("scaler.applied: expected True, got 'Tensor tensor(True)'" in x for x in lines)
+    assert not any("scaler.scale" in line for line in lines), lines
