@@ -5,6 +5,7 @@ Examples::
     python -m mutation run                       # mutmut run (every module), timed
     python -m mutation report                    # reports/mutation/ and the README's table
     python -m mutation run 'wacc_ref.bounds.*'   # one module's mutants (then `report`)
+    python -m mutation run --rerun-triaged       # also the triaged survivors a run carries
     python -m mutation smoke                     # the CI sample (at most a few minutes)
 
 Exit status: 0 when the report meets its targets with every survivor triaged (or the sample is
@@ -24,7 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mutation.outcomes import read_outcomes
+from mutation.carry import carried, confirmed_hashes, function_hashes, write_carry
+from mutation.outcomes import CARRIED, read_outcomes
 from mutation.report import (
     HEADLINE_BEGIN,
     headline,
@@ -35,7 +37,7 @@ from mutation.report import (
 )
 from mutation.scope import ROOT, mutmut_config
 from mutation.smoke import SmokeError, read_samples, run_smoke
-from mutation.triage import TriageError, read_triage
+from mutation.triage import TriageError, read_triage, write_triage
 from wacc.profiles import MUTATION_EXAMPLES, MUTATION_PROFILE
 
 REPORT_DIR = ROOT / "reports" / "mutation"
@@ -60,17 +62,29 @@ def _run(args: argparse.Namespace) -> int:
     profile = os.environ.get("HYPOTHESIS_PROFILE", MUTATION_PROFILE)
     env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
     had_state = (ROOT / "mutants").is_dir()
+    try:
+        verdicts = {} if args.rerun_triaged else read_triage(REPORT_DIR / "triage.csv")
+    except TriageError as exc:
+        print(f"mutation run: {exc}", file=sys.stderr)
+        return 2
+    carry = carried(verdicts, function_hashes(ROOT))
+    write_carry(ROOT, carry)  # an empty list too: a file left by an earlier run never applies
+    print(f"mutation run: {len(carry)} triaged survivors carried (function unchanged)", flush=True)
     started = time.monotonic()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     code = subprocess.call(command + list(args.mutants), cwd=ROOT, env=env)
     seconds = time.monotonic() - started
     if not args.mutants:  # only runs over every mutant count toward the run time stated
-        _record_segment(when, seconds, args.max_children, profile, fresh=not had_state)
+        _record_segment(
+            when, seconds, args.max_children, profile, fresh=not had_state, carried=len(carry)
+        )
     print(f"mutmut run: exit {code} after {seconds:.0f} s", flush=True)
     return 0 if code == 0 else 1
 
 
-def _record_segment(when: str, seconds: float, workers: int, profile: str, *, fresh: bool) -> None:
+def _record_segment(
+    when: str, seconds: float, workers: int, profile: str, *, fresh: bool, carried: int
+) -> None:
     """Add this run to ``mutants/wacc-run.json``: a run that found no ``mutants/`` starts the
     record; a resumed one (mutmut keeps every result already decided) adds a segment to it."""
     path = ROOT / RUN_RECORD
@@ -83,6 +97,7 @@ def _record_segment(when: str, seconds: float, workers: int, profile: str, *, fr
             "cpu_count": os.cpu_count(),
             "git_commit": _git_commit(),
             "hypothesis_profile": profile,
+            "carried": carried,
         }
     )
     path.write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -121,6 +136,7 @@ def _provenance(root: Path) -> dict[str, str]:
             f"every result already decided): "
             + "; ".join(
                 f"{seg['started']} at {seg['git_commit']}, {seg['seconds']:.0f} s"
+                + (f", {seg['carried']} triaged survivors carried" if "carried" in seg else "")
                 + (f" ({seg['note']})" if seg.get("note") else "")
                 for seg in segments
             )
@@ -128,6 +144,21 @@ def _provenance(root: Path) -> dict[str, str]:
     else:
         info["run time"] = "not recorded (mutants/ came from a partial or manual run)"
     return info
+
+
+def _survivors_run(outcomes: list) -> dict[str, str]:
+    """name -> change of each mutant this run ran and saw survive (not one it carried)."""
+    return {o.name: o.change for o in outcomes if o.survived and o.status != CARRIED}
+
+
+def _run_hashes(root: Path) -> dict[str, str]:
+    """mutmut's hash of each function as the run saw it (its stats file; empty if unreadable)."""
+    try:
+        stats = json.loads((root / "mutants" / "mutmut-stats.json").read_text(encoding="utf-8"))
+        hashes = stats["function_hashes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {str(k): str(v) for k, v in hashes.items()} if isinstance(hashes, dict) else {}
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -148,12 +179,14 @@ def _report(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"mutation report: {exc}", file=sys.stderr)
         return 2
+    verdicts = confirmed_hashes(verdicts, _survivors_run(outcomes), _run_hashes(Path(args.root)))
     findings = judge(outcomes, verdicts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(
         markdown(findings, _provenance(Path(args.root))), encoding="utf-8"
     )
     write_csv(out / "results.csv", findings)
+    write_triage(out / "triage.csv", list(verdicts.values()))
     if readme and HEADLINE_BEGIN in text:
         readme.write_text(replace_headline(text, headline(findings)), encoding="utf-8")
     print(headline(findings))
@@ -190,6 +223,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("mutants", nargs="*", help="mutmut names or globs (default: every mutant)")
     run.add_argument(
         "--max-children", type=int, default=os.cpu_count() or 2, help="parallel mutant workers"
+    )
+    run.add_argument(
+        "--rerun-triaged",
+        action="store_true",
+        help="run the triaged survivors too (by default a survivor whose function is unchanged "
+        "since its verdict was confirmed is carried, not run: see mutation/carry.py)",
     )
     run.set_defaults(handler=_run)
     report = commands.add_parser("report", help="write reports/mutation/ from mutants/")

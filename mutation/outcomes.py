@@ -20,6 +20,10 @@ from pathlib import Path
 DETECTED = frozenset({"killed", "timeout", "caught by type check", "segfault"})
 # Not yet decided (a run stopped part way): neither killed nor survived, and never scored.
 NOT_RUN = frozenset({"not checked", "check was interrupted by user"})
+# A triaged survivor not run again because its function is unchanged (``mutation.carry``): the
+# only way this project makes mutmut answer "skipped" (exit 34). It counts as a survivor.
+CARRIED = "carried"
+_STATUS_NAMES = {"skipped": CARRIED}
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def change_of(diff: str) -> str:
 
 
 @contextmanager
-def _in(directory: Path) -> Iterator[None]:
+def in_directory(directory: Path) -> Iterator[None]:
     before = Path.cwd()
     os.chdir(directory)
     try:
@@ -108,6 +112,10 @@ def _changes(path: Path, names: list[str]) -> dict[str, str]:
     return changes
 
 
+def _status(mutmut_status: str) -> str:
+    return _STATUS_NAMES.get(mutmut_status, mutmut_status)
+
+
 def read_outcomes(root: Path) -> list[Outcome]:
     """Every mutant of the last ``mutmut run`` in ``root``, in file and mutant order."""
     from mutmut.configuration import reset_config
@@ -118,7 +126,7 @@ def read_outcomes(root: Path) -> list[Outcome]:
     if not (root / "mutants").is_dir():
         raise FileNotFoundError(f"{root / 'mutants'} does not exist: run `mutmut run` first")
     outcomes = []
-    with _in(root):
+    with in_directory(root):
         reset_config()  # mutmut caches the config of the directory it was first asked in
         for path in sorted(walk_mutatable_files(), key=str):
             data = SourceFileMutationData(path=path)
@@ -130,7 +138,7 @@ def read_outcomes(root: Path) -> list[Outcome]:
                         name=name,
                         path=str(path),
                         function=function_of(name),
-                        status=status_by_exit_code[exit_code],
+                        status=_status(status_by_exit_code[exit_code]),
                         change=changes[name],
                     )
                 )

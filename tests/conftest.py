@@ -24,6 +24,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # Read when conftest is imported: mutmut's fork server imports it before it forks the mutants'
 # workers, so they share one parsed copy (nothing there outside a mutmut run).
 _MUTMUT_DURATIONS = mutant.read_durations()
+_CARRIED = mutant.read_carried()
 
 
 _STAGES = pytest.StashKey[list[list[str]]]()
@@ -34,7 +35,14 @@ def pytest_collection(session: pytest.Session) -> bool | None:
     """Under mutmut, collect a mutant's covering tests in stages, fastest first
     (``mutant.stages``): only the first stage now, the next ones in ``pytest_runtestloop`` once
     every test before them passed. Any other run (CI, a developer's, mutmut's stats and clean
-    runs, an argument that is not a node id) collects as usual."""
+    runs, an argument that is not a node id) collects as usual. A mutant the run carries
+    (``mutation/carry.py``) collects nothing: pytest exits with mutmut's "skipped" code."""
+    name = mutant.mutant_under_test()
+    if name is not None and name in _CARRIED:
+        pytest.exit(
+            f"{name} is a triaged survivor whose function is unchanged: carried, not run",
+            returncode=mutant.CARRIED_EXIT,
+        )
     args = session.config.args
     if not (mutant.under_mutant() and _MUTMUT_DURATIONS and all("::" in arg for arg in args)):
         return None

@@ -15,6 +15,8 @@ from typing import Protocol
 
 MUTANT_MARK = "__mutmut_"  # in the name of every mutant mutmut runs (not its stats or clean runs)
 STATS = Path("mutmut-stats.json")  # relative: mutmut's pytest runs in mutants/
+CARRY = Path("wacc-carry.json")  # written there by `python -m mutation run` (mutation/carry.py)
+CARRIED_EXIT = 34  # mutmut's "skipped": the report counts it as a carried survivor
 
 
 class _Item(Protocol):
@@ -24,6 +26,24 @@ class _Item(Protocol):
 def under_mutant() -> bool:
     """Whether this process runs the tests of one mutant."""
     return MUTANT_MARK in os.environ.get("MUTANT_UNDER_TEST", "")
+
+
+def mutant_under_test() -> str | None:
+    """The name of the mutant this process runs the tests of, if any."""
+    name = os.environ.get("MUTANT_UNDER_TEST", "")
+    return name if MUTANT_MARK in name else None
+
+
+def read_carried(path: Path = CARRY) -> frozenset[str]:
+    """The triaged survivors this run carries instead of running (``mutation/carry.py``); none
+    if there is no readable file, so a damaged file can only make a run run more."""
+    try:
+        names = json.loads(path.read_text(encoding="utf-8"))["carried"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return frozenset()
+    if not isinstance(names, list):
+        return frozenset()
+    return frozenset(name for name in names if isinstance(name, str))
 
 
 def read_durations(path: Path = STATS) -> dict[str, float]:

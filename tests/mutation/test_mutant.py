@@ -150,7 +150,9 @@ def _staged_suite(tmp_path: Path, failing: int | None) -> list[str]:
     return ids
 
 
-def _run_staged(tmp_path: Path, ids: list[str], mutant_name: str | None) -> tuple[int, list[str]]:
+def _run_staged(
+    tmp_path: Path, ids: list[str], mutant_name: str | None, codes: tuple[int, ...] = (0, 1)
+) -> tuple[int, list[str]]:
     import os
     import subprocess
     import sys
@@ -167,7 +169,7 @@ def _run_staged(tmp_path: Path, ids: list[str], mutant_name: str | None) -> tupl
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     ran = log.read_text(encoding="utf-8").split() if log.exists() else []
-    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode in codes, result.stdout[-3000:] + result.stderr[-3000:]
     return result.returncode, ran
 
 
@@ -192,3 +194,41 @@ def test_staged_collection_stops_at_the_first_failure_like_x(tmp_path: Path, fai
     code, ran = _run_staged(tmp_path, ids, "pkg.mod.x_f__mutmut_1")
     assert code == 1
     assert ran == [f"test_{n}" for n in reversed(range(failing, 40))]
+
+
+def test_read_carried_from_the_carry_file(tmp_path: Path) -> None:
+    """The carried names come from the file ``python -m mutation run`` writes (what mutation.carry
+    writes, tests/mutant.py reads: same file name and exit code on both sides)."""
+    from mutation import carry
+
+    assert mutant.CARRY.name == carry.CARRY.name and carry.CARRY.parent.name == "mutants"
+    assert mutant.CARRIED_EXIT == carry.CARRIED_EXIT == 34
+    carry.write_carry(tmp_path, ["a.x_f__mutmut_1", "b.xǁCǁg__mutmut_2"])
+    path = tmp_path / carry.CARRY
+    assert mutant.read_carried(path) == {"a.x_f__mutmut_1", "b.xǁCǁg__mutmut_2"}
+
+
+@pytest.mark.parametrize(
+    "content", [None, "", "{not json", "[]", '{"carried": "a"}', '{"other": []}', b"\xff\xfe"]
+)
+def test_read_carried_unreadable_is_none(tmp_path: Path, content: str | bytes | None) -> None:
+    """A missing or damaged carry file carries nothing: it can only make a run run more."""
+    path = tmp_path / "wacc-carry.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content, encoding="utf-8")
+    assert mutant.read_carried(path) == frozenset()
+
+
+def test_a_carried_mutant_runs_no_test_and_exits_skipped(tmp_path: Path) -> None:
+    """Under a mutant the carry file names, pytest runs nothing and exits 34 (mutmut's
+    "skipped", reported as carried); another mutant, and a run without a mutant, run as before."""
+    ids = _staged_suite(tmp_path, failing=None)
+    (tmp_path / "wacc-carry.json").write_text('{"carried": ["pkg.mod.x_f__mutmut_1"]}', "utf-8")
+    code, ran = _run_staged(tmp_path, ids, "pkg.mod.x_f__mutmut_1", codes=(34,))
+    assert (code, ran) == (34, [])
+    code, ran = _run_staged(tmp_path, ids, "pkg.mod.x_f__mutmut_2")
+    assert code == 0 and ran == [f"test_{n}" for n in reversed(range(40))]
+    code, ran = _run_staged(tmp_path, ids, None)
+    assert code == 0 and len(ran) == 40

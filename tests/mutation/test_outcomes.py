@@ -47,3 +47,13 @@ def test_timeouts_and_type_check_catches_are_detected_no_tests_is_not() -> None:
 
     assert status("killed") and status("timeout") and status("caught by type check")
     assert not status("survived") and not status("no tests") and not status("suspicious")
+
+
+def test_mutmuts_skipped_reads_as_carried_and_survived() -> None:
+    """Exit 34 (mutmut's "skipped") only comes from a carried mutant here: it reads "carried"
+    and counts as a survivor, neither detected nor not run."""
+    from mutation.outcomes import _status
+
+    assert _status("skipped") == "carried" and _status("survived") == "survived"
+    carried = Outcome("m", "p.py", "f", _status("skipped"), "a => b")
+    assert carried.survived and not carried.detected

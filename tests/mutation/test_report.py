@@ -212,3 +212,22 @@ def test_a_readme_that_cannot_be_read_is_one_line_and_exit_2(tmp_path: Path) -> 
     assert completed.returncode == 2, completed
     assert completed.stderr.count("\n") == 1 and f"--readme {str(missing)!r}" in completed.stderr
     assert "Traceback" not in completed.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_carried_survivor_counts_as_its_verdict_and_needs_one() -> None:
+    """A carried mutant (not run again: its function is unchanged since triage) is a survivor:
+    its equivalent verdict leaves the denominator as if it had been run, and without a verdict
+    (the triage row removed) it is an untriaged gap, never a silent pass."""
+    path = "wacc_ref/bounds.py"
+    outcomes = _all_groups_killed() + [
+        _outcome("b.x_f__mutmut_1", path, "killed"),
+        _outcome("b.x_f__mutmut_2", path, "carried"),
+    ]
+    verdict = Verdict("b.x_f__mutmut_2", "a => b", "equivalent", "same value", "0123456789ab")
+    findings = judge(outcomes, {"b.x_f__mutmut_2": verdict})
+    tally = findings.modules[path]
+    assert (tally.survived, tally.equivalent, tally.score) == (1, 1, Fraction(1, 1))
+    assert findings.problems == []
+    findings = judge(outcomes, {})
+    assert [o.name for o in findings.gaps] == ["b.x_f__mutmut_2"]
+    assert any("untriaged survivor b.x_f__mutmut_2 (carried)" in p for p in findings.problems)
