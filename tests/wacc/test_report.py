@@ -16,7 +16,13 @@ from wacc.report.writer import CSV_COLUMNS
 from wacc_ref import formats
 
 REPO = Path(__file__).resolve().parents[2]
-FIGURES = ("error_bound_vs_window.png", "skew.png", "overflow_map.png", "double_rounding.png")
+FIGURES = (
+    "error_bound_vs_window.png",
+    "skew.png",
+    "loss_scaling.png",
+    "overflow_map.png",
+    "double_rounding.png",
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@ message with nothing lost, and what the metadata exchange sends and over which g
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from wacc_torch import WeightedGradientsAccumulator, all_reduce_mean
 from wacc_torch.distributed import ProcessGroupUnavailableError
 from wacc_torch.errors import (
+    InvalidLossScaleError,
     UnsupportedEnvironmentError,
     WeightedAccumulationError,
     ZeroTotalWeightError,
@@ -535,3 +539,113 @@ def test_a_model_with_a_single_parameter_finishes(one_rank_group: None) -> None:
     expected = _helper_mean(linear(), (3, 0, 5))
     assert set(expected) == {"weight"}
     assert_bitwise_equal(_local_grads(model)["weight"], expected["weight"], ".grad of weight")
+
+
+
+def test_set_loss_scale_sets_the_next_windows_scale_and_is_refused_inside_a_window(
+    one_rank_group: None,
+) -> None:
+    """Between windows set_loss_scale sets S of the next window: losses scaled by the new S (a
+    power of two, so the scaling and the division by S are exact) normalize to the helper path's
+    mean (S = 32) bit for bit, with the new S in the result. Inside a window it raises
+    InvalidLossScaleError naming the value, the microbatches so far, the current S and
+    finish_mean as the remedy; between windows a value not exact in the work dtype (float32) is
+    refused naming it and the dtype. Nothing changes on a raise."""
+    model, window = _window()
+    scale = 2.0**3
+    window.set_loss_scale(scale)
+    assert window.loss_scale == scale
+    counts = (3, 0, 5)
+    for index, (x, y) in enumerate(_one_rank_batches(counts)):
+        window.microbatch(last=index == len(counts) - 1)
+        (scale * F.cross_entropy(model(x), y, reduction="sum")).backward()
+        window.add_weight(float(len(y)))
+        with pytest.raises(InvalidLossScaleError) as raised:
+            window.set_loss_scale(4.0)
+        message = str(raised.value)
+        assert message.startswith("set_loss_scale(4.0): "), message
+        assert f"the window has {index + 1} microbatch(es) under loss scale 8.0" in message
+        assert message.endswith("finish_mean first"), message
+        assert window.loss_scale == scale
+    result = window.finish_mean()
+    assert result.loss_scale == scale
+    assert (result.weight, result.issued, result.zero_weight) == (8.0, 3, 1)
+    grads = _local_grads(model)
+    for name, grad in _helper_mean(_mlp(), counts).items():
+        assert_bitwise_equal(grads[name], grad, f".grad of {name}")
+
+    not_float32 = 1.0 + 2.0**-30  # exact in float64, rounds to 1.0 in float32
+    with pytest.raises(
+        InvalidLossScaleError,
+        match=rf"^loss_scale {re.escape(repr(not_float32))} .*not exactly representable in "
+        r"torch\.float32",
+    ):
+        window.set_loss_scale(not_float32)
+    assert window.loss_scale == scale
+
+
+@pytest.mark.parametrize("factor", [1.0, math.inf], ids=["finite", "overflowing"])
+def test_found_inf_says_whether_the_normalized_shards_hold_a_nan_or_an_infinity(
+    one_rank_group: None, factor: float
+) -> None:
+    """finish_mean's found_inf is the bool True exactly when a normalized .grad shard holds a
+    NaN or an infinity: False for an ordinary window, True when the last loss is scaled by inf
+    (its gradients overflow)."""
+    model, window = _window()
+    counts = (3, 5)
+    for index, (x, y) in enumerate(_one_rank_batches(counts)):
+        window.microbatch(last=index == len(counts) - 1)
+        (factor * _loss(model, x, y)).backward()
+        window.add_weight(float(len(y)))
+    result = window.finish_mean()
+    grads = _local_grads(model)
+    non_finite = any(not bool(g.isfinite().all()) for g in grads.values() if g is not None)
+    assert non_finite is (factor == math.inf)
+    assert result.found_inf is non_finite
+
+
+@pytest.mark.parametrize("default_device", [None, "meta"])
+def test_a_window_that_no_gradient_reached_finishes(
+    one_rank_group: None, default_device: str | None
+) -> None:
+    """A window in which no backward reached any parameter (every .grad None; here the first
+    parameter is one fully_shard leaves out, a plain tensor) finishes with every gradient None,
+    found_inf False and the window's counters, whatever the default device (the found_inf flag
+    is made where the parameters are)."""
+    model = _mlp()
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model, mesh=mesh, ignored_params={model[0].weight})
+    window = FSDPWeightedWindow(model, loss_scale=LOSS_SCALE)  # type: ignore[arg-type]
+    assert type(model[0].weight) is nn.Parameter  # the first parameter: not a DTensor
+    window.add_weight(3.0)
+    window.add_weight(0.0)
+    with contextlib.nullcontext() if default_device is None else torch.device(default_device):
+        result = window.finish_mean()
+    assert result.grads == dict.fromkeys(n for n, _ in model.named_parameters())
+    assert result.found_inf is False
+    assert (result.weight, result.issued, result.zero_weight) == (3.0, 2, 1)
+
+
+def test_the_found_inf_flag_is_reduced_over_the_windows_group(one_rank_group: None) -> None:
+    """finish_mean makes found_inf global with one all_reduce of a one-element flag over the
+    window's group (not the default one)."""
+    group = dist.new_group([0])
+    model, window = _window(group=group)
+    _run(model, window, (3, 5))
+    used: list[tuple[torch.Tensor, object]] = []
+    original = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        used.append((tensor, kwargs.get("group")))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy  # type: ignore[assignment]
+    try:
+        result = window.finish_mean()
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+    assert result.found_inf is False
+    assert len(used) == 1
+    flag, reduced_over = used[0]
+    assert flag.numel() == 1
+    assert reduced_over is group

@@ -23,7 +23,7 @@ from wacc_torch import (
     UnsupportedEnvironmentError,
     normalize_sums,
 )
-from wacc_torch.normalize import may_overlap
+from wacc_torch.normalize import divide_sums, may_overlap
 
 # A loss scale that float64 holds exactly and float32 does not (it rounds to 1.0 there).
 FINE_SCALE = 1.0 + 2.0**-40
@@ -133,14 +133,42 @@ def test_in_place_division_refuses_overlapping_memory_naming_its_strides() -> No
 @pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-inference-mode"])
 def test_in_place_division_refuses_an_inference_tensor_naming_it(inside: bool) -> None:
     """in_place=True refuses a tensor made under torch.inference_mode() with
-    ParameterMismatchError naming it, and writes nothing, outside inference mode and inside it
+    ParameterMismatchError naming it and saying why (the update runs outside inference mode,
+    where it cannot be written), and writes nothing, outside inference mode and inside it
     (the division runs with inference mode off, where writing it would raise part way: the
     ordinary tensor before it would be divided and it would not)."""
     ordinary = torch.full((3,), 8.0)
     with torch.inference_mode():
         grad = torch.full((3,), 8.0)
     context = torch.inference_mode() if inside else contextlib.nullcontext()
-    with context, pytest.raises(ParameterMismatchError, match=r"'g' is an inference tensor"):
+    why = r"updates in place outside inference mode, where it cannot be written"
+    with context, pytest.raises(ParameterMismatchError, match=r"'g' is an inference tensor.*" + why):
         normalize_sums({"f": ordinary, "g": grad}, loss_scale=2.0, total_weight=4.0, in_place=True)
     assert_bitwise_equal(ordinary, torch.full((3,), 8.0), "f")
     assert_bitwise_equal(grad, torch.full((3,), 8.0), "g")
+
+
+@pytest.mark.parametrize("find_inf", [False, True], ids=["without-check", "with-check"])
+def test_divide_sums_checks_the_quotients_for_nan_and_inf_only_when_asked(find_inf: bool) -> None:
+    """divide_sums gives normalize_sums' quotients and, with find_inf, a check whose found()
+    says whether a quotient is NaN or ±inf (here fp16 65504 / 0.5 = 131008 overflows to inf,
+    1 / 0.5 = 2 does not); without find_inf the check is None."""
+    finite = torch.tensor([1.0, -1.0], dtype=torch.float16)
+    overflowing = torch.tensor([65504.0, 1.0], dtype=torch.float16)
+    for grad, holds_inf in [(finite, False), (overflowing, True)]:
+        quotients, check = divide_sums(
+            {"g": grad, "none": None},
+            loss_scale=0.5,
+            total_weight=1.0,
+            in_place=False,
+            find_inf=find_inf,
+        )
+        expected = [value / 0.5 for value in grad.tolist()]  # W = 1: exact powers of two
+        expected_grad = torch.tensor(expected, dtype=torch.float32).to(torch.float16)
+        assert quotients["none"] is None
+        assert_bitwise_equal(quotients["g"], expected_grad, "g")
+        if find_inf:
+            assert check is not None
+            assert check.found() is holds_inf
+        else:
+            assert check is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -20,6 +21,7 @@ from wacc_torch import (
     InvalidLossScaleError,
     RecordError,
     WeightedAccumulationError,
+    WeightedGradientsAccumulator,
     WindowLossScaler,
 )
 from wacc_torch.scaler import SCALER_KEYS, round_to_dtype
@@ -393,3 +395,171 @@ def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[
     with pytest.raises(Exception) as reference:
         ReferenceLossScaler(**options)
     assert type(ours.value).__name__ == type(reference.value).__name__
+
+
+@pytest.mark.parametrize(
+    ("value", "named"), [(Fraction(0), r"\b0$"), (Fraction(-1, 3), r"-1/3$")], ids=["zero", "neg"]
+)
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_round_to_dtype_refuses_a_value_that_is_not_positive(
+    value: Fraction, named: str, dtype: torch.dtype
+) -> None:
+    """round_to_dtype is round_D of a POSITIVE rational (its docstring): 0 and a negative value
+    raise ValueError naming the value, never a rounded 0.0."""
+    with pytest.raises(ValueError, match=named):
+        round_to_dtype(value, dtype)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"growth_factor": 1.0}, r"^growth_factor\b.*(?<![\w.])> 1\b.*\b1\.0\b"),
+        ({"growth_factor": 0.5}, r"^growth_factor\b.*(?<![\w.])> 1\b.*\b0\.5\b"),
+        ({"backoff_factor": 1.0}, r"^backoff_factor\b.*(?<!\w)strictly between 0 and 1\b.*1\.0"),
+        ({"backoff_factor": 0.0}, r"^backoff_factor\b.*(?<!\w)strictly between 0 and 1\b.*0\.0"),
+        ({"backoff_factor": math.inf}, r"^backoff_factor\b.*(?<!\w)strictly between 0 and 1\b"),
+        ({"growth_factor": "2"}, r"^growth_factor\b.*'2'"),
+        ({"growth_factor": 2**53 + 1}, r"^growth_factor\b.*\b9007199254740993\b.*float64"),
+        ({"growth_interval": 0}, r"^growth_interval\b.*\b0\b"),
+        ({"hysteresis": 0}, r"^hysteresis\b.*\b0\b"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_a_refused_option_is_named_with_its_range_and_value_as_the_reference_does(
+    options: dict[str, Any], message: str
+) -> None:
+    """The message of a refused factor or count starts with the option's name, says the range
+    it must lie in ("> 1" for growth, "strictly between 0 and 1" for backoff) and names the
+    value; the reference scaler's message says the same (the regex is checked on both)."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    with pytest.raises(Exception) as reference:
+        ReferenceLossScaler(**options)
+    assert re.search(message, str(reference.value)), str(reference.value)
+    with pytest.raises((WeightedAccumulationError, TypeError), match=message):
+        WindowLossScaler(**options)
+
+
+@pytest.mark.parametrize(
+    ("init_scale", "dtype"),
+    [(2049.0, torch.float16), (0.0, torch.float32), (2.0**-30, torch.float16), (2**53 + 1, None)],
+    ids=str,
+)
+def test_a_refused_init_scale_has_the_accumulators_loss_scale_message(
+    init_scale: float, dtype: torch.dtype | None
+) -> None:
+    """A refused init_scale (other than GradScaler's default 2**16 in float16) raises the same
+    InvalidLossScaleError message the accumulator gives for that loss scale in the same work
+    dtype, prefixed by the argument's name, and nothing else (no hint)."""
+    work = torch.float32 if dtype is None else dtype
+    with pytest.raises(InvalidLossScaleError) as accumulator:
+        WeightedGradientsAccumulator(dtype=work, loss_scale=init_scale)
+    with pytest.raises(InvalidLossScaleError) as ours:
+        WindowLossScaler(init_scale, dtype=work)
+    assert str(ours.value) == f"init_scale: {accumulator.value}"
+
+
+def test_grad_scalers_default_in_float16_is_refused_with_the_hint_to_start_lower() -> None:
+    """WindowLossScaler(dtype=float16) with GradScaler's default 2**16 (beyond float16, §13):
+    the message names the value and ends by naming GradScaler's default and 2.0**15 to start
+    at."""
+    with pytest.raises(InvalidLossScaleError) as error:
+        WindowLossScaler(dtype=torch.float16)
+    text = str(error.value)
+    assert text.startswith("init_scale: ") and "65536" in text
+    assert re.search(r"\(GradScaler's default 2\*\*16\b.*\b2\.0\*\*15\)$", text), text
+
+
+def test_the_defaults_are_grad_scalers() -> None:
+    """§13: the defaults are torch.amp.GradScaler's (read from GradScaler itself): the scale,
+    both factors, and the growth interval, which shows in use: 1999 clean windows keep the
+    scale and the 2000th grows it."""
+    grad_scaler = torch.amp.GradScaler("cpu")
+    scaler = WindowLossScaler()
+    state = scaler.state_dict()
+    assert (state["scale"], state["growth_factor"], state["backoff_factor"]) == (
+        grad_scaler.get_scale(),
+        grad_scaler.get_growth_factor(),
+        grad_scaler.get_backoff_factor(),
+    )
+    interval = grad_scaler.get_growth_interval()
+    assert state["growth_interval"] == interval
+    for _ in range(interval - 1):
+        scaler.update(False)
+    assert scaler.scale == grad_scaler.get_scale()
+    scaler.update(False)
+    assert scaler.scale == grad_scaler.get_scale() * grad_scaler.get_growth_factor()
+
+
+@pytest.mark.parametrize(
+    ("init_scale", "bounds"),
+    [(4.0, (4.0, 4.0)), (4.0, (4.0, None)), (4.0, (None, 4.0)), (4.0, (2.0, 4.0))],
+    ids=str,
+)
+def test_a_scale_on_its_bounds_is_accepted_runs_and_resumes(
+    init_scale: float, bounds: tuple[float | None, float | None]
+) -> None:
+    """The bounds are inclusive: min_scale == max_scale, and an init_scale (or a saved scale)
+    equal to a bound, are accepted; the scaler then takes the reference scaler's decisions and
+    scales, and each state along the way loads into a fresh scaler."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    options: dict[str, Any] = {
+        "growth_interval": 1,
+        "min_scale": bounds[0],
+        "max_scale": bounds[1],
+    }
+    ours = WindowLossScaler(init_scale, **options)
+    reference = ReferenceLossScaler(init_scale, **options)
+    for overflow in [False, True, True, False, False, False, True]:
+        assert ours.update(overflow) == reference.update(overflow)
+        assert ours.scale == reference.scale
+        fresh = WindowLossScaler(init_scale, **options)
+        fresh.load_state_dict(ours.state_dict())
+        assert fresh.state_dict() == ours.state_dict()
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_a_backoff_that_underflows_to_zero_takes_min_scale(dtype: torch.dtype) -> None:
+    """From twice D's smallest subnormal, a backoff of 1/8 rounds to 0: with min_scale (the
+    smallest subnormal) set, the next scale is min_scale (§13), as the reference scaler's."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    bottom = float(Fraction(format_of(dtype).min_subnormal))
+    options: dict[str, Any] = {"backoff_factor": 0.125, "min_scale": bottom}
+    ours = WindowLossScaler(2 * bottom, dtype=dtype, **options)
+    reference = ReferenceLossScaler(2 * bottom, dtype=dtype_name(dtype), **options)
+    assert not ours.update(True) and not reference.update(True)
+    assert ours.scale == reference.scale == bottom
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0**11], ids=str)
+def test_a_state_scale_outside_the_bounds_is_refused_naming_it(scale: float) -> None:
+    """load_state_dict refuses a saved scale below min_scale or above max_scale (one bound
+    broken is enough) with RecordError naming the field and the value, and changes nothing."""
+    scaler = WindowLossScaler(4.0, min_scale=1.0, max_scale=2.0**10)
+    before = scaler.state_dict()
+    state = dict(before, scale=scale)
+    with pytest.raises(RecordError, match=rf"'scale'.*{re.escape(repr(scale))}"):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_repr_names_the_class_the_options_and_the_state() -> None:
+    """repr() names the class and every option and state value."""
+    scaler = WindowLossScaler(8.0, 3.0, 0.25, 5, hysteresis=2, min_scale=1.0, max_scale=2.0**20)
+    scaler.update(True)
+    text = repr(scaler)
+    assert text.startswith("WindowLossScaler(scale=8.0, ")
+    for part in (
+        "growth_factor=3.0",
+        "backoff_factor=0.25",
+        "growth_interval=5",
+        "hysteresis=2",
+        "min_scale=1.0",
+        "max_scale=1048576.0",
+        "dtype=torch.float32",
+        "growth_tracker=0",
+        "hysteresis_left=1",
+    ):
+        assert part in text, (part, text)
