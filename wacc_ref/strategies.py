@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import numpy as np
@@ -669,6 +670,16 @@ def _window_values(work: formats.Format, scale: float, *, spiky: bool) -> st.Sea
     return _unscaled(st.one_of(moderate, tail))
 
 
+def _overflowing(work: formats.Format) -> st.SearchStrategy[Fraction]:
+    """Scaled gradient values beyond D's largest finite value, exactly: ``±m * 2**(emax + 1)``
+    with 5-bit ``m`` in [1, 2) (a float64 D's would not fit a Python float)."""
+    return st.builds(
+        lambda sign, m: sign * Fraction(m, 2**4) * Fraction(2) ** (work.emax + 1),
+        st.sampled_from((1, -1)),
+        st.integers(2**4, 2**5 - 1),
+    )
+
+
 @st.composite
 def dynamic_scenarios(
     draw: st.DrawFn,
@@ -688,7 +699,8 @@ def dynamic_scenarios(
     scale is ordinary or (one time in four) overflow-prone for D, the scaler's options come from
     :func:`scaler_options`. Each window starts with ``SetLossScale(scale)`` at the reference
     scaler's scale, accumulates microbatches whose gradients are that scale times heavy-tailed
-    values rounded to G (so an overflow to ±inf happens, in G or only in the sums or means),
+    values rounded to G (so an overflow to ±inf happens, in G or only in the sums or means; some
+    spiky windows surely overflow, with a value beyond D's range in their first microbatch),
     finishes, and ends with ``UpdateScaler(found_inf)``, ``found_inf`` being the reference's own
     (:class:`~wacc_ref.accumulator.ReferenceAccumulator` in emulated mode runs the windows while
     they are drawn). Now and then a ``SetLossScale`` comes in the middle of a window or asks for
@@ -727,12 +739,17 @@ def dynamic_scenarios(
     # Which windows are spiky: one draw for all, so that the pattern varies from window to
     # window (one draw per window tends to repeat itself).
     spikes = draw(st.integers(0, 2**windows - 1))
+    # Which spiky windows surely overflow (a gradient beyond D's range at the window's scale in
+    # the first microbatch): the heavy tail alone overflows now and then, too rarely for a
+    # scaler's story (an overflow, a growth, an overflow) to come up within 100 loops.
+    sure = spikes & draw(st.integers(0, 2**windows - 1))
     for window in range(windows):
         scale = scaler.scale
         base.append(SetLossScale(scale))
         reference.set_loss_scale(scale)
         kind = _ACCUMULATE_KINDS[draw(st.sampled_from(("sum", "mean")))]
         unscaled = _window_values(fmt, scale, spiky=bool(spikes >> window & 1))
+        spike = _overflowing(fmt) if sure >> window & 1 else None
         for position in range(draw(st.integers(1, 4))):
             if position and draw(st.integers(0, 5)) == 0:
                 # A valid new scale set mid-window: refused all the same (the invalid ones
@@ -747,6 +764,9 @@ def dynamic_scenarios(
                 )
                 for name, shape in parameters
             }
+            if spike is not None and position == 0:  # weight >= 1: the value is read
+                name, values = next(iter(grads.items()))
+                grads[name] = (formats.round_to(draw(spike), grad_fmt), *values[1:])
             step = Accumulate.of(kind, weight, grads)
             base.append(step)
             reference_grads = {

@@ -281,6 +281,30 @@ def test_generation_reaches_refused_scales(case: str) -> None:
     assert refused(found), to_json(found)
 
 
+def test_generation_reaches_an_overflow_a_growth_and_an_overflow_under_hysteresis() -> None:
+    """With hysteresis >= 2, a generated loop overflows, grows, and overflows again (the story
+    that shows whether hysteresis is restored at growth), its overflows coming from gradients
+    accumulated in the windows themselves."""
+
+    def story(scenario: Scenario) -> bool:
+        if scenario.scaler is None or scenario.scaler.hysteresis < 2:
+            return False
+        trace = run_reference(scenario)
+        updates = [o.scaler for o in trace if o.op == "update_scaler" and o.scaler is not None]
+        found = [s.found_inf for s in scenario.steps if isinstance(s, UpdateScaler)]
+        if len(found) != len(updates) or not any(isinstance(s, Accumulate) for s in scenario.steps):
+            return False
+        scales = [scenario.loss_scale] + [u.scale for u in updates]
+        for i, inf in enumerate(found):
+            grew = [j for j in range(i + 1, len(found)) if scales[j + 1] > scales[j]]
+            if inf and grew and any(found[k] for k in range(grew[0] + 1, len(found))):
+                return True
+        return False
+
+    found = _reaches(story)
+    assert story(found), to_json(found)
+
+
 def test_generation_reaches_a_restore_mid_window_at_a_changed_scale() -> None:
     """A generated restore lands in a window whose scale is not the initial one."""
 
