@@ -6,11 +6,12 @@ function of the seed, though: it also draws constants it collects from the sourc
 modules loaded at the time (its "local constants", with a time limit on collecting them), so the
 same seed gives other scenarios after any code change, in another environment, or with other
 modules imported. The seed-0 corpus of sizes ``quick`` and ``default`` is therefore frozen: drawn
-once and shipped with the package (:data:`FROZEN_CORPUS`, rewritten only by
-``python -m wacc.report.corpus``), so the report and the gate judge the very same scenarios
-everywhere. ``full`` (nightly) and other seeds are drawn afresh. Sizes: ``quick`` (every cell
-present, a sub-minute run; the first scenario of each cell of ``default``), ``default`` and
-``full``.
+once and shipped with the package (:data:`FROZEN_CORPUS`, extended only by
+``python -m wacc.report.corpus``, which appends the cells of a family new to
+:data:`~wacc.engine.CORPUS_FAMILIES` and leaves the others as they are), so the report and the
+gate judge the very same scenarios everywhere. ``full`` (nightly) and other seeds are drawn
+afresh. Sizes: ``quick`` (every cell present, a sub-minute run; the first scenario of each cell
+of ``default``), ``default`` and ``full``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def draw_corpus(*, size: str, corpus_seed: int) -> list[CorpusEntry]:
     return entries
 
 
-def _read_frozen() -> list[CorpusEntry]:
-    with gzip.open(FROZEN_CORPUS, "rt", encoding="utf-8") as handle:
+def _read_frozen(path: Path = FROZEN_CORPUS) -> list[CorpusEntry]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
         return [
             CorpusEntry(family=item["family"], scenario=from_json(json.dumps(item["scenario"])))
             for item in map(json.loads, handle)
@@ -111,15 +112,28 @@ def build_corpus(*, size: str = "default", corpus_seed: int = 0) -> list[CorpusE
     return quick
 
 
-def freeze_corpus(path: Path = FROZEN_CORPUS) -> Path:
-    """Draw the seed-0 default corpus and write it to ``path`` (gzipped JSON lines)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def freeze_corpus(path: Path = FROZEN_CORPUS, *, redraw: bool = False) -> Path:
+    """Write the seed-0 default corpus to ``path`` (gzipped JSON lines). The cells already in
+    the file are kept as they are, and only the families it lacks are drawn and appended (a
+    redraw would change every old scenario: see the module docstring); ``redraw`` draws all."""
+    kept = [] if redraw or not path.exists() else _read_frozen(path)
+    present = {entry.family for entry in kept}
+    count = CORPUS_SIZES["default"]
+    entries = list(kept)
+    for family in CORPUS_FAMILIES:
+        if family in present:
+            continue
+        for work in formats.WORK_DTYPES:
+            for grad in formats.FORMATS:
+                for scenario in _cell(family, work, grad, count, 0):
+                    entries.append(CorpusEntry(family=family, scenario=scenario))
     lines = [
         json.dumps(
             {"family": e.family, "scenario": json.loads(to_json(e.scenario))}, sort_keys=True
         )
-        for e in draw_corpus(size="default", corpus_seed=0)
+        for e in entries
     ]
+    path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.GzipFile(path, "wb", mtime=0) as handle:  # mtime 0: the same bytes every time
         handle.write(("\n".join(lines) + "\n").encode("utf-8"))
     return path
