@@ -144,6 +144,7 @@ from types import MappingProxyType
 from typing import Any
 
 import gmpy2
+import ml_dtypes
 import mpmath
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -675,13 +676,7 @@ def window_error_bound(
             arrays.append(None)
             continue
         raw = np.asarray(grad)
-        # Floats up to 64 bits (ml_dtypes' bfloat16 / e4m3fn report kind "V") are read exactly;
-        # raw bytes (np.void) and record arrays (np.record, a subclass) report kind "V" too.
-        if (
-            raw.dtype.kind not in "fV"
-            or raw.dtype.itemsize > 8
-            or issubclass(raw.dtype.type, np.void)
-        ):
+        if not _real_float_dtype(raw.dtype) or raw.dtype.itemsize > 8:
             raise BoundArgumentError(
                 f"grads[{k}] has dtype {raw.dtype}; a float array of at most 64 bits is needed"
             )
@@ -811,6 +806,21 @@ def _exact_value(value: Any) -> Fraction | None:
     except (TypeError, ValueError):
         raise TypeError(f"expected a real number, got {value!r} ({type(value).__name__})") from None
     return Fraction(as_float) if math.isfinite(as_float) else None
+
+
+def _real_float_dtype(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is a real binary float: numpy's, or one of ml_dtypes' (bfloat16,
+    float8, ...). Those report kind "V", and so do raw bytes (np.void), record arrays (np.record,
+    a subclass), ml_dtypes' integers (int4, ...: no finfo) and its complex bcomplex32 (whose finfo
+    is its real part's)."""
+    if dtype.kind == "f":
+        return True
+    if dtype.kind != "V" or issubclass(dtype.type, np.void):
+        return False
+    try:
+        return bool(ml_dtypes.finfo(dtype).dtype == dtype)
+    except (TypeError, ValueError):
+        return False
 
 
 def _as_float64(array: NDArray[Any]) -> NDArray[np.float64] | None:

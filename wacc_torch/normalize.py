@@ -50,7 +50,8 @@ def normalize_sums(
     for a negative, non-finite or non-real one, :class:`InvalidLossScaleError` for a loss scale
     that is not finite, > 0 and exactly representable in every gradient's dtype (float64 when
     every entry is None), :class:`ParameterMismatchError` for a value that is not a dense
-    tensor of a work dtype (or, with ``in_place=True``, one that is not safe to write in place),
+    tensor of a work dtype, one that requires grad (or, with ``in_place=True``, one that is not
+    safe to write in place),
     and :class:`UnsupportedEnvironmentError` under flush-to-zero in the calling thread (the
     divisors are rounded on the host CPU, and CPU tensors are divided there).
     """
@@ -92,6 +93,13 @@ def divide_sums(
             raise ParameterMismatchError(
                 f"gradient {name!r} has dtype {grad.dtype}, not a work dtype"
             ) from None
+        if grad.requires_grad:
+            # What a backward(create_graph=True) leaves in .grad. The division is on values,
+            # never a graph: a copy would carry one and out= refuses one, depending on S.
+            raise ParameterMismatchError(
+                f"gradient {name!r} requires grad (a .grad of backward(create_graph=True)?); "
+                f"normalize its values: pass {name!r}.detach()"
+            )
         if in_place:
             check_writable(grad, what=f"gradient {name!r}")
         if grad.dtype not in checked_dtypes:

@@ -5,6 +5,7 @@ Every failure message carries the scenario as JSON: ``wacc replay`` runs it agai
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -17,6 +18,7 @@ import torch
 import wacc.verdict
 import wacc_torch
 import wacc_torch.buffered
+from tests.wacc import impls
 from tests.wacc.impls import refusing_with
 from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
 from wacc.runner import in_module_order
@@ -1424,5 +1426,83 @@ def test_a_finished_gradient_in_another_dtype_than_d_fails_the_semantics(dtype: 
     assert lines == [
         f"[semantics] step 1 (finish_mean): grads[{name!r}] is a float32 tensor; the finished "
         f"gradients are the {dtype} buffers (semantics §7, §8)"
+        for name in ("weight", "bias")
+    ], _verdict_text(verdict)
+
+
+class _OverflowingMeans(impls._Delegating):
+    """finish_mean's means multiplied by 2**16 (float16: +-inf for every |mean| >= 1), with a
+    found_inf that describes those values truthfully."""
+
+    def finish_mean(self) -> wacc_torch.AccumulatedGradients:
+        result = self._inner.finish_mean()
+        grads = {n: None if g is None else g * 2.0**16 for n, g in result.grads.items()}
+        found = any(not bool(g.isfinite().all()) for g in grads.values() if g is not None)
+        return dataclasses.replace(result, grads=grads, found_inf=found)
+
+
+def _overflowing_means(dtype: torch.dtype, loss_scale: float) -> _OverflowingMeans:
+    return _OverflowingMeans(dtype, loss_scale)
+
+
+def test_a_found_inf_true_to_wrong_values_fails_the_value_oracles_only() -> None:
+    """found_inf is judged against the gradients it describes, never against the reference's
+    (semantics §7, §8): means that overflow to inf where the reference's are finite, with a
+    found_inf that says so, fail oracles 1 and 2 (the values) and not oracle 3."""
+    scenario = Scenario(
+        work_dtype="float16",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)), ("bias", ())),
+        steps=(Accumulate.of("mean", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("mean")),
+    )
+    implementation = Implementation(
+        spec="tests.wacc.test_verdict:_overflowing_means",
+        factory=_overflowing_means,
+        fused=False,
+        missing=(),
+    )
+    verdict = judge(implementation, scenario)
+    assert verdict.failed_oracles == ("emulation", "bound"), _verdict_text(verdict)
+
+
+class _OpaqueWideningMeans(impls._Opaque):
+    """Opaque records, and finish_mean's means handed over as float32 whatever D."""
+
+    def finish_mean(self) -> wacc_torch.AccumulatedGradients:
+        result = self._inner.finish_mean()
+        grads = {n: None if g is None else g.float() for n, g in result.grads.items()}
+        return dataclasses.replace(result, grads=grads)
+
+
+def _opaque_widening_means(dtype: torch.dtype, loss_scale: float) -> _OpaqueWideningMeans:
+    return _OpaqueWideningMeans(dtype, loss_scale)
+
+
+def test_an_opaque_record_implementation_is_still_judged_on_its_finished_dtypes() -> None:
+    """The invariants of one trace hold for opaque records too (semantics §7, §8, §12): means
+    widened to float32 from a float16 window fail oracle 3 with one line per gradient naming
+    both dtypes, although the record is not of the §9 schema."""
+    scenario = Scenario(
+        work_dtype="float16",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)), ("bias", ())),
+        steps=(Accumulate.of("mean", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("mean")),
+    )
+    implementation = Implementation(
+        spec="tests.wacc.test_verdict:_opaque_widening_means",
+        factory=_opaque_widening_means,
+        fused=False,
+        missing=(),
+    )
+    verdict = judge(implementation, scenario)
+    assert verdict.failed_oracles == ("semantics",), _verdict_text(verdict)
+    lines = [line for line in verdict.describe() if "tensor; the finished gradients" in line]
+    assert lines == [
+        f"[semantics] step 1 (finish_mean): grads[{name!r}] is a float32 tensor; the finished "
+        "gradients are the float16 buffers (semantics §7, §8)"
         for name in ("weight", "bias")
     ], _verdict_text(verdict)

@@ -508,6 +508,22 @@ def test_error_messages_name_the_offending_value() -> None:
         acc.accumulate_sum(P, 1, grads={"b": [1.0]})
 
 
+def test_set_loss_scale_mid_window_names_both_scales_and_the_remedy() -> None:
+    """semantics §4 Reading: set_loss_scale once the window has issued microbatches raises
+    InvalidLossScaleError naming the new scale (with its hex form), the issued count, the
+    window's scale and what to do (finish or discard the window first); nothing changes."""
+    acc = _busy()  # loss scale 4.0, three microbatches issued
+    before = snapshot(acc)
+    message = (
+        r"^set_loss_scale\(8\.0 \(0x1\.0+p\+3\)\): the window has issued 3 microbatch\(es\) "
+        r"under loss scale 4\.0, .*every backward of a window has one loss scale; "
+        r"finish or discard the window first$"
+    )
+    with pytest.raises(InvalidLossScaleError, match=message):
+        acc.set_loss_scale(8.0)
+    assert snapshot(acc) == before
+
+
 # --- determinism --------------------------------------------------------------------------------
 
 

@@ -178,3 +178,22 @@ def test_exact_result_reports_counters_flag_and_every_parameter() -> None:
             # 256 bits hold every sum here exactly; the mean's /10 is within 2**-256 relative.
             assert abs(mpf_fraction(got) - want) <= abs(want) * Fraction(2) ** -256
         assert acc.state.issued == 0 and acc.state.zero_weight == 0
+
+
+def test_exact_found_inf_reports_a_result_beyond_float64s_range() -> None:
+    """In exact mode only a value beyond float64's range can be non-finite: two sums of the
+    largest float64 exceed it, so finish_sums hands over +inf with found_inf True; the mean of
+    the same window (W = 2) is the largest float64 again, finite, with found_inf False."""
+    largest = float.fromhex("0x1.fffffffffffffp+1023")
+    params = {"w": (2,)}
+    acc = ReferenceAccumulator(dtype="float64", loss_scale=1.0, mode="exact")
+    for _ in range(2):
+        acc.accumulate_sum(params, 1, grads={"w": [largest, 0.5]})
+    sums = acc.finish_sums()
+    assert sums.grads["w"].tolist() == [math.inf, 1.0]  # type: ignore[union-attr]
+    assert sums.found_inf is True
+    for _ in range(2):
+        acc.accumulate_sum(params, 1, grads={"w": [largest, 0.5]})
+    means = acc.finish_mean()
+    assert means.grads["w"].tolist() == [largest, 0.5]  # type: ignore[union-attr]
+    assert means.found_inf is False

@@ -1767,6 +1767,23 @@ def test_record_and_structured_gradients_are_refused_whatever_their_width(dtype:
 
 
 @pytest.mark.parametrize(
+    "name", ["bcomplex32", "int4", "uint4", "int2"], ids=["bcomplex32", "int4", "uint4", "int2"]
+)
+def test_ml_dtypes_complex_and_integer_gradients_are_refused(name: str) -> None:
+    """ml_dtypes' complex and integer types report kind "V" like its floats: a complex gradient
+    would lose its imaginary part and an integer one is not a float format, so both raise
+    BoundArgumentError naming the dtype (its real floats stay accepted: bfloat16 below)."""
+    dtype = getattr(ml_dtypes, name, None)
+    if dtype is None:
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no {name}")
+    grad = np.array([1, 2, 3]).astype(dtype)
+    with pytest.raises(BoundArgumentError, match=rf"grads\[0\] has dtype {name}; a float array"):
+        _simple_bound(grads=[grad, None])
+    accepted = np.array([1.0, 2.0, 3.0]).astype(ml_dtypes.bfloat16)
+    assert np.all(_simple_bound(grads=[accepted, None]) > 0)
+
+
+@pytest.mark.parametrize(
     "value",
     [
         np.void(b"\x00" * 8),

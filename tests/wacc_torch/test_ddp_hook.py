@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import pickle
 import subprocess
 import sys
@@ -920,6 +921,7 @@ def _window_both_ways(
         ((3, 11, 6), (3.0, 11.0, 6.0), "mean", torch.float32, True, 1.0),
         ((6,), (6.0,), "mean", torch.bfloat16, False, 1.0),
         ((6,), (6.0,), "sum", torch.float16, False, 1.0),
+        ((3, 11, 4), (3.0, 11.0, 4.0), "sum", torch.float32, False, math.inf),
     ],
     ids=[
         "last-weight-0-nan-gradient-sum",
@@ -929,6 +931,7 @@ def _window_both_ways(
         "fused-mean",
         "only-the-last-microbatch-bfloat16-mean",
         "only-the-last-microbatch-float16-sum",
+        "overflowing-last-gradient-sum",
     ],
 )
 def test_one_rank_hook_equals_the_helper_path_at_the_edges(
@@ -942,8 +945,10 @@ def test_one_rank_hook_equals_the_helper_path_at_the_edges(
 ) -> None:
     """On one rank the hook's .grad and result equal the helper path's bit for bit (dtype,
     weight and counters included) for a last microbatch of weight 0 (its gradient, NaN here, is
-    never read, and it counts as a zero-weight batch), of weight 1, with fused=True means, and
-    for a window that is only its last microbatch (no pending buffer: zeros in the work dtype)."""
+    never read, and it counts as a zero-weight batch), of weight 1, with fused=True means, for a
+    window that is only its last microbatch (no pending buffer: zeros in the work dtype), and
+    for a last loss scaled by inf; the result's found_inf is the bool True exactly when one of
+    its means holds a NaN or ±inf (only in that last case)."""
     model = DistributedDataParallel(_mlp())
     accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=LOSS_SCALE, fused=fused)
     hook = WeightedAllReduceHook(model, accumulator)
@@ -965,6 +970,9 @@ def test_one_rank_hook_equals_the_helper_path_at_the_edges(
     assert set(result.grads) == set(expected.grads)
     for name, grad in expected.grads.items():
         assert_bitwise_equal(result.grads[name], grad, f"result of {name}")
+    non_finite = any(not bool(g.isfinite().all()) for g in result.grads.values() if g is not None)
+    assert non_finite is (last_factor == math.inf)
+    assert result.found_inf is non_finite
 
 
 def test_one_rank_hook_with_one_bucket_per_parameter(one_rank_group: None) -> None:

@@ -245,6 +245,41 @@ def test_counters_at_their_bounds_are_accepted(one_rank_group: None) -> None:
             assert (result.issued, result.zero_weight) == (issued, zero_weight), caller
 
 
+FOUND_INF_CASES = {
+    # name: (the one rank's sums, S, W, found_inf of all_reduce_sums, of all_reduce_mean)
+    "finite": ({"a": torch.tensor([1.0, -2.0]), "b": None}, 4.0, 3.0, False, False),
+    "inf": ({"a": torch.tensor([1.0, -math.inf]), "b": None}, 4.0, 3.0, True, True),
+    "nan": ({"a": None, "b": torch.tensor([math.nan, 2.0])}, 4.0, 3.0, True, True),
+    # 60000 is finite in float16 (max 65504); 60000 / 1 / 0.5 = 120000 overflows it.
+    "mean-overflows": (
+        {"a": torch.tensor([60000.0, 1.0], dtype=torch.float16), "b": None},
+        1.0,
+        0.5,
+        False,
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FOUND_INF_CASES))
+def test_found_inf_says_whether_the_reduced_result_holds_a_nan_or_an_infinity(
+    one_rank_group: None, case: str
+) -> None:
+    """found_inf of a helper's result is the bool True exactly when one of its tensors holds a
+    NaN or ±inf (on one rank the global sums are the local ones): all_reduce_sums answers for
+    the sums, all_reduce_mean for the means, which can overflow where the sums do not (a float16
+    sum divided by S = 1 and W = 0.5)."""
+    grads, loss_scale, weight, sums_found, mean_found = FOUND_INF_CASES[case]
+    local = _local(dict(grads), loss_scale=loss_scale, weight=weight)
+    for caller, expected in (("all_reduce_sums", sums_found), ("all_reduce_mean", mean_found)):
+        result = CALLERS[caller](local)
+        non_finite = any(
+            not bool(g.isfinite().all()) for g in result.grads.values() if g is not None
+        )
+        assert non_finite is expected, caller
+        assert result.found_inf is expected, caller
+
+
 def test_the_helpers_talk_on_the_group_they_are_given(
     one_rank_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -541,7 +541,6 @@ def test_a_model_with_a_single_parameter_finishes(one_rank_group: None) -> None:
     assert_bitwise_equal(_local_grads(model)["weight"], expected["weight"], ".grad of weight")
 
 
-
 def test_set_loss_scale_sets_the_next_windows_scale_and_is_refused_inside_a_window(
     one_rank_group: None,
 ) -> None:

@@ -141,8 +141,11 @@ def test_in_place_division_refuses_an_inference_tensor_naming_it(inside: bool) -
     with torch.inference_mode():
         grad = torch.full((3,), 8.0)
     context = torch.inference_mode() if inside else contextlib.nullcontext()
-    why = r"updates in place outside inference mode, where it cannot be written"
-    with context, pytest.raises(ParameterMismatchError, match=r"'g' is an inference tensor.*" + why):
+    why = r"wacc_torch updates in place outside inference mode, where it cannot be written$"
+    with (
+        context,
+        pytest.raises(ParameterMismatchError, match=r"'g' is an inference tensor.*" + why),
+    ):
         normalize_sums({"f": ordinary, "g": grad}, loss_scale=2.0, total_weight=4.0, in_place=True)
     assert_bitwise_equal(ordinary, torch.full((3,), 8.0), "f")
     assert_bitwise_equal(grad, torch.full((3,), 8.0), "g")
@@ -172,3 +175,23 @@ def test_divide_sums_checks_the_quotients_for_nan_and_inf_only_when_asked(find_i
             assert check.found() is holds_inf
         else:
             assert check is None
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["S=1", "S=2"])
+def test_a_gradient_that_requires_grad_is_refused_naming_it_whatever_the_scale(
+    scale: float, in_place: bool
+) -> None:
+    """A gradient made with create_graph=True requires grad: the division is on values, so
+    it is refused with ParameterMismatchError naming the gradient, for S = 1 (a copy) and S != 1
+    (out=) alike, before anything is written; its .detach() is divided as usual."""
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    (grad,) = torch.autograd.grad((weight**2).sum(), weight, create_graph=True)
+    assert grad.requires_grad
+    before = grad.detach().clone()
+    with pytest.raises(ParameterMismatchError, match=r"gradient 'w' requires grad.*'w'\.detach"):
+        normalize_sums({"w": grad}, loss_scale=scale, total_weight=2.0, in_place=in_place)
+    assert_bitwise_equal(grad.detach(), before, "the refused gradient")
+    result = normalize_sums({"w": grad.detach()}, loss_scale=scale, total_weight=2.0)["w"]
+    assert result is not None and not result.requires_grad
+    assert_bitwise_equal(result, before / scale / 2.0, "the detached gradient, divided")

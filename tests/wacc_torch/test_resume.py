@@ -16,7 +16,13 @@ from tests.wacc_torch.support import (
     awkward_values,
     tracked_shapes,
 )
-from wacc_torch import AccumulatedGradients, WeightedGradientsAccumulator, load_record, save_record
+from wacc_torch import (
+    AccumulatedGradients,
+    InvalidLossScaleError,
+    WeightedGradientsAccumulator,
+    load_record,
+    save_record,
+)
 
 # Six microbatches: (weight, names whose gradient is None). A zero-weight batch, a weight that
 # bf16 rounds (1001), a parameter without gradient early on (its buffer is allocated late) and
@@ -181,3 +187,38 @@ def test_resume_after_finish_keeps_the_binding(tmp_path: Path) -> None:
     for replica in (accumulator, resumed):
         _step(replica, TwoLayer(), 1, gradients, "mean")
     _assert_same_result(resumed.finish_mean(), accumulator.finish_mean(), "next window")
+
+
+def test_a_resumed_window_keeps_its_loss_scale_until_it_is_finished() -> None:
+    """A window restored with issued microbatches has the record's one loss scale (semantics
+    §4 Reading): set_loss_scale raises InvalidLossScaleError naming the new scale, the issued
+    count, the window's scale and what to do (finish or discard the window first), changes
+    nothing, and the window finishes bit-identically to the uninterrupted one."""
+    gradients = _gradients(torch.float32, "cpu")
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    module = TwoLayer()
+    for index in range(2):
+        _step(accumulator, module, index, gradients, "mean")
+    resumed = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    resumed.load_state_dict(accumulator.state_dict(), module)
+    before = resumed.state_dict()
+    message = (
+        r"^set_loss_scale\(4\.0\): the window has issued 2 microbatch\(es\) under loss scale "
+        r"8\.0, .*every backward of a window has one loss scale; "
+        r"finish or discard the window first$"
+    )
+    with pytest.raises(InvalidLossScaleError, match=message):
+        resumed.set_loss_scale(4.0)
+    after = resumed.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        if key == "pending":
+            assert after[key].keys() == value.keys()
+            for name, buffer in value.items():
+                assert_bitwise_equal(after[key][name], buffer, name)
+        else:
+            assert after[key] == value, key
+    for replica in (accumulator, resumed):
+        for index in range(2, len(WINDOW)):
+            _step(replica, module, index, gradients, "mean")
+    _assert_same_result(resumed.finish_mean(), accumulator.finish_mean(), "resumed window")
