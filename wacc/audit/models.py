@@ -5,25 +5,44 @@ Every model is created in float32 from a fixed seed, then converted to the audit
 uses a float64 copy of *that* converted model (exact: every narrower float is a float64), so the
 framework and the truth differentiate the same function at the same point.  Dropout is off: the
 frameworks call ``model.train()``.
+
+The float16 overflow spike (:func:`add_spike`, the audit's ``fp16 overflow`` column only): every
+model gets the same site, its output head's input, whose rows at the positions holding
+``SPIKE_TOKEN`` are multiplied by ``SPIKE_FACTOR = 2**20`` — a token-specific activation outlier.
+The head runs in float16 under autocast, so that token's logits overflow float16 (> 65504) while
+every other position is untouched, and the same spiked model in float32 stays finite.  The site is
+the head's input, not the token's embedding row: GPT-2 and Llama normalise every position
+(LayerNorm / RMSNorm, in float32) before any float16 matmul, so no embedding row can overflow
+float16 there, and GPT-2's tied head would carry a scaled row into every position's logits.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
-from wacc.audit.windows import IGNORE_INDEX, VOCAB_SIZE
+from wacc.audit.windows import IGNORE_INDEX, SPIKE_TOKEN, VOCAB_SIZE
 
-__all__ = ["MODEL_KINDS", "ModelSpec", "TinyCausalLM", "causal_lm_loss_sum", "logits_of"]
+__all__ = [
+    "MODEL_KINDS",
+    "SPIKE_FACTOR",
+    "ModelSpec",
+    "SpikeProbe",
+    "TinyCausalLM",
+    "add_spike",
+    "causal_lm_loss_sum",
+    "logits_of",
+]
 
 MODEL_SEED = 1234
 POSITIONS = 256
+SPIKE_FACTOR = 2.0**20
 
 
 class TinyCausalLM(nn.Module):
@@ -125,3 +144,52 @@ MODEL_KINDS: dict[str, ModelSpec] = {
     "plain": ModelSpec("plain", TinyCausalLM),
 }
 """Models by name."""
+
+
+@dataclass
+class SpikeProbe:
+    """What the spike site of one model saw (module docstring): head outputs in float16, and
+    whether the spiked / the other positions' logits were non-finite."""
+
+    float16_logits: bool = False
+    spike_overflowed: bool = False
+    other_overflowed: bool = False
+    mask: torch.Tensor | None = field(default=None, repr=False)  # SPIKE_TOKEN's positions now
+
+
+def _head(model: nn.Module) -> nn.Module:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else getattr(model, "head", None)
+    if not isinstance(head, nn.Module):
+        raise TypeError(f"{type(model).__name__} has no output head to spike")
+    return head
+
+
+def add_spike(model: nn.Module) -> SpikeProbe:
+    """Give ``model`` the float16 overflow spike (module docstring); returns its probe.  The
+    parameters are unchanged: hooks on the model (reads ``input_ids``) and on its head."""
+    probe = SpikeProbe()
+
+    def read_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        probe.mask = None if ids is None else ids == SPIKE_TOKEN
+
+    def spike(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        mask = probe.mask
+        if mask is None or not bool(mask.any()):
+            return None
+        x = args[0]
+        return (torch.where(mask[..., None], x * SPIKE_FACTOR, x), *args[1:])
+
+    def observe(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        probe.float16_logits |= output.dtype == torch.float16
+        finite = torch.isfinite(output.detach()).all(dim=-1)
+        mask = probe.mask if probe.mask is not None else torch.zeros_like(finite)
+        probe.spike_overflowed |= bool((~finite & mask).any())
+        probe.other_overflowed |= bool((~finite & ~mask).any())
+
+    model.register_forward_pre_hook(read_ids, with_kwargs=True)
+    head = _head(model)
+    head.register_forward_pre_hook(spike)
+    head.register_forward_hook(observe)
+    return probe

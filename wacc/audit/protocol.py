@@ -16,10 +16,19 @@ only the framework's public code path:
    (``task.dataset`` from index ``c``: the data position is the loop's).  A framework that can
    only checkpoint at optimizer steps may instead resume from its last step checkpoint and
    recompute the window, and say so with ``LoopRun(resume="replay")``;
-5. return :class:`LoopRun`: the token count it divided by (None when it never divides by one).
+5. return :class:`LoopRun`: the token count it divided by (None when it never divides by one);
+6. when ``task.fp16`` (only if ``Adapter.fp16`` is None): run the loop's own float16
+   mixed-precision code path instead — float32 parameters (``task.dtype``), the forward under
+   float16 autocast (or whatever the framework's fp16 switch does) and the loop's dynamic loss
+   scaler, if it has one, stepping or skipping as that scaler decides; build the optimizer with
+   ``lr=task.learning_rate`` (> 0 then, so that an applied step shows in the parameters); and
+   return ``LoopRun(loss_scales=(before, after))``, the scaler's scale around the window, or
+   ``None`` with a ``note`` saying why there is none.  The audit reads the outcome from the
+   parameters of the last model ``task.build_model()`` returned (compared with a fresh one) after
+   ``run`` returns; ``task.record_gradients`` is then optional (a skipped step never calls it).
 
 A user loop is ``module:function`` with ``function(task: LoopTask) -> LoopRun``; optional function
-attributes ``loss_scale`` / ``checkpoint`` (bool) and ``model`` (a name of
+attributes ``loss_scale`` / ``checkpoint`` / ``fp16`` (bool) and ``model`` (a name of
 :data:`wacc.audit.models.MODEL_KINDS`, default ``"plain"``) say what it supports.
 """
 
@@ -34,10 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from wacc.audit.models import ModelSpec
+from wacc.audit.models import ModelSpec, SpikeProbe, add_spike
 from wacc.audit.windows import Window
 
-__all__ = ["Adapter", "LoopRun", "LoopTask", "WindowDataset", "user_adapter"]
+__all__ = ["FP16_LEARNING_RATE", "Adapter", "LoopRun", "LoopTask", "WindowDataset", "user_adapter"]
+
+FP16_LEARNING_RATE = 1.0  # SGD's lr in a float16 run: an applied step changes the parameters
 
 
 class WindowDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -73,6 +84,15 @@ class LoopTask:
     fetched_at_first_backward: int | None = None
     captured: dict[str, torch.Tensor] | None = None
     steps_seen: int = 0
+    fp16: bool = False  # run the loop's own float16 mixed-precision path (step 6 of the docstring)
+    models: list[nn.Module] = field(default_factory=list)  # every model build_model() returned
+    spikes: list[SpikeProbe] = field(default_factory=list)  # their float16 spike probes (fp16)
+
+    @property
+    def learning_rate(self) -> float:
+        """The loop's SGD learning rate: 0 (the audit reads gradients), or
+        :data:`FP16_LEARNING_RATE` in a float16 run (the outcome is read from the parameters)."""
+        return FP16_LEARNING_RATE if self.fp16 else 0.0
 
     @property
     def dataset(self) -> WindowDataset:
@@ -86,8 +106,12 @@ class LoopTask:
 
     def build_model(self) -> nn.Module:
         """A fresh model in ``dtype`` (with the weights rounded to ``weights_dtype`` first, when
-        given); a gradient hook notes how much data was read by then."""
+        given); a gradient hook notes how much data was read by then.  In a float16 run the model
+        carries the overflow spike (:func:`wacc.audit.models.add_spike`)."""
         model = self.model_spec.build(self.weights_dtype or self.dtype).to(self.dtype)
+        self.models.append(model)
+        if self.fp16:
+            self.spikes.append(add_spike(model))
 
         def note(grad: torch.Tensor) -> None:
             if self.fetched_at_first_backward is None:
@@ -119,6 +143,7 @@ class LoopRun:
     counted_tokens: float | None  # the window count it divided by; None: it never divides by one
     note: str = ""  # anything the loop wants in the report
     resume: str = "restore"  # "restore": resumes the pending window; "replay": recomputes it
+    loss_scales: tuple[float, float] | None = None  # fp16 run: the scaler's scale before, after
 
 
 @dataclass(frozen=True)
@@ -134,6 +159,7 @@ class Adapter:
     loss_scale: bool  # a fixed loss scale can be set
     checkpoint: str | None  # None: offers a mid-window checkpoint call; else why not
     run: Callable[[LoopTask], LoopRun]
+    fp16: str | None = "no float16 mode"  # None: runs its float16 path when task.fp16; else why not
 
     def unavailable(self) -> str | None:
         """None when every required module imports; else "not installed" / "not importable: …"."""
@@ -182,6 +208,7 @@ def user_adapter(spec: str) -> Adapter:
     if model not in MODEL_KINDS:
         raise ValueError(f"user loop {spec!r}: model {model!r} is not one of {sorted(MODEL_KINDS)}")
     checkpoint = getattr(function, "checkpoint", False)
+    fp16 = getattr(function, "fp16", False)
     return Adapter(
         name=spec,
         title=(function.__doc__ or spec).strip().splitlines()[0][:60],
@@ -192,4 +219,5 @@ def user_adapter(spec: str) -> Adapter:
         loss_scale=bool(getattr(function, "loss_scale", False)),
         checkpoint=None if checkpoint else "not declared by the loop",
         run=function,
+        fp16=None if fp16 else "not settable",
     )

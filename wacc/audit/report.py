@@ -19,7 +19,7 @@ CELL_COLUMNS = (
 )  # fmt: skip
 FACT_COLUMNS = (
     "loop", "version", "model", "float64 copy", "reads window first", "zero-target window",
-    "mid-window resume", "resumed rel L2", "fixed loss scale",
+    "mid-window resume", "resumed rel L2", "fixed loss scale", "fp16 overflow",
 )  # fmt: skip
 
 
@@ -107,6 +107,7 @@ def fact_rows(result: AuditResult) -> list[dict[str, str]]:
                 "mid-window resume": fact.resume if ran else "-",
                 "resumed rel L2": _num(fact.resume_rel_l2) if ran else "-",
                 "fixed loss scale": fact.loss_scale if ran else "-",
+                "fp16 overflow": fact.fp16 if ran else "-",
             }
         )
     return rows
@@ -152,7 +153,12 @@ bound (it isolates what the loop computes from rounding) and its gradient is fin
 `reads window first`: whether every microbatch was read before the first backward (measured).
 `mid-window resume`: checkpoint after K // 2 microbatches with the loop's own checkpoint call,
 restore into fresh objects, finish the window. `fixed loss scale`: a run with S = {scale:g}
-compared bit for bit with S = 1. `deterministic`: two runs hash the same.
+compared bit for bit with S = 1. `deterministic`: two runs hash the same. `fp16 overflow`: the
+loop's own float16 mixed-precision path (autocast float16 + its loss scaler, SGD with lr > 0) on
+a window in which one microbatch's float16 logits overflow (a spike token), read from the
+parameters after the step and the scaler's scale: "skips the whole window" (parameters unchanged,
+scale before -> after), "applies non-finite gradients", "drops the microbatch", or "no float16
+compute" when the path never ran in float16 (accelerate, and so Trainer, off-GPU).
 """
 
 
@@ -191,7 +197,7 @@ def write_csv(result: AuditResult, path: Path) -> None:
         "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
         "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
         "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
-        "resumed_rel_l2", "fixed_loss_scale", "truth_casts", "loss_casts",
+        "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts",
     ]  # fmt: skip
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
@@ -213,7 +219,8 @@ def write_csv(result: AuditResult, path: Path) -> None:
                     "deterministic": "" if c.deterministic is None else c.deterministic,
                     "sha256": c.digest, "reads_window_first": f.needs_total,
                     "mid_window_resume": f.resume, "resumed_rel_l2": repr(f.resume_rel_l2),
-                    "fixed_loss_scale": f.loss_scale, "truth_casts": ";".join(f.truth_casts),
+                    "fixed_loss_scale": f.loss_scale, "fp16_overflow": f.fp16,
+                    "truth_casts": ";".join(f.truth_casts),
                     "loss_casts": ";".join(f.loss_casts),
                 }
             )  # fmt: skip

@@ -12,7 +12,15 @@ backward (measured: microbatches fetched when the first gradient arrived); a mid
 after ``K // 2`` microbatches with the loop's own checkpoint call, resumed in fresh objects
 (error of the resumed gradient, and whether it is bit-identical to the uninterrupted run); and, if
 a fixed loss scale can be set, a run with ``S = 2**10`` (bit-identical to ``S = 1`` = divided out
-exactly once, as a power-of-two scale of every value is exact).
+exactly once, as a power-of-two scale of every value is exact).  Per loop that has a float16 path
+(``Adapter.fp16`` is None), ``fp16 overflow``: the loop's own float16 mixed-precision path run on
+the float16 overflow window (:func:`wacc.audit.windows.build_fp16_window`: one microbatch holds the
+spike token, whose float16 logits overflow; :func:`wacc.audit.models.add_spike`) and on its clean
+twin, with SGD at ``lr > 0``.  The outcome is read from the parameters after the run against a
+fresh copy, and from the loop's loss scaler: "skips the whole window" (unchanged; the scale
+before -> after), "applies non-finite gradients" (a NaN/inf parameter), "drops the microbatch" (a
+finite step in the direction of the window without it), or what else was seen; a path that never
+computed in float16 says so, as does a clean twin that is not applied.
 
 A loop that is not installed, cannot be imported, or raises is a row saying so, never a crash.
 """
@@ -42,7 +50,7 @@ from wacc.audit.metrics import (
 from wacc.audit.models import MODEL_KINDS
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.truth import Truth, compute_truth, flatten
-from wacc.audit.windows import Window
+from wacc.audit.windows import SPIKE_MICROBATCH, Window, build_fp16_window
 
 __all__ = ["AuditResult", "Cell", "LoopFacts", "run_audit", "TEST_LOSS_SCALE"]
 
@@ -95,6 +103,7 @@ class LoopFacts:
     resume: str = ""
     resume_rel_l2: float = math.nan
     loss_scale: str = ""
+    fp16: str = ""  # what its float16 path does with a window in which one microbatch overflows
     notes: list[str] = field(default_factory=list)
 
 
@@ -148,21 +157,124 @@ class _Runner:
             model_spec=MODEL_KINDS[adapter.model], dtype=dtype, window=window, workdir=workdir,
             loss_scale=loss_scale, checkpoint_after=checkpoint_after, weights_dtype=self.dtype,
         )  # fmt: skip
+        run = self._call(adapter, task)
+        self.tick()
+        if task.captured is None:
+            raise RuntimeError("the loop never stepped its optimizer in this window")
+        # The truth's parameter order (same model class: a missing name is a KeyError row).
+        return task, run, flatten(task.captured, self.truth(adapter.model, window)[0].names)
+
+    def _call(self, adapter: Adapter, task: LoopTask) -> LoopRun:
         # Every loop starts from the same global RNG state, and the caller's comes back (Trainer
         # and accelerate reseed torch, numpy and random).
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                run = adapter.run(task)
+                return adapter.run(task)
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
-        self.tick()
-        if task.captured is None:
-            raise RuntimeError("the loop never stepped its optimizer in this window")
-        # The truth's parameter order (same model class: a missing name is a KeyError row).
-        return task, run, flatten(task.captured, self.truth(adapter.model, window)[0].names)
+
+    def fp16(self, adapter: Adapter, window: Window, *, tick: bool = True) -> Fp16Run:
+        """One run of the loop's float16 path on ``window`` (module docstring)."""
+        self._count += 1
+        workdir = self.workdir / f"run{self._count}"
+        workdir.mkdir()
+        spec = MODEL_KINDS[adapter.model]
+        task = LoopTask(model_spec=spec, dtype=torch.float32, window=window, workdir=workdir,
+                        weights_dtype=self.dtype, fp16=True)  # fmt: skip
+        run = self._call(adapter, task)
+        if tick:
+            self.tick()
+        if not task.models:
+            raise RuntimeError("the loop never built its model")
+        before = dict(spec.build(self.dtype).to(torch.float32).named_parameters())
+        after = dict(task.models[-1].named_parameters())
+        delta = torch.cat([(after[n].detach() - before[n].detach()).double().reshape(-1)
+                           for n in before])  # fmt: skip
+        finite = all(bool(torch.isfinite(p.detach()).all()) for p in after.values())
+        changed = any(not torch.equal(after[n].detach(), p.detach()) for n, p in before.items())
+        return Fp16Run(
+            changed=changed, finite=finite, delta=delta, loss_scales=run.loss_scales,
+            note=run.note, float16=any(s.float16_logits for s in task.spikes),
+            spike_overflowed=any(s.spike_overflowed for s in task.spikes),
+            other_overflowed=any(s.other_overflowed for s in task.spikes),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fp16Run:
+    """What one float16 run did: the parameters after it against a fresh copy, its scaler, and
+    what the spike probe saw."""
+
+    changed: bool  # some parameter differs from the fresh copy
+    finite: bool  # every parameter is finite
+    delta: torch.Tensor  # after - before, flattened (float64)
+    loss_scales: tuple[float, float] | None  # the loop's scale before, after (None: no scaler)
+    note: str  # the loop's word on it (why no scaler)
+    float16: bool  # some logits were computed in float16
+    spike_overflowed: bool  # the spike's logits were non-finite
+    other_overflowed: bool  # some other position's logits were non-finite
+
+    def outcome(self) -> str:
+        """What happened to the parameters (and the scale)."""
+        if not self.finite:
+            return "applies non-finite gradients"
+        if self.changed:
+            return "applies the window"
+        text = "skips the whole window"
+        if self.loss_scales is not None:
+            before, after = self.loss_scales
+            backed = "" if after < before else ", not backed off"
+            text += f" (scale {before:g} -> {after:g}{backed})"
+        return text
+
+
+def _without_spiked_microbatch(window: Window) -> Window:
+    keep = [k for k in range(len(window.microbatches)) if k != SPIKE_MICROBATCH]
+    return Window(
+        name=f"{window.name} without microbatch {SPIKE_MICROBATCH}",
+        targets=tuple(window.targets[k] for k in keep),
+        microbatches=tuple(window.microbatches[k] for k in keep),
+    )
+
+
+def _fp16_fact(runner: _Runner, adapter: Adapter) -> str:
+    """The ``fp16 overflow`` fact (module docstring)."""
+    if adapter.fp16 is not None:
+        return adapter.fp16
+    try:
+        clean = runner.fp16(adapter, build_fp16_window(spike=False))
+        spiked_window = build_fp16_window(spike=True)
+        spiked = runner.fp16(adapter, spiked_window)
+        if not spiked.float16:
+            text = f"no float16 compute, nothing overflows: {spiked.outcome()}"
+        elif not spiked.spike_overflowed:
+            text = f"the spike did not overflow: {spiked.outcome()}"
+        elif spiked.finite and spiked.changed:
+            dropped = runner.fp16(adapter, _without_spiked_microbatch(spiked_window), tick=False)
+            a, b = spiked.delta, dropped.delta
+            cosine = float(a @ b / (a.norm() * b.norm())) if b.norm() > 0 else 0.0
+            if cosine > 0.999:
+                ratio = float(a.norm() / b.norm())
+                scale = (
+                    ""
+                    if abs(ratio - 1) < 1e-3
+                    else f" (step x{ratio:.3g} of the window without it)"
+                )
+                text = f"drops the microbatch{scale}"
+            else:
+                text = "applies a finite step that is not the window without the microbatch"
+        else:
+            text = spiked.outcome()
+        if spiked.loss_scales is None:
+            text += f" ({spiked.note or 'no loss scaler'})"
+        if not (clean.finite and clean.changed) or clean.other_overflowed:
+            text += f"; without the spike too: {clean.outcome()}"
+        return text
+    except Exception as exc:
+        return _describe_error(exc)
 
 
 def run_audit(
@@ -175,7 +287,10 @@ def run_audit(
     """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring)."""
     torch_dtype = DTYPES[dtype]
     runnable = [a for a in adapters if a.unavailable() is None]
-    total = sum(3 * len(windows) + 1 + (a.checkpoint is None) + a.loss_scale for a in runnable)
+    total = sum(
+        3 * len(windows) + 1 + (a.checkpoint is None) + a.loss_scale + 2 * (a.fp16 is None)
+        for a in runnable
+    )
     tick = progress(total) if progress else (lambda: None)
     facts: list[LoopFacts] = []
     cells: list[Cell] = []
@@ -198,6 +313,7 @@ def run_audit(
                     cell.status = _describe_error(exc)
                     if index == 0:
                         fact.notes.append(f"{window.name}: {cell.status}")
+            fact.fp16 = _fp16_fact(runner, adapter)
     return AuditResult(dtype=dtype, windows=list(windows), facts=facts, cells=cells)
 
 

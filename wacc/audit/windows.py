@@ -7,6 +7,12 @@ target and ``n`` tokens are.  A zero-target microbatch has every label ``-100`` 
 sample).  Every microbatch of a window is right-padded to the window's longest sequence with pad
 token 0 and label ``-100`` (fixed shapes; for a causal model right padding changes no earlier
 position's logits).  Everything is seeded: the same name gives the same tensors.
+
+The float16 overflow window (:func:`build_fp16_window`, used only by the audit's ``fp16 overflow``
+column) is ``unequal``'s target counts drawn from token ids ``1 .. SPIKE_TOKEN - 1``, with
+``SPIKE_TOKEN`` at position 0 of microbatch ``SPIKE_MICROBATCH`` only (or nowhere: its clean twin).
+In a float16 run the audit's models make that token's activations overflow
+(:func:`wacc.audit.models.add_spike`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import torch
 __all__ = [
     "IGNORE_INDEX",
     "VOCAB_SIZE",
+    "SPIKE_MICROBATCH",
+    "SPIKE_TOKEN",
     "WINDOW_NAMES",
     "Window",
+    "build_fp16_window",
     "build_window",
     "target_count",
 ]
@@ -32,6 +41,9 @@ ZERO_TARGET_LENGTH = 9  # the prompt-only microbatch's length (its tokens still 
 LONG_TAIL_SEED = 20261201
 LONG_TAIL_MICROBATCHES = 6
 LONG_TAIL_MAX_TARGETS = 200  # keeps every sequence within the tiny models' 256 positions
+SPIKE_TOKEN = VOCAB_SIZE - 1  # the float16 overflow window's spike (never drawn there otherwise)
+SPIKE_MICROBATCH = 1  # the one microbatch of that window that holds it
+FP16_WINDOW_SEED = 17
 
 _TARGETS: dict[str, tuple[int, ...]] = {
     "unequal": (1, 7, 200, 3),
@@ -74,12 +86,14 @@ def target_count(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def _sequences(targets: Sequence[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _sequences(
+    targets: Sequence[int], seed: int, *, high: int = VOCAB_SIZE
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     out = []
     for n in targets:
         length = n + 1 if n > 0 else ZERO_TARGET_LENGTH
-        ids = torch.randint(1, VOCAB_SIZE, (length,), generator=generator)
+        ids = torch.randint(1, high, (length,), generator=generator)
         labels = ids.clone() if n > 0 else torch.full((length,), IGNORE_INDEX)
         out.append((ids, labels))
     return out
@@ -91,7 +105,25 @@ def build_window(name: str) -> Window:
         targets = _long_tail_targets()
     else:
         targets = _TARGETS[name]
-    sequences = _sequences(targets, seed=WINDOW_NAMES.index(name))
+    return _window(name, targets, _sequences(targets, seed=WINDOW_NAMES.index(name)))
+
+
+def build_fp16_window(*, spike: bool = True) -> Window:
+    """The float16 overflow window (module docstring): ``fp16-spike``, or ``fp16-clean`` without
+    the spike (the same tensors otherwise)."""
+    targets = _TARGETS["unequal"]
+    sequences = _sequences(targets, seed=FP16_WINDOW_SEED, high=SPIKE_TOKEN)
+    if spike:
+        ids, labels = sequences[SPIKE_MICROBATCH]
+        ids, labels = ids.clone(), labels.clone()
+        ids[0] = labels[0] = SPIKE_TOKEN  # position 0's label is never a target (causal shift)
+        sequences[SPIKE_MICROBATCH] = (ids, labels)
+    return _window("fp16-spike" if spike else "fp16-clean", targets, sequences)
+
+
+def _window(
+    name: str, targets: Sequence[int], sequences: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Window:
     width = max(ids.numel() for ids, _ in sequences)
     microbatches = []
     for ids, labels in sequences:

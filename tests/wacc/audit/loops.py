@@ -32,3 +32,21 @@ def never_steps(task: LoopTask) -> LoopRun:
     batch = task.dataset[0]
     model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])["loss"].backward()
     return LoopRun(counted_tokens=None)
+
+
+def fp16_no_scaler(task: LoopTask) -> LoopRun:
+    """Float16 autocast and no loss scaler: an overflow reaches the optimizer."""
+    model = task.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
+    task.hook_optimizer(optimizer, model)
+    data = task.dataset
+    for index in range(len(data)):
+        batch = data[index]
+        with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
+            loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])["loss"]
+        (loss / task.num_microbatches).backward()
+    optimizer.step()
+    return LoopRun(counted_tokens=None)
+
+
+fp16_no_scaler.fp16 = True  # type: ignore[attr-defined]

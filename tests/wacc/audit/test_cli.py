@@ -37,6 +37,11 @@ def test_passing_loops_exit_0_and_write_the_report(tmp_path: Path) -> None:
         ("plain", "unequal", "pass"), ("plain", "equal", "pass"),
         ("wacc_torch-mean", "unequal", "pass"), ("wacc_torch-mean", "equal", "pass"),
     ]  # fmt: skip
+    skips = "skips the whole window (scale {})"
+    assert [r["fp16_overflow"] for r in rows] == [skips.format("65536 -> 32768")] * 2 + [
+        skips.format("4096 -> 2048")
+    ] * 2
+    assert "fp16 overflow" in done.stdout
     assert "## Per loop and window" in (out / "audit.md").read_text()
     assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

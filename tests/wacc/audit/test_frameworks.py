@@ -68,3 +68,13 @@ def test_framework_facts(result: AuditResult) -> None:
         assert facts[name].resume_rel_l2 != _cell(result, name, "unequal").rel_l2
     assert all(f.loss_scale == "not settable" for f in result.facts)
     assert facts["trainer-llama"].truth_casts  # Llama's RMSNorm runs in float32
+
+
+@pytest.mark.slow
+def test_fp16_off_gpu_is_float32_without_a_scaler(result: AuditResult) -> None:
+    """TrainingArguments(fp16=True) and Accelerator(mixed_precision="fp16") on CPU: accelerate
+    makes no GradScaler and no float16 autocast, so the spike never overflows and the window is
+    applied (measured: logits never float16, parameters changed and finite)."""
+    expected = "no float16 compute, nothing overflows: applies the window (no GradScaler off-GPU)"
+    for fact in result.facts:
+        assert fact.fp16 == expected, fact.adapter.name

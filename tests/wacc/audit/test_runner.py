@@ -87,3 +87,15 @@ def test_user_adapter_rejects_bad_specs() -> None:
     for spec in ("nocolon", "no_such_module_xyz:f", "tests.wacc.audit.loops:nothing"):
         with pytest.raises(ValueError, match=spec.split(":")[0]):
             user_adapter(spec)
+
+
+@pytest.mark.slow
+def test_fp16_overflow_fact(result: AuditResult) -> None:
+    """In the audit: plain (GradScaler) and wacc_torch (WindowLossScaler) skip the window whose
+    one microbatch overflows float16 and back the scale off; a user loop that declares no float16
+    path is "not settable"."""
+    facts = {f.adapter.name: f for f in result.facts}
+    assert facts["plain"].fp16 == "skips the whole window (scale 65536 -> 32768)"
+    for name in ("wacc_torch-mean", "wacc_torch-sum"):
+        assert facts[name].fp16 == "skips the whole window (scale 4096 -> 2048)"
+    assert facts[EQUAL_WEIGHTING].fp16 == "not settable"

@@ -19,7 +19,11 @@ when accelerate really steps.
 Checkpoint: ``accelerator.save_state(dir)`` mid-window, then a fresh ``Accelerator`` + model +
 optimizer, ``accelerator.load_state(dir)`` and the remaining batches.  Checked against
 accelerate 1.15.0 on CPU, the version run here.  No fixed loss scale can be set: accelerate's
-fp16 ``GradScaler`` is dynamic and needs an accelerator device.
+fp16 ``GradScaler`` is dynamic and needs an accelerator device.  Float16 (``task.fp16``): the same
+loops with ``Accelerator(mixed_precision="fp16")`` and ``SGD(lr=task.learning_rate)``; the scaler
+is ``accelerator.scaler`` (``accelerator.backward`` scales with it, the prepared optimizer's
+``step`` skips on NaN/inf through it).  On CPU accelerate makes none, and no autocast either
+(``native_amp`` stays off): the run reports it.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ __all__ = ["ACCUMULATE", "VARIABLE"]
 def _fresh(task: LoopTask) -> tuple[Any, torch.nn.Module, Any]:
     from accelerate import Accelerator
 
-    accelerator = Accelerator(gradient_accumulation_steps=task.num_microbatches, cpu=True)
+    options: dict[str, Any] = {"mixed_precision": "fp16"} if task.fp16 else {}
+    accelerator = Accelerator(
+        gradient_accumulation_steps=task.num_microbatches, cpu=True, **options
+    )
     model = task.build_model()
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
     task.hook_optimizer(optimizer, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     return accelerator, model, optimizer
@@ -54,9 +61,28 @@ def _checkpoint(task: LoopTask, accelerator: Any) -> tuple[Any, torch.nn.Module,
     return accelerator, model, optimizer
 
 
+def _scale(accelerator: Any) -> float | None:
+    """The fp16 scaler's scale now (None: accelerate made no scaler)."""
+    scaler = accelerator.scaler
+    return None if scaler is None else float(scaler.get_scale())
+
+
+def _finished(
+    task: LoopTask, accelerator: Any, counted: float | None, before: float | None
+) -> LoopRun:
+    after = _scale(accelerator)
+    if not task.fp16:
+        return LoopRun(counted_tokens=counted)
+    if before is None or after is None:
+        where = "off-GPU" if accelerator.device.type == "cpu" else f"on {accelerator.device.type}"
+        return LoopRun(counted_tokens=counted, note=f"no GradScaler {where}")
+    return LoopRun(counted_tokens=counted, loss_scales=(before, after))
+
+
 def run_accumulate(task: LoopTask) -> LoopRun:
     """The documented ``accumulate()`` loop (module docstring)."""
     accelerator, model, optimizer = _fresh(task)
+    before = _scale(accelerator)
     data = task.dataset
     for index in range(len(data)):
         if task.checkpoint_after == index:
@@ -67,12 +93,13 @@ def run_accumulate(task: LoopTask) -> LoopRun:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    return LoopRun(counted_tokens=None)
+    return _finished(task, accelerator, None, before)
 
 
 def run_variable(task: LoopTask) -> LoopRun:
     """The documented variable-size fix (module docstring)."""
     accelerator, model, optimizer = _fresh(task)
+    before = _scale(accelerator)
     data = task.dataset
     batches = [{k: v[None] for k, v in data[i].items()} for i in range(len(data))]
     k = task.num_microbatches
@@ -87,11 +114,12 @@ def run_variable(task: LoopTask) -> LoopRun:
         accelerator.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
-    return LoopRun(counted_tokens=float(num_items_in_batch))
+    return _finished(task, accelerator, float(num_items_in_batch), before)
 
 
 _COMMON = dict(requires=("accelerate", "transformers"), model="gpt2", loss_scale=False,
-               checked="accelerate 1.15.0 with transformers 5.24.0", checkpoint=None)  # fmt: skip
+               checked="accelerate 1.15.0 with transformers 5.24.0", checkpoint=None,
+               fp16=None)  # fmt: skip
 ACCUMULATE = Adapter(
     name="accelerate",
     title="accelerate accumulate() (documented loop)",

@@ -5,6 +5,11 @@ then ``optimizer.step()``.
 Code path: ``torch.Tensor.backward`` accumulating into ``.grad``, ``torch.optim.SGD.step``;
 checkpoint = ``torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})``
 and ``torch.load(weights_only=True)`` (what such loops save: ``.grad`` is in neither state dict).
+Float16 (``task.fp16``): torch's AMP recipe around the same loop — ``torch.autocast("cpu",
+dtype=torch.float16)`` over the forward and the loss, ``scaler = torch.amp.GradScaler("cpu")``
+(its defaults: initial scale 2**16), ``scaler.scale(loss_sum / known_total).backward()`` per
+microbatch, then ``scaler.step(optimizer)`` (unscales; skips ``optimizer.step()`` when a gradient
+is NaN/inf) and ``scaler.update()``.
 Checked against torch 2.13.0 (the version run here).
 """
 
@@ -22,13 +27,15 @@ __all__ = ["ADAPTER"]
 def _fresh(task: LoopTask) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = task.build_model()
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
     task.hook_optimizer(optimizer, model)
     return model, optimizer
 
 
 def run(task: LoopTask) -> LoopRun:
     """Run the loop of the module docstring on ``task``."""
+    if task.fp16:
+        return _run_fp16(task)
     model, optimizer = _fresh(task)
     data = task.dataset
     batches = [data[i] for i in range(len(data))]  # the known total needs the whole window first
@@ -52,6 +59,24 @@ def run(task: LoopTask) -> LoopRun:
     return LoopRun(counted_tokens=float(total))
 
 
+def _run_fp16(task: LoopTask) -> LoopRun:
+    """The float16 AMP loop of the module docstring."""
+    model, optimizer = _fresh(task)
+    scaler = torch.amp.GradScaler("cpu")
+    before = scaler.get_scale()
+    data = task.dataset
+    batches = [data[i] for i in range(len(data))]
+    total = sum(target_count(b["labels"]) for b in batches)
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = logits_of(model(input_ids=batch["input_ids"][None]))
+            loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+        scaler.scale(loss_sum / total).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return LoopRun(counted_tokens=float(total), loss_scales=(before, scaler.get_scale()))
+
+
 ADAPTER = Adapter(
     name="plain",
     title="plain PyTorch loss_sum / known_total",
@@ -62,4 +87,5 @@ ADAPTER = Adapter(
     loss_scale=True,
     checkpoint=None,
     run=run,
+    fp16=None,
 )

@@ -9,7 +9,10 @@ defaults (initial scale 2**16) and takes no scale argument.  Checkpoint: the mod
 ``NativeScaler.state_dict()``.  Written against timm 1.0.31 but NOT run here: timm imports
 torchvision, which must be a build matching the installed torch (the registry's torchvision for
 torch 2.13 is CUDA-only and fails to import on a CPU torch: the audit then reports timm "not
-importable").
+importable").  Float16 (``task.fp16``): pixparse's ``amp`` path — the forward under
+``torch.autocast("cpu", dtype=torch.float16)``, the same ``NativeScaler`` call (its
+``GradScaler.step`` skips the update on NaN/inf and backs off), ``SGD(lr=task.learning_rate)``;
+the scale before/after is ``NativeScaler._scaler.get_scale()``.  Not run here either.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ def run(task: LoopTask) -> LoopRun:
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, NativeScaler]:
         model = task.build_model()
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
         task.hook_optimizer(optimizer, model)
         scaler = NativeScaler(device="cpu")
         return model, optimizer, scaler
 
     model, optimizer, scaler = fresh()
+    before = float(scaler._scaler.get_scale()) if task.fp16 else 0.0  # the wrapped GradScaler
     data = task.dataset
     accum_steps = task.num_microbatches
     for index in range(len(data)):
@@ -47,12 +51,15 @@ def run(task: LoopTask) -> LoopRun:
             scaler.load_state_dict(state["scaler"])
         batch = data[index]
         need_update = index + 1 == accum_steps
-        out = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
+        with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
+            out = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
         logits_of(out)  # the loop trains on the model's own loss
         loss = out["loss"]
         if accum_steps > 1:
             loss /= accum_steps
         scaler(loss, optimizer, parameters=model.parameters(), need_update=need_update)
+    if task.fp16:
+        return LoopRun(counted_tokens=None, loss_scales=(before, float(scaler._scaler.get_scale())))
     return LoopRun(counted_tokens=None)
 
 
@@ -66,4 +73,5 @@ ADAPTER = Adapter(
     loss_scale=False,
     checkpoint=None,
     run=run,
+    fp16=None,
 )

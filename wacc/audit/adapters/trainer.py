@@ -20,7 +20,10 @@ steps.  What is tried instead: two copies of the window, ``save_steps=1`` writes
 after the first, the run is dropped inside the second, and a fresh ``Trainer`` runs
 ``train(resume_from_checkpoint=checkpoint-1)``: it skips the first window's batches and replays
 the whole second window (the pending gradient is recomputed, not restored).  No fixed loss
-scale: ``fp16`` uses a dynamic scaler on an accelerator device.  Checked against transformers
+scale: ``fp16`` uses a dynamic scaler on an accelerator device.  Float16 (``task.fp16``): the
+same with ``TrainingArguments(fp16=True)`` and ``SGD(lr=task.learning_rate)``; the scaler is
+``trainer.accelerator.scaler`` — on CPU accelerate makes none (and no autocast: its fp16 switch
+does nothing off-GPU), which the run reports.  Checked against transformers
 5.24.0 with accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x
 argument, without it the order is random).
 """
@@ -52,6 +55,8 @@ def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: boo
         save_strategy="steps" if task.checkpoint_after is not None else "no", save_steps=1,
         disable_tqdm=True, dataloader_num_workers=0, seed=0,
     )  # fmt: skip
+    if task.fp16:
+        options["fp16"] = True
     if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
         options["train_sampling_strategy"] = "sequential"
     dataset: Any = task.dataset
@@ -61,11 +66,17 @@ def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: boo
         model=model,
         args=TrainingArguments(**options),
         train_dataset=dataset,
-        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=task.learning_rate), None),
         callbacks=[Capture()],
     )
     trainer.remove_callback(PrinterCallback)  # it prints the run's metrics on stdout
     return trainer
+
+
+def _no_scaler(accelerator: Any) -> str:
+    """Why an fp16 run has no scaler: accelerate makes a GradScaler only on an accelerator."""
+    where = "off-GPU" if accelerator.device.type == "cpu" else f"on {accelerator.device.type}"
+    return f"no GradScaler {where}"
 
 
 def run(task: LoopTask) -> LoopRun:
@@ -78,6 +89,15 @@ def run(task: LoopTask) -> LoopRun:
             counts.append(float(kwargs["num_items_in_batch"]))
 
     model.register_forward_pre_hook(note_count, with_kwargs=True)
+    if task.fp16:
+        trainer = _trainer(task, model, steps=1, capture=True)
+        scaler = trainer.accelerator.scaler
+        before = None if scaler is None else float(scaler.get_scale())
+        trainer.train()
+        counted = counts[0] if counts else None
+        if scaler is None or before is None:
+            return LoopRun(counted_tokens=counted, note=_no_scaler(trainer.accelerator))
+        return LoopRun(counted_tokens=counted, loss_scales=(before, float(scaler.get_scale())))
     if task.checkpoint_after is None:
         _trainer(task, model, steps=1, capture=True).train()
         return LoopRun(counted_tokens=counts[0] if counts else None)
@@ -93,7 +113,7 @@ def run(task: LoopTask) -> LoopRun:
 
 _COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
                checked="transformers 5.24.0 with accelerate 1.15.0", checkpoint=None,
-               run=run)  # fmt: skip
+               run=run, fp16=None)  # fmt: skip
 HUB = Adapter(
     name="trainer-hub",
     title="Trainer + GPT2LMHeadModel (num_items_in_batch)",

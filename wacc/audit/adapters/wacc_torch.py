@@ -7,7 +7,16 @@ then ``acc.finish_mean().apply_to(model)`` and ``optimizer.step()``.  Work dtype
 dtype, ``loss_scale = S``.  Checkpoint: ``wacc_torch.save_record(acc.state_dict(), path)`` plus the
 model's ``state_dict``; resume: ``acc.load_state_dict(wacc_torch.load_record(path), model)`` in a
 fresh accumulator.  ``n_k`` is the microbatch's own count: nothing about the window is needed
-before the first backward.  Checked against this repository's wacc_torch (record format 1).  The
+before the first backward.  Float16 (``task.fp16``): the loop of README's "Dynamic loss scaling"
+(semantics §13) — ``scaler = wacc_torch.WindowLossScaler(init_scale=2**12)`` (GradScaler's
+defaults otherwise; at its default 2**16 the sum loop's backward of ``S * loss_sum`` overflows
+float16 on the clean window too, from 2**14 on, measured: a running loop skips such windows until
+its scale has backed off, so the audit starts where it would have settled),
+``acc.set_loss_scale(scaler.scale)`` on the empty window, the forward under
+``torch.autocast("cpu", dtype=torch.float16)``, the loss on ``logits.float()``,
+``(scaler.scale * loss).backward()``, then ``result = acc.finish_mean()`` and only if
+``scaler.update(result.found_inf)``: ``result.apply_to(model); optimizer.step()``.  Checked
+against this repository's wacc_torch (record format 1).  The
 zero-copy mode does not exist yet; when it does it is one more adapter here.
 """
 
@@ -19,7 +28,9 @@ from wacc.audit.models import causal_lm_loss_sum, logits_of
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
-__all__ = ["MEAN", "SUM"]
+__all__ = ["FP16_INIT_SCALE", "MEAN", "SUM"]
+
+FP16_INIT_SCALE = 2.0**12  # the float16 run's first scale (module docstring)
 
 
 def _run(task: LoopTask, *, mean: bool) -> LoopRun:
@@ -28,13 +39,15 @@ def _run(task: LoopTask, *, mean: bool) -> LoopRun:
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
         model = task.build_model()
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
         task.hook_optimizer(optimizer, model)
         acc = wacc_torch.WeightedGradientsAccumulator(dtype=task.dtype, loss_scale=task.loss_scale)
         return model, optimizer, acc
 
     model, optimizer, acc = fresh()
     assert isinstance(acc, wacc_torch.WeightedGradientsAccumulator)
+    if task.fp16:
+        return _run_fp16(task, model, optimizer, acc, mean=mean)
     data = task.dataset
     for index in range(len(data)):
         if task.checkpoint_after == index:
@@ -63,6 +76,43 @@ def _run(task: LoopTask, *, mean: bool) -> LoopRun:
     return LoopRun(counted_tokens=counted)
 
 
+def _run_fp16(
+    task: LoopTask,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    acc: object,
+    *,
+    mean: bool,
+) -> LoopRun:
+    """The dynamic-loss-scaling loop of the module docstring (one window)."""
+    import wacc_torch
+
+    assert isinstance(acc, wacc_torch.WeightedGradientsAccumulator)
+    scaler = wacc_torch.WindowLossScaler(init_scale=FP16_INIT_SCALE)
+    before = scaler.scale
+    acc.set_loss_scale(scaler.scale)  # the window is empty: the one place S changes
+    data = task.dataset
+    for index in range(len(data)):
+        batch = data[index]
+        n = target_count(batch["labels"])
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = logits_of(model(input_ids=batch["input_ids"][None]))
+        loss_sum = causal_lm_loss_sum(logits.float(), batch["labels"][None])
+        loss = loss_sum / n if mean else loss_sum
+        (scaler.scale * loss).backward()
+        if mean:
+            acc.accumulate_mean(model, n)
+        else:
+            acc.accumulate_sum(model, n)
+    counted = acc.state.total_weight
+    result = acc.finish_mean()
+    if scaler.update(result.found_inf):  # False: an overflow, skip the whole window
+        result.apply_to(model)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return LoopRun(counted_tokens=counted, loss_scales=(before, scaler.scale))
+
+
 def run_mean(task: LoopTask) -> LoopRun:
     """``accumulate_mean`` loop of the module docstring."""
     return _run(task, mean=True)
@@ -74,7 +124,7 @@ def run_sum(task: LoopTask) -> LoopRun:
 
 
 _COMMON = dict(requires=("wacc_torch",), model="plain", checked="this repository, record format 1",
-               loss_scale=True, checkpoint=None)  # fmt: skip
+               loss_scale=True, checkpoint=None, fp16=None)  # fmt: skip
 MEAN = Adapter(
     name="wacc_torch-mean",
     title="wacc_torch accumulate_mean + finish_mean",
