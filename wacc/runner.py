@@ -17,17 +17,20 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the §11 family.
 * The corruptions only an integrity check can refuse (:mod:`wacc.integrity`) are skipped for an
   implementation without the feature ``checksum``, in either layout.
-* An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message in
-  :attr:`ImplementationRun.messages`), and a checkpoint or restore step on an implementation
-  without records as ``"unsupported: records"``: neither matches the reference, so each is a
-  divergence, never a crash of the judge.
+* An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message
+  and the implementation's own file and line in :attr:`ImplementationRun.messages`, the whole
+  traceback in :attr:`ImplementationRun.tracebacks`), and a checkpoint or restore step on an
+  implementation without records as ``"unsupported: records"``: neither matches the reference,
+  so each is a divergence, never a crash of the judge.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sysconfig
 import tempfile
 import threading
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -180,6 +183,7 @@ class ImplementationRun:
         self._records: dict[int, RecordSnapshot] = {}
         self.outcomes: list[StepOutcome] = []
         self.messages: dict[int, str] = {}  # step index -> the exception's message
+        self.tracebacks: dict[int, str] = {}  # step index -> the whole traceback, formatted
         self.schema = False  # set by the first record taken
 
     def _fresh(self, loss_scale: float) -> tuple[Any, nn.Module]:
@@ -348,7 +352,12 @@ class ImplementationRun:
         except Exception as exc:  # an implementation under test may raise anything
             spec_error = error_class(exc)
             error = spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"
-            self.messages[index] = f"{type(exc).__name__}: {exc}"
+            frame = implementation_frame(exc)
+            where = (
+                f" (at {_shown(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
+            )
+            self.messages[index] = f"{type(exc).__name__}: {exc}{where}"
+            self.tracebacks[index] = "".join(traceback.format_exception(exc))
         outcome = StepOutcome(
             index=index,
             op=step.op,
@@ -375,6 +384,39 @@ class ImplementationRun:
         return ScenarioTrace(
             outcomes=outcomes, implementation=f"{self.implementation.spec}/{self.device}"
         )
+
+
+# Frames that are never the implementation's own: the judge (this package), torch and Python's
+# standard library (an exception raised by torch inside the implementation's call still names the
+# implementation's line that called it).
+_NOT_THE_IMPLEMENTATION = tuple(
+    Path(path).resolve()
+    for path in (
+        Path(__file__).parent,
+        Path(torch.__file__).parent,
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["platstdlib"],
+    )
+)
+
+
+def _shown(filename: str) -> str:
+    """A file as a user finds it: relative to the working directory when it lies below it."""
+    path = Path(filename).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def implementation_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The last frame of ``exc``'s traceback in the implementation's code (not the judge's,
+    torch's or the standard library's), or None when there is none."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()  # (wacc_torch/ is not under wacc/: whole parts)
+        if not any(path.is_relative_to(folder) for folder in _NOT_THE_IMPLEMENTATION):
+            return frame
+    return None
 
 
 def run_implementation(

@@ -103,6 +103,7 @@ class ScenarioVerdict:
     steps: tuple[StepVerdict, ...]
     scenario_lines: tuple[str, ...] = field(default=())  # resume findings (oracle 3)
     messages: dict[int, str] = field(default_factory=dict)
+    tracebacks: dict[int, str] = field(default_factory=dict)  # step -> the exception's traceback
 
     @property
     def failed(self) -> bool:
@@ -539,6 +540,7 @@ def judge(
         steps=tuple(verdicts),
         scenario_lines=tuple(scenario_lines),
         messages=dict(run.messages),
+        tracebacks=dict(run.tracebacks),
     )
 
 

@@ -318,3 +318,38 @@ def test_hostile_replay_files_are_refused_quickly_with_exit_2(tmp_path: Path) ->
         message = _one_line_error(wacc("replay", str(path), timeout=60))
         assert time.perf_counter() - started < 30, name
         assert str(path) in message, (name, message)
+
+
+def test_check_prints_an_implementations_exception_with_its_line_and_traceback(
+    tmp_path: Path,
+) -> None:
+    """An exception the implementation raised is printed under its divergence with its text and
+    the implementation's own file and line; --traceback adds the whole traceback, and replay
+    --traceback prints it too."""
+    impls = (REPO / "tests" / "wacc" / "impls.py").read_text(encoding="utf-8").splitlines()
+    (line,) = [
+        n
+        for n, text in enumerate(impls, start=1)
+        if 'RuntimeError("means are not implemented")' in text
+    ]
+    where = (
+        "RuntimeError: means are not implemented "
+        f"(at tests/wacc/impls.py:{line}, in accumulate_mean)"
+    )
+    args = ("check", "tests.wacc.impls:raises_on_mean", "--dtype", "float64", "--family",
+            "windows", "--examples", "20", "--out", str(tmp_path), "--quiet")  # fmt: skip
+    plain = wacc(*args)
+    assert plain.returncode == 1, plain.stdout + plain.stderr
+    assert f"raised {where}" in plain.stdout
+    assert "Traceback" not in plain.stdout
+    traced = wacc(*args, "--traceback")
+    assert traced.returncode == 1, traced.stdout + traced.stderr
+    assert "Traceback (most recent call last)" in traced.stdout
+    assert f"line {line}, in accumulate_mean" in traced.stdout
+    (replay_line,) = [text for text in traced.stdout.splitlines() if "replay:" in text]
+    command = replay_line.split("replay: ", 1)[1].split()
+    replay = wacc(*command[1:], "--traceback")
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    assert (
+        f"raised {where}" in replay.stdout and "Traceback (most recent call last)" in replay.stdout
+    )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,7 +73,36 @@ def test_a_foreign_exception_is_a_divergence_not_a_crash() -> None:
     verdict = judge(load_implementation("tests.wacc.impls:raises_on_mean"), scenario)
     assert verdict.steps[0].actual_error == "unexpected RuntimeError"
     assert "semantics" in verdict.steps[0].failed
-    assert verdict.messages[0] == "RuntimeError: means are not implemented"
+    line = _line_of("tests/wacc/impls.py", 'raise RuntimeError("means are not implemented")')
+    assert verdict.messages[0] == (
+        f"RuntimeError: means are not implemented (at tests/wacc/impls.py:{line}, "
+        "in accumulate_mean)"
+    )
+    assert verdict.tracebacks[0].startswith("Traceback (most recent call last)")
+    assert verdict.tracebacks[0].rstrip().endswith("RuntimeError: means are not implemented")
+
+
+def _line_of(path: str, text: str) -> int:
+    """The 1-based line of ``path`` (from the repository root) that holds ``text``, once."""
+    lines = (Path(__file__).resolve().parents[2] / path).read_text(encoding="utf-8").splitlines()
+    (number,) = [n for n, line in enumerate(lines, start=1) if text in line]
+    return number
+
+
+def test_the_implementations_frame_skips_torch_and_the_judge() -> None:
+    """The frame named is the implementation's own, even when torch raised inside its call."""
+    from wacc.runner import implementation_frame
+
+    def implementation() -> None:
+        torch.nn.Linear(2, 2)(torch.zeros(3))  # raised under torch/nn/modules/*.py
+
+    try:
+        implementation()
+    except RuntimeError as exc:
+        frame = implementation_frame(exc)
+        assert "torch" in traceback.extract_tb(exc.__traceback__)[-1].filename
+    assert frame is not None and frame.name == "implementation"
+    assert frame.filename == __file__
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

@@ -1105,9 +1105,13 @@ def test_the_verdict_records_the_scenario_the_implementation_weights_and_message
     refused = _refused_steps(verdict)
     assert sorted(verdict.messages) == refused, verdict.messages
     first = "field 'format_version' must be 1, got 2"
-    assert verdict.messages[2] == f"ValueError: refused with ValueError: {first}"
+    # each message names the implementation's own line that raised
+    assert verdict.messages[2].startswith(
+        f"ValueError: refused with ValueError: {first} (at tests/wacc/impls.py:"
+    ), verdict.messages[2]
     clean = judge(load_implementation(DEFAULT_IMPL), scenario)
-    assert not clean.failed and clean.messages[2] == f"RecordError: {first}", clean.messages
+    assert not clean.failed, clean.messages
+    assert clean.messages[2].startswith(f"RecordError: {first} (at wacc_torch/"), clean.messages
     assert sorted(clean.messages) == refused and clean.implementation == DEFAULT_IMPL
     assert judge(load_implementation(DEFAULT_IMPL), _convert_then_add()).messages == {}
 

@@ -4,7 +4,9 @@ Every strategy family (windows of unequal microbatches with zero weights and ove
 loss scales, invalid weights, checkpoint interruptions with corrupted restores, NaN/inf
 gradients, dynamic loss scaling) and the stateful machine run on each work dtype; every
 scenario is compared with the reference step by step. A divergence is shrunk, written as JSON
-under --out, and a one-line `wacc replay` command is printed.
+under --out, and a one-line `wacc replay` command is printed; an exception the implementation
+raised is printed with its text and the implementation's own file and line (--traceback: the
+whole traceback).
 
 Features (each missing one fails unless --allow-missing names it): records (state_dict and
 load_state_dict), async_records (state_dict_async), checksum (records that refuse a changed
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where shrunk divergences go (default: ./wacc-check)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="print the whole traceback of an exception the implementation raised (the "
+        "exception's text and its file and line are printed in any case)",
+    )
 
 
 def _print_report(report: CheckReport, implementation: Implementation) -> None:
@@ -152,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for line in verdict.describe(limit=6):
             print(f"  {line}")
+        for index, message in sorted(verdict.messages.items()):
+            print(f"  step {index} raised {message}")
+            if args.traceback and index in verdict.tracebacks:
+                print(textwrap.indent(verdict.tracebacks[index].rstrip(), "    "))
         if finding.path is not None:
             command = ["wacc", "replay", str(finding.path), "--impl", args.impl]
             if device != "cpu":

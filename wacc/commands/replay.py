@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``wacc replay``."""
     parser.add_argument("file", type=Path, metavar="FILE", help="a scenario JSON file")
     add_impl_arguments(parser, positional=False)
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="print the whole traceback of an exception the implementation raised",
+    )
 
 
 def load_scenario_file(path: Path) -> Scenario:
@@ -177,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     for index, message in sorted(verdict.messages.items()):
         print(f"step {index} raised {message}")
+        if args.traceback and index in verdict.tracebacks:
+            print(textwrap.indent(verdict.tracebacks[index].rstrip(), "    "))
     for step in verdict.steps:
         for note in step.notes:
             print(f"note: {note}")
