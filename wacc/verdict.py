@@ -167,6 +167,41 @@ def _rel_error(actual: np.ndarray, exact: Sequence[Fraction]) -> float:
     return worst
 
 
+def _worst_element(array: np.ndarray, exact: Sequence[Fraction], bound: np.ndarray) -> str:
+    """The bound oracle's line: the element whose error is the largest part of its bound, with
+    its value, the exact value and the bound; a bound of 0 (the exact value must come out, as
+    the semantics make it representable) is said so rather than as a ratio of inf."""
+    worst: tuple[Fraction | float, int] | None = None
+    values = array.reshape(-1).tolist()
+    limits = bound.reshape(-1).tolist()
+    for position, (value, truth, limit) in enumerate(zip(values, exact, limits, strict=True)):
+        if not math.isfinite(limit):
+            continue  # no bound applies there
+        got = _exact(value)
+        error = math.inf if got is None else abs(got - truth)
+        if error == 0:
+            continue
+        ratio = math.inf if limit == 0 or error == math.inf else error / Fraction(limit)
+        if worst is None or ratio > worst[0]:
+            worst = (ratio, position)
+    if worst is None:  # error_ratio saw what this does not: say the ratio alone
+        return "error/bound > 1"
+    ratio, position = worst
+    truth = exact[position]
+    shown = f"[flat {position}] = {values[position]!r}, exact {_as_float(truth)!r}"
+    if limits[position] == 0:
+        return f"error/bound = inf: {shown}, bound 0 (the exact value must come out)"
+    return f"error/bound = {_as_float(ratio):.3g} > 1: {shown}, bound {limits[position]:.3g}"
+
+
+def _as_float(value: Fraction | float) -> float:
+    """``value`` rounded to a float; beyond float64's range, the infinity of its sign."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 # ------------------------------------------------------------------ the window model
 
 
@@ -515,7 +550,7 @@ def judge(
             )
             ratio = max(ratio, step_ratio)
             if step_ratio > 1.0 and "bound" in applied:
-                lines.append(f"{what}: {name!r} error/bound = {step_ratio:.3g} > 1")
+                lines.append(f"{what}: {name!r} {_worst_element(array, exact, bound)}")
                 if "bound" not in failed:
                     failed.append("bound")
         verdicts.append(

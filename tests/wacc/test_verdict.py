@@ -853,6 +853,8 @@ def test_describe_prefixes_each_line_with_its_failed_oracles_and_stops_at_the_li
         "expected -0x1.0000000000000p-13, got -0x0.0p+0",
     ], lines
     assert lines[2].startswith("[emulation, bound] step 2 (finish_mean): 'weight' error/bound = ")
+    # the worst element, its value and the exact one (the reference's 0x1.8p-12) are named
+    assert f"[flat 0] = 0.0, exact {float.fromhex('0x1.8p-12')!r}, bound " in lines[2], lines[2]
     assert len(lines) == 3
 
     refused = judge(refusing_with(ValueError, opaque=False), _every_corruption())
@@ -1510,3 +1512,22 @@ def test_an_opaque_record_implementation_is_still_judged_on_its_finished_dtypes(
         "gradients are the float16 buffers (semantics §7, §8)"
         for name in ("weight", "bias")
     ], _verdict_text(verdict)
+
+
+def test_the_bound_line_names_the_worst_element_and_says_bound_0_is_exact() -> None:
+    """The bound oracle's line names the element whose error is the largest part of its bound,
+    with its value, the exact value and the bound; where the bound is 0 it says the exact value
+    must come out instead of a ratio of inf; an element without a bound (inf) is never named."""
+    from wacc.verdict import _worst_element
+
+    exact = [Fraction(1), Fraction(2), Fraction(3), Fraction(4)]
+    bound = np.array([0.5, 0.0, math.inf, 0.25])
+    line = _worst_element(np.array([1.25, 2.0, 99.0, 4.5]), exact, bound)
+    assert line == "error/bound = 2 > 1: [flat 3] = 4.5, exact 4.0, bound 0.25"
+    line = _worst_element(np.array([1.25, 2.5, 99.0, 4.0]), exact, bound)
+    assert line == (
+        "error/bound = inf: [flat 1] = 2.5, exact 2.0, bound 0 (the exact value must come out)"
+    )
+    huge = [Fraction(10) ** 400, Fraction(1)]
+    line = _worst_element(np.array([0.0, 1.0]), huge, np.array([1.0, 1.0]))
+    assert line == "error/bound = inf > 1: [flat 0] = 0.0, exact inf, bound 1"
