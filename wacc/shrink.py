@@ -99,7 +99,12 @@ def _simpler_floats(value: float) -> list[float]:
     if not math.isfinite(value):
         return [0.0, 1.0]
     mantissa, exponent = math.frexp(value)
-    rounded = [math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent) for bits in (1, 2, 4, 8)]
+    rounded = []
+    for bits in (1, 2, 4, 8):
+        try:
+            rounded.append(math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent))
+        except OverflowError:  # rounded up past float64's largest value: not a simpler float
+            continue
     options = [0.0, math.copysign(1.0, value), *rounded]
     return [v for v in dict.fromkeys(options) if v != value]
 

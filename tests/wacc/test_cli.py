@@ -353,3 +353,24 @@ def test_check_prints_an_implementations_exception_with_its_line_and_traceback(
     assert (
         f"raised {where}" in replay.stdout and "Traceback (most recent call last)" in replay.stdout
     )
+
+
+def test_one_bug_in_several_dtypes_and_families_is_one_block(tmp_path: Path) -> None:
+    """The same divergence found in 2 dtypes x 2 families is printed once, naming all four
+    cells, with one replay command and the other three scenario files (all written)."""
+    result = wacc(
+        "check", "tests.wacc.impls:double_unscale", "--dtype", "float32", "--dtype", "float64",
+        "--family", "windows", "--family", "invalid_weights", "--examples", "30",
+        "--out", str(tmp_path), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    blocks = [line for line in result.stdout.splitlines() if line.startswith("DIVERGENCE ")]
+    assert len(blocks) == 1, result.stdout
+    cells = "float32/windows, float32/invalid_weights, float64/windows, float64/invalid_weights"
+    assert blocks[0].startswith(f"DIVERGENCE {cells} [emulation, bound]"), blocks[0]
+    assert "(the first of 4 with the same signature)" in blocks[0]
+    assert len([line for line in result.stdout.splitlines() if "replay:" in line]) == 1
+    (others,) = [line for line in result.stdout.splitlines() if "the others: " in line]
+    paths = others.split("the others: ", 1)[1].split(", ")
+    assert len(paths) == 3 and all(Path(path).is_file() for path in paths)
+    assert len(list(tmp_path.glob("divergence-*.json"))) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -172,6 +173,13 @@ def test_simpler_floats_are_zero_then_signed_one_then_fewer_significant_bits() -
     assert _simpler_floats(-1 / 3) == [-v for v in third]
     for value in (math.inf, -math.inf, math.nan):
         assert _simpler_floats(value) == [0.0, 1.0]
+    # float64's largest value rounds up to 2**1024 at 1 to 8 bits: no such candidate (it was an
+    # OverflowError, found by a shrink of a dynamic-scaling scenario near float64's top)
+    top = sys.float_info.max
+    assert _simpler_floats(top) == [0.0, 1.0] and _simpler_floats(-top) == [0.0, -1.0]
+    # 0b1.1 x 2**1023: to 1 bit 2**1024 (dropped), to 2 or more bits the value itself
+    near = 1.5 * 2.0**1023
+    assert _simpler_floats(near) == [0.0, 1.0]
 
 
 def test_value_simplifications_offer_each_simpler_value_in_order() -> None:

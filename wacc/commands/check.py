@@ -4,7 +4,8 @@ Every strategy family (windows of unequal microbatches with zero weights and ove
 loss scales, invalid weights, checkpoint interruptions with corrupted restores, NaN/inf
 gradients, dynamic loss scaling) and the stateful machine run on each work dtype; every
 scenario is compared with the reference step by step. A divergence is shrunk, written as JSON
-under --out, and a one-line `wacc replay` command is printed; an exception the implementation
+under --out, and a one-line `wacc replay` command is printed (divergences with the same
+signature in several dtypes or families are one block, naming each); an exception the implementation
 raised is printed with its text and the implementation's own file and line (--traceback: the
 whole traceback).
 
@@ -28,6 +29,7 @@ allowed), 2 = usage or environment error
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import textwrap
@@ -44,8 +46,9 @@ from wacc.commands._common import (
 from wacc.errors import UsageError
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help, wacc.choices)
-    from wacc.engine import CheckReport
+    from wacc.engine import CheckReport, Finding
     from wacc.implementation import Implementation
+    from wacc.verdict import ScenarioVerdict
 
 __all__ = ["add_arguments", "run"]
 
@@ -117,6 +120,26 @@ def _print_report(report: CheckReport, implementation: Implementation) -> None:
         print(implementation.unsupported(feature))
 
 
+# Numbers, hex floats and quoted names (parameters differ from one family to the next).
+_VALUE = re.compile(r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|inf|nan|\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
+
+
+def signature(verdict: ScenarioVerdict) -> tuple[tuple[str, ...], str]:
+    """What makes two divergences one: the oracles that failed and the first failure line with
+    every number, value and quoted name replaced (the same wrong division in float32 and in
+    bfloat16 gives other values, steps, sizes and parameters, and the same signature)."""
+    lines = verdict.describe(limit=1)
+    return verdict.failed_oracles, _VALUE.sub("#", lines[0] if lines else "")
+
+
+def _grouped(findings: list[Finding]) -> list[list[Finding]]:
+    """The findings grouped by :func:`signature`, in the order each signature first appears."""
+    groups: dict[tuple[tuple[str, ...], str], list[Finding]] = {}
+    for finding in findings:
+        groups.setdefault(signature(finding.verdict), []).append(finding)
+    return list(groups.values())
+
+
 def run(args: argparse.Namespace) -> int:
     """``wacc check``; see the module docstring."""
     if args.examples is not None and args.examples < 1:
@@ -152,12 +175,15 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
     report.unsupported = unsupported
     _print_report(report, implementation)
-    for finding in report.findings:
+    for group in _grouped(report.findings):
+        finding = group[0]
         verdict = finding.verdict
+        where = ", ".join(f"{f.dtype}/{f.family}" for f in group)
         print(
-            f"\nDIVERGENCE {finding.dtype}/{finding.family} [{', '.join(verdict.failed_oracles)}]: "
+            f"\nDIVERGENCE {where} [{', '.join(verdict.failed_oracles)}]: "
             f"{sum(1 for s in verdict.scenario.steps if s.op.startswith('accumulate'))} accumulate "
             f"step(s) in the shrunk scenario"
+            + (f" (the first of {len(group)} with the same signature)" if len(group) > 1 else "")
         )
         for line in verdict.describe(limit=6):
             print(f"  {line}")
@@ -170,4 +196,7 @@ def run(args: argparse.Namespace) -> int:
             if device != "cpu":
                 command += ["--device", device]
             print(f"  replay: {shlex.join(command)}")
+            others = [str(f.path) for f in group[1:] if f.path is not None]
+            if others:
+                print(f"  the others: {', '.join(others)}")
     return 1 if report.findings or unsupported else 0
