@@ -109,6 +109,9 @@ class BufferedMode(WindowMode):
         self.arenas: dict[torch.device, Arena] = {}
         self.gradients = GradientCheck()
         self.kept_work: Scratch | None = None
+        # from_pending's buffers (the caller's memory) and their byte ranges, while pending: a
+        # gradient must not alias one (the window would read a buffer it is adding into).
+        self.adopted: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}
 
     def accumulate(
         self,
@@ -127,6 +130,7 @@ class BufferedMode(WindowMode):
         value = read_weight(weight)
         binding, parameters = window.bind(module)
         gradients = self.gradients.collect(binding, parameters, grads)
+        self._refuse_aliases(parameters, gradients)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller=caller)
         steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
@@ -148,6 +152,29 @@ class BufferedMode(WindowMode):
                 for _, parameter in parameters:
                     parameter.grad = None
             window.count(binding, positive=positive, new_total=new_total)
+
+    def _refuse_aliases(self, parameters: Parameters, gradients: list[torch.Tensor | None]) -> None:
+        """ParameterMismatchError for a gradient whose memory overlaps a buffer adopted by
+        ``from_pending`` that is still pending: the arena's one-step add and the per-tensor adds
+        would read it before or after adding into it, and disagree."""
+        live = [
+            (owner, tensor.device, span)
+            for owner, (tensor, span) in self.adopted.items()
+            if self.window.pending.get(owner) is tensor
+        ]
+        if not live:
+            return
+        for (name, _), grad in zip(parameters, gradients, strict=True):
+            span = None if grad is None else memory_span(grad)
+            if grad is None or span is None:
+                continue
+            for owner, device, other in live:
+                if grad.device == device and span[0] < other[1] and other[0] < span[1]:
+                    raise ParameterMismatchError(
+                        f"gradient {name!r} shares the memory of pending buffer {owner!r} "
+                        "(adopted by from_pending): the window would read a buffer it adds "
+                        "into; pass a copy"
+                    )
 
     def _prepare_steps(
         self,
@@ -267,6 +294,7 @@ class BufferedMode(WindowMode):
 
     def end_window(self) -> None:
         self.arenas = {}
+        self.adopted = {}
         self.gradients.forget()
 
     # ---------------------------------------------------------------------- from_pending
@@ -336,9 +364,15 @@ class BufferedMode(WindowMode):
             bound=True,
         )
         adopted = {name: pending[name].detach() for name in binding.names if name in pending}
+        spans = {
+            name: (buffer, span)
+            for name, buffer in adopted.items()
+            if (span := memory_span(buffer)) is not None
+        }
         with _commit.COMMIT:
             window.binding = binding
             window.pending = adopted
+            self.adopted = spans
             window.issued, window.zero_weight, window.total_weight = counted
 
 

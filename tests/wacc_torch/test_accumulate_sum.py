@@ -21,7 +21,7 @@ from tests.wacc_torch.support import (
     tracked_shapes,
 )
 from wacc_ref.arith import add_rounded, conv_array
-from wacc_torch import WeightedGradientsAccumulator
+from wacc_torch import UnsupportedEnvironmentError, WeightedGradientsAccumulator
 
 GRAD_DTYPES = [
     torch.float64,
@@ -263,3 +263,23 @@ def test_gradient_graph_is_not_kept() -> None:
     sums = accumulator.finish_sums()
     assert sums.grads["weight"] is not None and not sums.grads["weight"].requires_grad
     assert_bitwise_equal(sums.grads["weight"], torch.full((2,), 2.0), "buffer")
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_flush_to_zero_is_refused_naming_the_call(kind: str) -> None:
+    """With the CPU flushing subnormals, a positive weight is refused with
+    UnsupportedEnvironmentError whose message names the call (semantics §11 Reading: errors name
+    the offending call), and the accumulator is left unchanged."""
+    module = TwoLayer()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    grads = {name: torch.ones(shape) for name, shape in tracked_shapes(module).items()}
+    accumulator.accumulate_sum(module, 1, grads=grads)
+    record = accumulator.state_dict()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals (no FTZ/DAZ)")
+    try:
+        with pytest.raises(UnsupportedEnvironmentError, match=rf"^accumulate_{kind}: "):
+            getattr(accumulator, f"accumulate_{kind}")(module, 2, grads=grads)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_records_equal(accumulator.state_dict(), record)

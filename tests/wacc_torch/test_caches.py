@@ -20,6 +20,9 @@ from torch import nn
 
 from wacc_torch._binding import Binder, binding_of, check_bound, tracked_parameters
 from wacc_torch._gradients import GradientCheck, check_gradients
+from wacc_torch._work import Scratch
+from wacc_torch.accumulator import WeightedGradientsAccumulator
+from wacc_torch.buffered import BufferedMode
 from wacc_torch.errors import ParameterMismatchError
 
 SHAPES = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
@@ -365,3 +368,45 @@ def test_a_mid_window_change_of_several_kinds_names_each_in_its_own_clause() -> 
         r"\['extra'\]\.",
         message,
     ), message
+
+
+def test_a_scratch_view_is_made_once_per_shape_and_reused() -> None:
+    """Scratch.view hands out one view per (device, dtype, shape), made on first use and the
+    same tensor object on every later call; views of other shapes start at the same place of
+    that (device, dtype)'s work tensor."""
+    cpu = torch.device("cpu")
+    scratch = Scratch([(cpu, torch.float32, 12), (cpu, torch.bfloat16, 6)])
+    first = scratch.view(cpu, torch.float32, torch.Size([3, 4]))
+    assert first.shape == (3, 4) and first.dtype == torch.float32
+    assert scratch.view(cpu, torch.float32, torch.Size([3, 4])) is first
+    other = scratch.view(cpu, torch.float32, torch.Size([5]))
+    assert other is not first and other.data_ptr() == first.data_ptr()
+    assert scratch.view(cpu, torch.float32, torch.Size([3, 4])) is first
+    half = scratch.view(cpu, torch.bfloat16, torch.Size([2, 3]))
+    assert half.shape == (2, 3) and half.dtype == torch.bfloat16
+    assert scratch.view(cpu, torch.bfloat16, torch.Size([2, 3])) is half
+
+
+def test_work_tensors_exist_only_for_two_rounding_steps_and_are_kept_on_the_cpu() -> None:
+    """The buffered mode prepares a work tensor only for a step that rounds twice (a gradient of
+    another dtype converted first, or the non-fused mean's product round_D(c * w_D)): a sum of
+    gradients already in D and a fused mean of them need none. A CPU work tensor is kept and
+    reused by the next call it is large enough for (the kept_work memory cache)."""
+    module = _module([(3,), (4,), (2, 5)], nested=False)
+    in_d = {name: torch.ones(p.shape) for name, p in module.named_parameters()}
+    other = {name: grad.to(torch.bfloat16) for name, grad in in_d.items()}
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    mode = accumulator._mode
+    assert isinstance(mode, BufferedMode)
+    accumulator.accumulate_sum(module, 1, grads=in_d)
+    assert mode.kept_work is not None and mode.kept_work._storage == {}
+    accumulator.accumulate_mean(module, 3, grads=in_d)
+    work = mode.kept_work
+    assert work is not None and list(work._storage) == [(torch.device("cpu"), torch.float32)]
+    accumulator.accumulate_sum(module, 1, grads=other)  # a conversion: fits the kept one
+    assert mode.kept_work is work
+    fused = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=True)
+    fused.accumulate_mean(module, 3, grads=in_d)
+    assert isinstance(fused._mode, BufferedMode)
+    kept = fused._mode.kept_work
+    assert kept is not None and kept._storage == {}

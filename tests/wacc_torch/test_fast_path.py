@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import wacc_torch._arena
 import wacc_torch._work
@@ -350,10 +351,20 @@ def test_common_dtype_is_the_groups_one_dtype_or_none() -> None:
     assert answers(no_a) == [None, None, None, torch.bfloat16]
 
 
-def test_an_arena_of_multi_dimensional_parameters_adds_like_tensor_by_tensor() -> None:
-    """Small parameters that are all at least 2-d share one arena and a complete set of their
-    gradients is added as one tensor: the sums are each parameter's own, bit for bit."""
-    shapes: Shapes = {"m": (3, 4), "n": (2, 5), "k": (2, 2, 2)}
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"m": (3, 4), "n": (2, 5), "k": (2, 2, 2)},
+        {"m": (3, 4), "n": (2, 5), "o": (4, 1)},  # all 2-d, of different widths
+    ],
+    ids=["mixed-ranks", "all-2d"],
+)
+def test_an_arena_of_multi_dimensional_parameters_adds_like_tensor_by_tensor(
+    shapes: Shapes,
+) -> None:
+    """Small parameters that are all at least 2-d (of mixed ranks, or all 2-d with different
+    row widths) share one arena and a complete set of their gradients is added as one tensor:
+    the sums are each parameter's own, bit for bit."""
     module = Bag(shapes)
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
     first, second = _gradients(shapes, torch.float32, 1), _gradients(shapes, torch.float32, 2)
@@ -399,3 +410,128 @@ def test_a_loaded_record_becomes_contiguous_copies_on_the_parameters_device() ->
     for name, buffer in third.finish_sums().grads.items():
         assert buffer is not None and buffer.device.type == "meta", name
         assert buffer.shape == SHAPES[name], name
+
+
+def test_small_parameters_on_the_meta_device_get_buffers_on_their_own_device() -> None:
+    """A module with small, 0-d and large parameters on the meta device next to CPU ones: every
+    buffer is allocated on its parameter's device, those in an arena (added as one tensor) and
+    those on their own, for sums and means; the CPU buffers hold the per-tensor order's bits
+    (semantics §9: buffers live on the parameters' devices)."""
+    module = Bag(SHAPES)
+    for name in ("bias", "table", "scalar", "big"):
+        module.register_parameter(name, nn.Parameter(torch.zeros(SHAPES[name], device="meta")))
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    batches: list[tuple[str, float, dict[str, torch.Tensor]]] = []
+    for seed, kind in ((1, "sum"), (2, "mean")):
+        grads = _gradients(SHAPES, torch.float32, seed)
+        grads = {name: grad.to(getattr(module, name).device) for name, grad in grads.items()}
+        getattr(accumulator, f"accumulate_{kind}")(module, 3, grads=grads)
+        batches.append((kind, 3, {k: v for k, v in grads.items() if v.device.type == "cpu"}))
+    sums = accumulator.finish_sums().grads
+    for name, parameter in module.named_parameters():
+        buffer = sums[name]
+        assert buffer is not None and buffer.device == parameter.device, name
+        assert buffer.shape == parameter.shape, name
+    # The CPU ones against the per-tensor order (finish_sums: no division, so undo none).
+    for name in ("norm", "wide"):
+        expected = torch.zeros(SHAPES[name])
+        for kind, weight, grads in batches:  # w_D = 3.0: exact in float32
+            expected.add_(torch.mul(grads[name], float(weight)) if kind == "mean" else grads[name])
+        actual = sums[name]
+        assert actual is not None
+        assert_bitwise_equal(actual, expected, name)
+
+
+def test_a_window_adopted_without_an_arena_still_gives_other_devices_theirs() -> None:
+    """from_pending with the small buffers of one device (meta) adopted as they are: that
+    device gets no arena, but the small parameters of every other device (CPU) still share
+    one, and their sums are the per-tensor order's bits."""
+    module = Bag({"a": (3,), "b": (4,), "c": (5,), "d": (2, 3)})
+    for name, shape in (("a", (3,)), ("b", (4,))):
+        module.register_parameter(name, nn.Parameter(torch.zeros(shape, device="meta")))
+    pending = {"a": torch.zeros(3, device="meta"), "b": torch.zeros(4, device="meta")}
+    state = AccumulatorState(torch.float32, 1.0, 1, 0, 2.0, False)
+    adopted = WeightedGradientsAccumulator.from_pending(module, pending, state)
+    grads = {
+        name: torch.randn(parameter.shape, generator=torch.Generator().manual_seed(7)).to(
+            parameter.device
+        )
+        for name, parameter in module.named_parameters()
+    }
+    adopted.accumulate_sum(module, 1, grads=grads)
+    adopted.accumulate_sum(module, 1, grads=grads)
+    sums = adopted.finish_sums().grads
+    c, d = sums["c"], sums["d"]
+    assert c is not None and d is not None
+    assert c.untyped_storage().data_ptr() == d.untyped_storage().data_ptr(), (
+        "the CPU small buffers should be views of one arena"
+    )
+    for name, actual in (("c", c), ("d", d)):
+        expected = torch.zeros(grads[name].shape).add_(grads[name]).add_(grads[name])
+        assert_bitwise_equal(actual, expected, name)
+    for name in ("a", "b"):
+        buffer = sums[name]
+        assert buffer is not None and buffer.device.type == "meta", name
+
+
+class _AddCounter(TorchDispatchMode):
+    """Counts the in-place additions (aten.add_) run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten.add_:
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_a_complete_set_of_small_gradients_is_added_in_one_operation(kind: str) -> None:
+    """The arena's promise (module docstring of wacc_torch._arena): a complete set of one
+    device's small gradients of one dtype is added with one in-place addition, not one per
+    tensor; with two dtypes among them each is added on its own (one addition per tensor)."""
+    shapes: Shapes = {f"p{i}": (4 + i,) for i in range(6)}
+    module = Bag(shapes)
+    grads = _gradients(shapes, torch.float32, 0)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    with _AddCounter() as counter:
+        getattr(accumulator, f"accumulate_{kind}")(module, 3, grads=grads)
+    assert counter.adds == 1
+    mixed = dict(grads, p0=grads["p0"].to(torch.bfloat16))
+    with _AddCounter() as counter:
+        getattr(accumulator, f"accumulate_{kind}")(module, 3, grads=mixed)
+    assert counter.adds == len(shapes)
+
+
+@pytest.mark.parametrize(
+    "other_dtype", [torch.float32, torch.bfloat16], ids=["arena", "per-tensor"]
+)
+def test_a_gradient_aliasing_an_adopted_pending_buffer_is_refused(other_dtype: torch.dtype) -> None:
+    """A gradient that shares memory with a buffer from_pending adopted would be read after the
+    per-tensor path added into that buffer and before the arena's one-step add did, so the two
+    paths would disagree: both refuse it with ParameterMismatchError naming the gradient and the
+    buffer, and nothing changes; a copy of the same values is accumulated by both alike."""
+    module = nn.Module()
+    module.big = nn.Parameter(torch.zeros(20_000))
+    module.a = nn.Parameter(torch.zeros(3))
+    module.b = nn.Parameter(torch.zeros(3))
+    adopted = torch.ones(20_000)
+    state = AccumulatorState(
+        dtype=torch.float32, loss_scale=1.0, issued=1, zero_weight=0, total_weight=1.0,
+        fused=False, zero_copy=False,
+    )  # fmt: skip
+    accumulator = WeightedGradientsAccumulator.from_pending(module, {"big": adopted}, state)
+    grads = {"big": torch.ones(20_000), "a": adopted[:3], "b": torch.ones(3, dtype=other_dtype)}
+    before = accumulator.state_dict()
+    with pytest.raises(
+        ParameterMismatchError, match=r"gradient 'a' shares the memory of pending buffer 'big'"
+    ):
+        accumulator.accumulate_sum(module, 1, grads=grads)
+    assert_records_equal(accumulator.state_dict(), before)
+    grads["a"] = adopted[:3].clone()
+    accumulator.accumulate_sum(module, 1, grads=grads)
+    result = accumulator.finish_sums().grads
+    assert_bitwise_equal(result["a"], torch.ones(3), "the copy, added once")
+    assert_bitwise_equal(result["big"], torch.full((20_000,), 2.0), "the adopted buffer + 1")
