@@ -16,6 +16,7 @@ import wacc_torch
 from tests.wacc_torch.support import (
     TwoLayer,
     assert_unchanged,
+    flushing_subnormals,
     grads_snapshot,
     tracked_shapes,
 )
@@ -24,8 +25,10 @@ from wacc_torch import (
     InvalidWeightError,
     ParameterMismatchError,
     RecordError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     WeightedGradientsAccumulator,
+    ZeroCopyError,
     ZeroTotalWeightError,
 )
 
@@ -286,4 +289,35 @@ def test_non_module_and_non_mapping_arguments_raise_type_error() -> None:
         accumulator.accumulate_sum({"weight": torch.ones(1)}, 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="list"):
         accumulator.accumulate_sum(module, 1, grads=[torch.ones(1)])  # type: ignore[arg-type]
+    assert_unchanged(accumulator, record, module, grads)
+
+
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+def test_buffered_call_on_a_zero_copy_accumulator_names_the_call(method: str) -> None:
+    """accumulate_sum / accumulate_mean on a zero-copy accumulator raise ZeroCopyError whose
+    message begins with the call the user made (``accumulate_sum()``), and change nothing."""
+    module = TwoLayer()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, zero_copy=True)
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    with pytest.raises(ZeroCopyError, match=rf"^{method}\(\) on a zero-copy accumulator"):
+        getattr(accumulator, method)(module, 1)
+    assert_unchanged(accumulator, record, module, grads)
+
+
+@pytest.mark.parametrize("method", ["accumulate_sum", "accumulate_mean"])
+def test_flush_to_zero_is_refused_naming_the_call(method: str) -> None:
+    """With flush-to-zero on (§2 needs gradual underflow), a positive-weight accumulate_sum /
+    accumulate_mean raises UnsupportedEnvironmentError whose message begins with the call the
+    user made, and changes nothing."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    record, grads = accumulator.state_dict(), grads_snapshot(module)
+    shapes = tracked_shapes(module)
+    with (
+        flushing_subnormals(),
+        pytest.raises(UnsupportedEnvironmentError, match=rf"^{method}: the CPU flushes"),
+    ):
+        getattr(accumulator, method)(
+            module, 2, grads={name: torch.ones(shape) for name, shape in shapes.items()}
+        )
     assert_unchanged(accumulator, record, module, grads)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wacc_torch._finite import FiniteCheck, flag_of, found_in
-from wacc_torch._work import pieces
+from wacc_torch._work import CHUNK_ELEMENTS, piece_count, pieces
 
 CASES = {
     "finite": [[1.0, -2.0], [3.5]],
@@ -64,3 +64,53 @@ def test_flag_of_is_on_the_device_asked_for(groups: list[list[float]]) -> None:
     checks' tensors live: asked for the meta device, the flag is a 0-d int32 meta tensor."""
     flag = flag_of(_checks(groups, torch.float32), torch.device("meta"))
     assert (flag.shape, flag.dtype, flag.device.type) == ((), torch.int32, "meta")
+
+
+def _one_check(tensors: list[torch.Tensor]) -> FiniteCheck:
+    """One FiniteCheck over all ``tensors``, fed piece by piece in order."""
+    check = FiniteCheck(tensors)
+    for tensor in tensors:
+        for (piece,) in pieces(tensor):
+            check.add(piece)
+    return check
+
+
+# Where the bad element goes in the tensors of test_one_check_over_many_pieces...: (tensor,
+# piece, element); tensor 1 is cut into three pieces of ROWS rows (the last one row long).
+ROWS = CHUNK_ELEMENTS // 4
+SPOTS = {
+    "tensor0": (0, (1,)),
+    "tensor1-piece2": (1, (ROWS + 1, 0)),
+    "tensor1-piece3": (1, (ROWS * 2, 3)),
+    "tensor2": (2, (1,)),
+    "float64-tensor": (4, (0,)),
+}
+BAD_CASES = [pytest.param(None, None, id="all-finite")] + [
+    pytest.param(spot, bad, id=f"{name}-{spot}")
+    for spot in SPOTS
+    for bad, name in ((math.inf, "inf"), (-math.inf, "-inf"), (math.nan, "nan"))
+]
+
+
+@pytest.mark.parametrize(("spot", "bad"), BAD_CASES)
+def test_one_check_over_many_pieces_finds_a_bad_element_in_any_piece(
+    spot: str | None, bad: float | None
+) -> None:
+    """A check over several tensors of one device and dtype (and one of another dtype), one of
+    them cut into several pieces, finds a NaN or ±inf whichever piece holds it, the first, the
+    second or a later one (found, found_in and flag_of agree); with none, nothing is found."""
+    tensors = [
+        torch.zeros(3),
+        torch.full((ROWS * 2 + 1, 4), 0.5),
+        torch.tensor([1.0, -2.0]),
+        torch.tensor([], dtype=torch.float32),  # empty: no slot, nothing added
+        torch.tensor([7.0], dtype=torch.float64),
+    ]
+    assert piece_count(tensors[1].shape) == 3
+    if spot is not None:
+        index, element = SPOTS[spot]
+        tensors[index][element] = bad
+    expected = spot is not None
+    assert _one_check(tensors).found() is expected
+    assert found_in([_one_check(tensors)]) is expected
+    assert flag_of([_one_check(tensors)], torch.device("cpu")).item() == int(expected)

@@ -91,6 +91,17 @@ def test_record_is_a_copy(device: str) -> None:
     assert_records_equal(handle.result(), frozen)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_record_buffers_are_cpu_tensors_whatever_the_device(device: str) -> None:
+    """§9: the record's pending buffers are CPU tensors of dtype D, from state_dict() and from
+    state_dict_async().result() alike, also when the parameters (and buffers) are on a GPU."""
+    accumulator = _filled(TwoLayer(device), dtype=torch.float16)
+    for record in (accumulator.state_dict(), accumulator.state_dict_async().result()):
+        assert set(record["pending"]) == {"first.weight", "second.bias"}
+        for buffer in record["pending"].values():
+            assert (buffer.device.type, buffer.dtype) == ("cpu", torch.float16)
+
+
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
 def test_record_file_round_trip_is_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     """save_record then load_record (weights_only torch.load) gives the same record, bitwise."""
