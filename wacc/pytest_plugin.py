@@ -1,84 +1,339 @@
 """The pytest plugin (entry point ``pytest11``): ``pytest --wacc-impl module:attr``.
 
-With ``--wacc-impl`` the run gains one test per work dtype and strategy family (and the stateful
-machine), named ``wacc::check[<impl>-<dtype>-<family>]``: the same property suite as
-``wacc check``, judged with the same oracles, inside the user's own test run and CI. A failing
+With ``--wacc-impl`` (or the ini key ``wacc_impl``) the run collects one test item per work
+dtype and strategy family (and the stateful machine), with the node id
+``::wacc::check[<impl>-<dtype>-<family>]``: the same property suite as ``wacc check``, judged
+with the same oracles, inside the user's own test run and CI. The items are collected like any
+test (``collected N items`` counts them, ``-k``, ``--lf`` and ``--collect-only`` see them), and
+their node ids do not change between runs, so ``--lf`` reruns only the failed ones. A failing
 item shows the shrunk scenario's failure lines and the ``wacc replay`` command for the JSON it
-wrote under ``--wacc-out``. Without ``--wacc-impl`` the plugin adds nothing.
+wrote under ``--wacc-out``. Without an implementation the plugin adds nothing.
 
-Options: ``--wacc-dtype D`` (repeatable; default all four), ``--wacc-device cpu|cuda``,
-``--wacc-oracle strict|bound``, ``--wacc-examples N`` (per dtype and family; default the
-Hypothesis profile's), ``--wacc-profile P`` (default ``ci``), ``--wacc-allow-missing FEATURE``,
-``--wacc-out DIR`` (default ``wacc-check``).
+Options, each also an ini key (``--wacc-dtype`` -> ``wacc_dtype``; the command line wins):
+``--wacc-impl IMPL``, ``--wacc-dtype D`` (repeatable, ini: one per line; default all four),
+``--wacc-device cpu|cuda``, ``--wacc-oracle strict|bound``, ``--wacc-examples N`` (per dtype and
+family; default the Hypothesis profile's), ``--wacc-profile P`` (default ``ci``),
+``--wacc-seed N`` (the Hypothesis seed, as ``wacc check --seed``), ``--wacc-allow-missing
+FEATURE``, ``--wacc-out DIR`` (default ``wacc-check``). A relative ``file.py`` IMPL or ``DIR``
+given in an ini file is relative to that file's directory, as pytest's own path keys are.
+
+A bad value is a usage error before collection, as pytest's own are: ``ERROR: <one line>``,
+exit 4. The IMPL's shape, its file or module are checked without importing it (nor torch,
+unless ``cuda`` is asked for): importing happens when the first item runs.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shlex
+import sys
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from wacc.choices import FAMILY_NAMES, FEATURES, ORACLE_SET_NAMES, PROFILES, WORK_DTYPES
 from wacc.errors import UsageError
-from wacc.implementation import FEATURES, Implementation, load_implementation
-from wacc.profiles import PROFILES
-from wacc.verdict import ORACLE_SETS
-from wacc_ref import formats
+from wacc.spec import check_spec
 
-__all__ = ["WaccCheckItem", "pytest_addoption", "pytest_collection_modifyitems"]
+if TYPE_CHECKING:
+    from wacc.implementation import Implementation
+
+__all__ = [
+    "WaccCheckItem",
+    "WaccSettings",
+    "pytest_addoption",
+    "pytest_make_collect_report",
+    "pytest_report_header",
+    "pytest_sessionstart",
+]
+
+_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One ``--wacc-<name>`` option and its ini key ``wacc_<name>``."""
+
+    name: str
+    help: str
+    metavar: str
+    repeatable: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--wacc-" + self.name.replace("_", "-")
+
+    @property
+    def key(self) -> str:
+        return "wacc_" + self.name
+
+
+def _choices(names: Sequence[str]) -> str:
+    return ", ".join(names)
+
+
+_OPTIONS = (
+    _Option("impl", "the implementation's factory, module:attr or path/file.py:attr", "IMPL"),
+    _Option(
+        "dtype",
+        f"work dtype to check ({_choices(WORK_DTYPES)}); repeatable (default: all)",
+        "D",
+        repeatable=True,
+    ),
+    _Option("device", f"device the scenarios run on ({_choices(_DEVICES)}; default: cpu)", "DEV"),
+    _Option(
+        "oracle",
+        "oracles to apply: "
+        + "; ".join(f"{name}: {what}" for name, what in ORACLE_SET_NAMES.items())
+        + " (default: strict)",
+        "SET",
+    ),
+    _Option("examples", "examples per dtype and family, >= 1 (default: the profile's)", "N"),
+    _Option("profile", f"Hypothesis profile ({_choices(PROFILES)}; default: ci)", "P"),
+    _Option("seed", "Hypothesis seed: the same seed, the same run (as wacc check --seed)", "N"),
+    _Option(
+        "allow_missing",
+        f"a feature the implementation may lack ({_choices(tuple(FEATURES))}); repeatable",
+        "FEATURE",
+        repeatable=True,
+    ),
+    _Option("out", "where shrunk divergences go (default: ./wacc-check)", "DIR"),
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register the ``--wacc-*`` options."""
+    """Register the ``--wacc-*`` options and their ini keys ``wacc_*``."""
     group = parser.getgroup("wacc", "judge a gradient accumulator against the wacc reference")
-    group.addoption("--wacc-impl", metavar="IMPL", help="factory module:attr or file.py:attr")
-    group.addoption("--wacc-dtype", action="append", choices=formats.WORK_DTYPES, metavar="D")
-    group.addoption("--wacc-device", default="cpu", choices=("cpu", "cuda"))
-    group.addoption("--wacc-oracle", default="strict", choices=tuple(ORACLE_SETS))
-    group.addoption("--wacc-examples", type=int, metavar="N")
-    group.addoption("--wacc-profile", default="ci", choices=PROFILES)
-    group.addoption("--wacc-allow-missing", action="append", default=[], choices=tuple(FEATURES))
-    group.addoption("--wacc-out", default="wacc-check", metavar="DIR")
+    for option in _OPTIONS:
+        ini = "ini key " + option.key
+        if option.repeatable:
+            group.addoption(
+                option.flag,
+                action="append",
+                dest=option.key,
+                metavar=option.metavar,
+                help=f"{option.help}; {ini} (one per line)",
+            )
+            parser.addini(option.key, f"{option.help}; one per line", type="linelist")
+        else:
+            group.addoption(
+                option.flag,
+                dest=option.key,
+                metavar=option.metavar,
+                help=f"{option.help}; {ini}",
+            )
+            parser.addini(option.key, option.help, type="string", default="")
+
+
+@dataclass(frozen=True)
+class WaccSettings:
+    """The plugin's options, from the command line or else the ini file, checked."""
+
+    spec: str  # as written: the node ids name it
+    load: str  # what is imported (a relative file of an ini key: against the ini file's dir)
+    dtypes: tuple[str, ...]
+    device: str = "cpu"
+    oracle: str = "strict"
+    profile: str = "ci"
+    seed: int | None = None
+    examples: int | None = None
+    allow_missing: tuple[str, ...] = ()
+    out: Path = Path("wacc-check")
+
+
+_SETTINGS = pytest.StashKey[WaccSettings | None]()
+
+
+def _raw(config: pytest.Config, option: _Option) -> tuple[Any, str, Path | None]:
+    """The option's value, who gave it (for messages) and the directory a relative path in it
+    is relative to (None: the working directory); a value of None when neither gave it."""
+    value = config.getoption(option.key)
+    if value is not None:
+        return value, option.flag, None
+    value = config.getini(option.key)
+    if value in ("", [], None):
+        return None, option.flag, None
+    base = config.inipath.parent if config.inipath is not None else None
+    return value, f"ini key {option.key}", base
+
+
+def _one_of(value: Any, names: Sequence[str], what: str, source: str) -> str:
+    if str(value) not in names:
+        raise pytest.UsageError(
+            f"{source}: unknown {what} {value!r} (choose from {_choices(names)})"
+        )
+    return str(value)
+
+
+def _integer(value: Any, source: str, *, minimum: int | None = None) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise pytest.UsageError(f"{source} must be an integer, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise pytest.UsageError(f"{source} must be >= {minimum}, got {number}")
+    return number
+
+
+def _relative_to(base: Path | None, location: str) -> str:
+    if base is None or Path(location).is_absolute():
+        return location
+    return str(base / location)
+
+
+def _module_found(location: str) -> bool:
+    """Whether ``import location`` would find it, importing at most its parent packages."""
+    # As wacc.implementation loads it: like ``python -m``, the working directory is on the path.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(location) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _implementation_spec(spec: str, source: str, base: Path | None) -> str:
+    """The spec to load; :class:`pytest.UsageError` when it is malformed or names a file or a
+    module that does not exist (nothing of the implementation is imported)."""
+    load = spec
+    if spec.count(":") == 1 and spec.split(":")[0].endswith(".py"):
+        location, attr = spec.split(":")
+        load = f"{_relative_to(base, location)}:{attr}"
+    try:
+        location, _ = check_spec(load)
+    except UsageError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+    if not location.endswith(".py") and not _module_found(location):
+        raise pytest.UsageError(f"{source}: implementation {spec!r}: no module named {location!r}")
+    return load
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _settings(config: pytest.Config) -> WaccSettings | None:
+    """The checked settings, or None without an implementation."""
+    options = {option.name: option for option in _OPTIONS}
+    spec, source, base = _raw(config, options["impl"])
+    if spec is None:
+        return None
+    load = _implementation_spec(str(spec).strip(), source, base)
+    settings: dict[str, Any] = {"spec": str(spec).strip(), "load": load}
+
+    dtypes, source, _ = _raw(config, options["dtype"])
+    dtypes = dtypes or WORK_DTYPES
+    settings["dtypes"] = tuple(
+        dict.fromkeys(_one_of(d, WORK_DTYPES, "dtype", source) for d in dtypes)
+    )
+    device, source, _ = _raw(config, options["device"])
+    if device is not None:
+        settings["device"] = _one_of(device, _DEVICES, "device", source)
+        if settings["device"] == "cuda" and not _cuda_available():
+            raise pytest.UsageError(f"{source}: cuda was asked for, but torch sees no CUDA device")
+    oracle, source, _ = _raw(config, options["oracle"])
+    if oracle is not None:
+        settings["oracle"] = _one_of(oracle, tuple(ORACLE_SET_NAMES), "oracle set", source)
+    profile, source, _ = _raw(config, options["profile"])
+    if profile is not None:
+        settings["profile"] = _one_of(profile, PROFILES, "profile", source)
+    seed, source, _ = _raw(config, options["seed"])
+    if seed is not None:
+        settings["seed"] = _integer(seed, source)
+    examples, source, _ = _raw(config, options["examples"])
+    if examples is not None:
+        settings["examples"] = _integer(examples, source, minimum=1)
+    allowed, source, _ = _raw(config, options["allow_missing"])
+    settings["allow_missing"] = tuple(
+        _one_of(feature, tuple(FEATURES), "feature", source) for feature in allowed or ()
+    )
+    out, source, base = _raw(config, options["out"])
+    if out is not None:
+        settings["out"] = Path(_relative_to(base, str(out)))
+    return WaccSettings(**settings)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal's header: a usage error is one line
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Check the options before collection: a bad one is ``ERROR: <line>``, exit 4."""
+    session.config.stash[_SETTINGS] = _settings(session.config)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """What the wacc items will run, the seed included (so a run can be repeated)."""
+    settings = config.stash.get(_SETTINGS, None)
+    if settings is None:
+        return None
+    seed = "the profile's" if settings.seed is None else str(settings.seed)
+    return (
+        f"wacc: {settings.spec}; dtypes {', '.join(settings.dtypes)}; {settings.device}; "
+        f"oracles {settings.oracle}; profile {settings.profile}; seed {seed}"
+    )
 
 
 class _WaccFailure(Exception):
     """A divergence found by a wacc item (shown without a traceback)."""
 
 
+_LOADED: dict[str, Implementation | UsageError] = {}
+
+
+def _implementation(spec: str) -> Implementation:
+    """The implementation, loaded once per process (a load error too: it fails every item)."""
+    if spec not in _LOADED:
+        from wacc.implementation import load_implementation
+
+        try:
+            _LOADED[spec] = load_implementation(spec)
+        except UsageError as exc:
+            _LOADED[spec] = exc
+    loaded = _LOADED[spec]
+    if isinstance(loaded, UsageError):
+        raise loaded
+    return loaded
+
+
 class WaccCheckItem(pytest.Item):
     """One dtype x family of ``wacc check`` against the implementation under test."""
 
-    def __init__(self, *, spec: str, dtype: str, family: str, **kwargs: Any) -> None:
+    def __init__(self, *, settings: WaccSettings, dtype: str, family: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec, self.dtype, self.family = spec, dtype, family
+        self.settings, self.dtype, self.family = settings, dtype, family
 
     def runtest(self) -> None:
         """Run the family; raise with the shrunk divergence if an oracle fails."""
         from wacc.engine import CheckConfig, Finding, run_family, write_finding
+        from wacc.verdict import ORACLE_SETS
 
-        options = self.config.option
-        implementation = _implementation(self.config, self.spec)
-        missing = [f for f in implementation.missing if f not in options.wacc_allow_missing]
+        settings = self.settings
+        implementation = _implementation(settings.load)
+        missing = [f for f in implementation.missing if f not in settings.allow_missing]
         if missing:
             flag = "--wacc-allow-missing"
             raise _WaccFailure("\n".join(implementation.unsupported(f, flag=flag) for f in missing))
         config = CheckConfig(
             dtypes=(self.dtype,),
-            device=options.wacc_device,
-            profile=options.wacc_profile,
-            oracles=ORACLE_SETS[options.wacc_oracle],
-            examples=options.wacc_examples,
+            device=settings.device,
+            profile=settings.profile,
+            seed=settings.seed,
+            oracles=ORACLE_SETS[settings.oracle],
+            examples=settings.examples,
         )
         shrunk = run_family(implementation, self.dtype, self.family, config)
         if shrunk is None:
             return
         finding = Finding(dtype=self.dtype, family=self.family, verdict=shrunk)
-        path = write_finding(finding, Path(options.wacc_out))
-        command = shlex.join(["wacc", "replay", str(path), "--impl", self.spec])
+        path = write_finding(finding, settings.out)
+        command = shlex.join(["wacc", "replay", str(path), "--impl", settings.load])
         lines = "\n".join(f"  {line}" for line in shrunk.describe())
         raise _WaccFailure(
-            f"{self.spec} diverges from the reference on {self.dtype}/{self.family} "
+            f"{settings.spec} diverges from the reference on {self.dtype}/{self.family} "
             f"[{', '.join(shrunk.failed_oracles)}]:\n{lines}\nreplay: {command}"
         )
 
@@ -94,46 +349,49 @@ class WaccCheckItem(pytest.Item):
 
 
 class _WaccCollector(pytest.Collector):
-    """The parent node of the wacc items (node id ``::wacc``)."""
+    """The parent node of the wacc items (node id ``::wacc``), a child of the session."""
 
-    def __init__(self, *, spec: str, **kwargs: Any) -> None:
+    def __init__(self, *, settings: WaccSettings, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec = spec
+        self.settings = settings
 
     def collect(self) -> list[pytest.Item]:
-        """One item per dtype and family."""
-        from wacc.engine import family_names
+        """One item per dtype and family, each with a node id that does not change between
+        runs (the one ``--lf`` reads back from the cache)."""
+        items: list[pytest.Item] = []
+        for dtype in self.settings.dtypes:
+            for family in FAMILY_NAMES:
+                name = f"check[{self.settings.spec}-{dtype}-{family}]"
+                items.append(
+                    WaccCheckItem.from_parent(
+                        self,
+                        name=name,
+                        # As a string, parsed as --lf parses the ids it cached (an id built
+                        # from the parent's would keep "[...]" in the name and never match).
+                        nodeid=f"{self.nodeid}::{name}",
+                        settings=self.settings,
+                        dtype=dtype,
+                        family=family,
+                    )
+                )
+        return items
 
-        dtypes = self.config.option.wacc_dtype or formats.WORK_DTYPES
-        return [
-            WaccCheckItem.from_parent(
-                self,
-                name=f"check[{self.spec}-{dtype}-{family}]",
-                spec=self.spec,
-                dtype=dtype,
-                family=family,
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        """Where pytest says the collector lives."""
+        return "wacc", None, self.name
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """Add the wacc collector to what the session collects, so that its items are collected
+    (and counted, selected and cached) like any test."""
+    report = yield
+    if isinstance(collector, pytest.Session) and report.passed:
+        settings = collector.config.stash.get(_SETTINGS, None)
+        if settings is not None:
+            report.result.append(
+                _WaccCollector.from_parent(collector, name="wacc", settings=settings)
             )
-            for dtype in dtypes
-            for family in family_names()
-        ]
-
-
-_LOADED: dict[str, Implementation] = {}
-
-
-def _implementation(config: pytest.Config, spec: str) -> Implementation:
-    if spec not in _LOADED:
-        _LOADED[spec] = load_implementation(spec)
-    return _LOADED[spec]
-
-
-@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect, so they select wacc items too
-def pytest_collection_modifyitems(
-    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-) -> None:
-    """Append the wacc items when ``--wacc-impl`` is given."""
-    spec = config.option.wacc_impl
-    if not spec:
-        return
-    collector = _WaccCollector.from_parent(session, name="wacc", spec=spec)
-    items.extend(collector.collect())
+    return report
