@@ -182,6 +182,16 @@ def test_simpler_floats_are_zero_then_signed_one_then_fewer_significant_bits() -
     assert _simpler_floats(near) == [0.0, 1.0]
 
 
+def test_simpler_floats_keep_the_roundings_that_fit_after_one_that_overflows() -> None:
+    """A rounding to 1 bit that overflows float64 drops only that candidate: 205 * 2**1016 =
+    0b0.11001101 x 2**1024 rounds to 2**1024 at 1 bit (dropped), to 0b0.11 x 2**1024 =
+    3 * 2**1022 at 2 bits, to 0b0.1101 x 2**1024 = 13 * 2**1020 at 4 bits, and is itself at 8."""
+    value = 205 * 2.0**1016
+    expected = [0.0, 1.0, 3 * 2.0**1022, 13 * 2.0**1020]
+    assert _simpler_floats(value) == expected
+    assert _simpler_floats(-value) == [0.0, -1.0, *(-v for v in expected[2:])]
+
+
 def test_value_simplifications_offer_each_simpler_value_in_order() -> None:
     """Value simplification offers the loss scale 1, then for each accumulate step (past any
     other step) the weights 1, 2, 3, 7 below its weight, then each gradient value replaced by

@@ -33,6 +33,7 @@ from wacc_ref.scenario import (
     Restore,
     RestoreCorrupted,
     Scenario,
+    SetLossScale,
     to_json,
 )
 from wacc_ref.traces import ScenarioTrace
@@ -707,6 +708,11 @@ def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
             helper(scenario, trace, short)
         with pytest.raises(ValueError):
             helper(scenario, short, trace)
+    one, two = [Fraction(1)], [Fraction(1), Fraction(2)]
+    with pytest.raises(ValueError):  # fewer exact values than elements
+        verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
+    with pytest.raises(ValueError):  # fewer bounds than elements
+        verdict._worst_element(np.array([3.0, 5.0]), two, np.array([0.5]))
 
 
 # ----------------------------------------------------------------- the windows of oracle 2
@@ -1531,3 +1537,102 @@ def test_the_bound_line_names_the_worst_element_and_says_bound_0_is_exact() -> N
     huge = [Fraction(10) ** 400, Fraction(1)]
     line = _worst_element(np.array([0.0, 1.0]), huge, np.array([1.0, 1.0]))
     assert line == "error/bound = inf > 1: [flat 0] = 0.0, exact inf, bound 1"
+
+
+def test_the_bound_line_names_the_first_worst_element_and_the_sign_of_an_overflow() -> None:
+    """Of elements whose error is the same largest part of the bound (a finite ratio, or inf
+    where the bound is 0), the line names the first; an exact value beyond float64 is shown as
+    the infinity of its sign; with no element whose error is nonzero under a finite bound the
+    line says the ratio alone."""
+    from wacc.verdict import _worst_element
+
+    ones = [Fraction(1)] * 3
+    # |1.5 - 1| / 0.25 = 2 at flat 0 and 2, |1.25 - 1| / 0.25 = 1 at flat 1 (after a larger one)
+    line = _worst_element(np.array([1.5, 1.25, 1.5]), ones, np.array([0.25] * 3))
+    assert line == "error/bound = 2 > 1: [flat 0] = 1.5, exact 1.0, bound 0.25"
+    line = _worst_element(np.array([2.5, 3.0]), [Fraction(2)] * 2, np.array([0.0, 0.0]))
+    assert line.startswith("error/bound = inf: [flat 0] = 2.5, exact 2.0, bound 0 "), line
+    # -10**400 is below -LARGEST_FLOAT64: its float is -inf; |0 + 10**400| / 1 overflows to +inf
+    line = _worst_element(np.array([0.0]), [-(Fraction(10) ** 400)], np.array([1.0]))
+    assert line == "error/bound = inf > 1: [flat 0] = 0.0, exact -inf, bound 1"
+    # every error 0, or nonzero only where no bound applies (inf): nothing to name
+    assert _worst_element(
+        np.array([1.0, 2.0]), [Fraction(1), Fraction(2)], np.array([0.5] * 2)
+    ) == ("error/bound > 1")
+    assert _worst_element(np.array([5.0]), [Fraction(1)], np.array([math.inf])) == (
+        "error/bound > 1"
+    )
+
+
+def test_the_exact_result_of_a_window_uses_the_loss_scale_set_before_it() -> None:
+    """Oracle 2 divides the window's exact sum by the loss scale in force for that window (set
+    by set_loss_scale, not the scenario's initial one): float32, S = 4 from the start value 1,
+    one sum batch of weight 1 with gradients (4, 8) finishes as the mean (4, 8) / 4 / 1 = (1, 2),
+    exact in float32, so wacc_torch's result has relative error and error/bound 0."""
+    scenario = Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            SetLossScale(4.0),
+            Accumulate.of("sum", 1.0, {"weight": (4.0, 8.0)}),
+            Finish("mean"),
+        ),
+    )
+    verdict = judge(load_implementation(DEFAULT_IMPL), scenario)
+    assert not verdict.failed, _verdict_text(verdict)
+    finish = verdict.steps[-1]
+    assert finish.op == "finish_mean" and finish.max_rel_error == 0.0 and finish.max_ratio == 0.0
+
+
+def test_zeros_finished_from_an_empty_window_are_a_note_with_nothing_to_bound() -> None:
+    """finish_sums of an empty window has None gradients; an implementation that hands in +0.0
+    tensors of the parameters' shapes there gets a note (semantics §12), and oracle 2 has no
+    batch to bound them by: the verdict holds, under both oracle sets."""
+
+    shapes = {"weight": (2,), "bias": ()}
+
+    class ZerosForNone(_FinishingWith):
+        def _changed(
+            self, result: wacc_torch.AccumulatedGradients
+        ) -> wacc_torch.AccumulatedGradients:
+            grads = dict(result.grads)
+            result = dataclasses.replace(
+                result,
+                grads={
+                    name: torch.zeros(shape) if grads.get(name) is None else grads[name]
+                    for name, shape in shapes.items()
+                },
+            )
+            return super()._changed(result)
+
+    def make(dtype: torch.dtype, loss_scale: float) -> ZerosForNone:
+        return ZerosForNone(dtype, loss_scale, lambda name, grad: grad)
+
+    implementation = Implementation(spec="+0.0 for None", factory=make, fused=False, missing=())
+    scenario = _scenario("float32", tuple(shapes.items()), (Finish("sums"),))
+    for oracles in ("strict", "bound"):
+        verdict = judge(implementation, scenario, oracles=ORACLE_SETS[oracles])
+        assert not verdict.failed, _verdict_text(verdict)
+        assert verdict.steps[0].notes == tuple(
+            f"step 0 (finish_sums): grads[{name!r}] is all +0.0 where the reference has None"
+            for name in ("weight", "bias")
+        )
+
+
+def test_the_verdict_keeps_the_traceback_of_each_raising_step() -> None:
+    """Next to each raising step's message, a ScenarioVerdict keeps the exception's whole
+    formatted traceback under the same step index: it starts like Python's and ends with the
+    exception class and message the implementation raised."""
+    scenario = _every_corruption()
+    verdict = judge(refusing_with(ValueError, opaque=False), scenario)
+    refused = _refused_steps(verdict)
+    assert refused and sorted(verdict.tracebacks) == refused, verdict.tracebacks
+    for index in refused:
+        text = verdict.tracebacks[index]
+        assert text.startswith("Traceback (most recent call last)"), text
+        last = text.rstrip().splitlines()[-1]
+        assert last.startswith("ValueError: refused with ValueError: "), text
+        assert verdict.messages[index].startswith(last), (verdict.messages[index], last)

@@ -1767,6 +1767,19 @@ def test_record_and_structured_gradients_are_refused_whatever_their_width(dtype:
 
 
 @pytest.mark.parametrize(
+    "dtype", ["int8", "int32", "uint16", "bool", "complex64"], ids=lambda name: str(name)
+)
+def test_numpy_integer_bool_and_complex_gradients_are_refused(dtype: str) -> None:
+    """numpy's own integers, bools and complex numbers (at most 64 bits wide, so not refused
+    for their width) are no float format: BoundArgumentError naming the dtype, not values read
+    through astype (a complex would lose its imaginary part)."""
+    grad = np.array([1, 0, 3]).astype(dtype)
+    assert grad.dtype.itemsize <= 8
+    with pytest.raises(BoundArgumentError, match=rf"grads\[0\] has dtype {dtype}; a float array"):
+        _simple_bound(grads=[grad, None])
+
+
+@pytest.mark.parametrize(
     "name", ["bcomplex32", "int4", "uint4", "int2"], ids=["bcomplex32", "int4", "uint4", "int2"]
 )
 def test_ml_dtypes_complex_and_integer_gradients_are_refused(name: str) -> None:

@@ -35,11 +35,14 @@ from wacc_ref.scenario import (
     Finish,
     Restore,
     RestoreCorrupted,
+    ScalerOptions,
     Scenario,
+    UpdateScaler,
     without_interruptions,
 )
 from wacc_ref.traces import (
     FinishOutcome,
+    ScalerSnapshot,
     ScenarioTrace,
     StepOutcome,
 )
@@ -520,6 +523,31 @@ def test_trace_differences_names_skipped_result_and_record_differences() -> None
         "step 2 (checkpoint) state.issued: expected 2, got 3",
         "step 2 (checkpoint) record.issued: expected 2, got 3",
     ]
+
+
+def test_trace_differences_name_a_missing_scaler_and_keep_the_lines_before_a_scaler_line() -> None:
+    """A scaler snapshot where none is expected is a line naming the step, "scaler" and what
+    came instead; where both have one, its differences come after the step's other lines (an
+    error mismatch), which stay. Scenario: float32, S = 2, default scaler (backoff 0.5,
+    hysteresis 1); an overflow reported at update_scaler backs the scale off to 2 * 0.5 = 1."""
+    scenario = make_scenario(
+        (Accumulate.of("sum", 1.0, {"w": [1.0, 2.0]}), Finish("sums"), UpdateScaler(True)),
+        scaler=ScalerOptions(),
+    )
+    trace = run_reference(scenario)
+    update = trace.outcomes[2]
+    assert update.scaler is not None and update.scaler.scale == 1.0
+    lines = trace_differences(trace, _edited(trace, 2, scaler=None))
+    assert len(lines) == 1 and lines[0].startswith("step 2 (update_scaler): scaler expected ")
+    assert lines[0].endswith("got None"), lines
+    wrong = ScalerSnapshot(applied=update.scaler.applied, scale=0.5)
+    lines = trace_differences(trace, _edited(trace, 2, error="InvalidWeightError", scaler=wrong))
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(
+        "step 2 (update_scaler): error expected None, got InvalidWeightError"
+    )
+    assert lines[1].startswith("step 2 (update_scaler) scaler.scale: "), lines
+    assert (1.0).hex() in lines[1] and (0.5).hex() in lines[1], lines
 
 
 def test_run_reference_labels_its_trace_and_validates_precision() -> None:

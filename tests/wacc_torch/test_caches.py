@@ -410,3 +410,106 @@ def test_work_tensors_exist_only_for_two_rounding_steps_and_are_kept_on_the_cpu(
     assert isinstance(fused._mode, BufferedMode)
     kept = fused._mode.kept_work
     assert kept is not None and kept._storage == {}
+
+
+def test_check_gradients_needs_exactly_one_gradient_per_tracked_parameter() -> None:
+    """check_gradients pairs the gradients with the tracked parameters one to one: a list shorter
+    or longer than the binding is refused (ValueError), never checked in part."""
+    parameters = tracked_parameters(_module([(3,), (2,)], nested=False))
+    binding = binding_of(parameters)
+    check_gradients(binding, [torch.ones(3), torch.ones(2)])  # one per parameter: accepted
+    for wrong in ([torch.ones(3)], [torch.ones(3), torch.ones(2), torch.ones(4)]):
+        with pytest.raises(ValueError, match="zip"):
+            check_gradients(binding, wrong)  # type: ignore[arg-type]
+
+
+def test_a_repeated_signature_skips_the_full_check_for_its_own_binding_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GradientCheck checks a complete set in full once; a later complete set of the same
+    signature for the same binding is accepted without a full check (and common_dtype answers
+    from that signature, not from the tensors). A set with a None, another signature, or another
+    binding (even one whose signature would match) gets the full check; so a gradient of the
+    first binding's shape is refused for a binding tracking another shape."""
+    import wacc_torch._gradients as gradients
+
+    full_checks: list[int] = []
+
+    def counted(binding: object, candidates: list[torch.Tensor | None]) -> None:
+        full_checks.append(len(candidates))
+        check_gradients(binding, candidates)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gradients, "check_gradients", counted)
+    parameters = tracked_parameters(_module([(3,), (2,)], nested=False))
+    binding = binding_of(parameters)
+    check = GradientCheck()
+
+    def fresh() -> dict[str, torch.Tensor | None]:
+        return {name: torch.ones(p.shape) for name, p in parameters}
+
+    check.collect(binding, parameters, fresh())
+    assert len(full_checks) == 1
+    grads = fresh()
+    assert check.collect(binding, parameters, grads) == list(grads.values())
+    assert len(full_checks) == 1  # same signature, same binding: from the cache
+    # Read from the signature: the gradients handed in are not looked at.
+    assert check.common_dtype((0, 1), [None, None]) == torch.float32
+    check.collect(binding, parameters, dict(fresh(), p1=None))  # incomplete: in full
+    assert len(full_checks) == 2
+    check.collect(binding, parameters, fresh())  # the cached signature still holds
+    assert len(full_checks) == 2
+    check.collect(binding, parameters, dict(fresh(), p1=torch.ones(2, dtype=torch.float64)))
+    assert len(full_checks) == 3  # another signature: in full (and now cached)
+    check.collect(binding, parameters, fresh())
+    assert len(full_checks) == 4
+    twin = binding_of(tracked_parameters(_module([(3,), (2,)], nested=False)))
+    check.collect(twin, parameters, fresh())  # another binding: in full
+    assert len(full_checks) == 5
+    other_parameters = tracked_parameters(_module([(4,), (2,)], nested=False))
+    other = binding_of(other_parameters)
+    with pytest.raises(ParameterMismatchError, match=r"'p0'.*\[3\].*\[4\]"):
+        check.collect(other, other_parameters, fresh())
+
+
+def test_a_kept_scratch_is_reused_only_on_the_cpu_and_only_when_it_holds_every_need() -> None:
+    """Scratch.reusing returns the previous Scratch when it lives on the CPU and holds, for every
+    (device, dtype) needed, a work tensor at least as large as the need (equal included); a need
+    for a (device, dtype) it holds nothing for, however small (one element or none), or a larger
+    one, or any need off the CPU gets a new Scratch that can hand out the view."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    kept = Scratch([(cpu, torch.float32, 6)])
+    assert Scratch.reusing(kept, [(cpu, torch.float32, 6)]) is kept
+    assert Scratch.reusing(kept, [(cpu, torch.float32, 2), (cpu, torch.float32, 5)]) is kept
+    assert Scratch.reusing(kept, []) is kept
+    for need in [(cpu, torch.float32, 7), (cpu, torch.float64, 1), (cpu, torch.float64, 0)]:
+        new = Scratch.reusing(kept, [need])
+        assert new is not kept
+        assert new.view(need[0], need[1], torch.Size([need[2]])).shape == (need[2],)
+    empty = Scratch([])
+    one = Scratch.reusing(empty, [(cpu, torch.float32, 1)])
+    assert one is not empty and one.view(cpu, torch.float32, torch.Size([1])).numel() == 1
+    on_meta = Scratch([(meta, torch.float32, 6)])
+    assert Scratch.reusing(on_meta, [(meta, torch.float32, 6)]) is not on_meta
+
+
+def test_every_call_of_a_window_adds_the_small_gradients_into_the_one_arena() -> None:
+    """Within a window the small parameters' buffers stay views of one arena per device, made at
+    the first positive call and used by every later call (so the division divides it as one
+    tensor, and the sums are those of the per-tensor adds); a new window makes a new one."""
+    module = _module([(3,), (4,), (2, 5)], nested=False)
+    grads = {name: torch.ones(p.shape) for name, p in module.named_parameters()}
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    mode = accumulator._mode
+    assert isinstance(mode, BufferedMode)
+    cpu = torch.device("cpu")
+    accumulator.accumulate_sum(module, 1, grads=grads)
+    arena = mode.arenas[cpu]
+    for _ in range(3):
+        accumulator.accumulate_sum(module, 2, grads=grads)
+        assert list(mode.arenas) == [cpu] and mode.arenas[cpu] is arena
+        assert f"<arena {cpu}>" in mode.division_targets()
+    sums = accumulator.finish_sums().grads
+    for name, p in module.named_parameters():
+        assert torch.equal(sums[name], torch.full(p.shape, 4.0))  # four gradients of ones
+    accumulator.accumulate_sum(module, 1, grads=grads)
+    assert mode.arenas[cpu] is not arena

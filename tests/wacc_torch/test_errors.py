@@ -321,3 +321,31 @@ def test_flush_to_zero_is_refused_naming_the_call(method: str) -> None:
             module, 2, grads={name: torch.ones(shape) for name, shape in shapes.items()}
         )
     assert_unchanged(accumulator, record, module, grads)
+
+
+# The six gradient dtypes of semantics §2 ("Reading (gradient dtypes)").
+GRADIENT_DTYPE_NAMES = [
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.float8_e4m3fnuz], ids=str)
+def test_a_gradient_of_another_dtype_is_refused_naming_it_and_the_six_accepted(
+    dtype: torch.dtype,
+) -> None:
+    """A gradient whose dtype is not one of the six gradient dtypes raises
+    ParameterMismatchError naming the parameter, its dtype and each dtype that is accepted."""
+    module = TwoLayer()
+    accumulator = _busy_accumulator(module)
+    grads = _with_grads(**{"second.bias": torch.zeros(2, dtype=dtype)})(module)
+    with pytest.raises(ParameterMismatchError) as raised:
+        accumulator.accumulate_sum(module, 1, grads=grads)
+    message = str(raised.value)
+    assert re.search(rf"'second\.bias'.*{re.escape(str(dtype))}", message), message
+    for name in GRADIENT_DTYPE_NAMES:
+        assert re.search(rf"torch\.{name}\b", message), (name, message)

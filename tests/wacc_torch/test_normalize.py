@@ -195,3 +195,31 @@ def test_a_gradient_that_requires_grad_is_refused_naming_it_whatever_the_scale(
     result = normalize_sums({"w": grad.detach()}, loss_scale=scale, total_weight=2.0)["w"]
     assert result is not None and not result.requires_grad
     assert_bitwise_equal(result, before / scale / 2.0, "the detached gradient, divided")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_a_float32_work_tensor_is_prepared_only_for_the_narrow_dtypes(
+    in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The division prepares a work tensor only where it rounds twice: for a float16 or bfloat16
+    sum, a float32 one (op(D), semantics §2) sized for its largest piece; float32 and float64
+    sums are divided in their own tensors and need none."""
+    import wacc_torch.normalize as normalize
+
+    needs: list[list[tuple[torch.device, torch.dtype, int]]] = []
+
+    class Recording(normalize.Scratch):
+        def __init__(self, wanted: object) -> None:
+            listed = list(wanted)  # type: ignore[call-overload]
+            needs.append(listed)
+            super().__init__(listed)
+
+    monkeypatch.setattr(normalize, "Scratch", Recording)
+    cpu = torch.device("cpu")
+    wide = {"a": torch.ones(3, dtype=torch.float64), "b": torch.ones(2, 2)}
+    normalize_sums(wide, loss_scale=2.0, total_weight=3.0, in_place=in_place)
+    narrow = dict(
+        wide, c=torch.ones(5, dtype=torch.float16), d=torch.ones(4, 2, dtype=torch.bfloat16)
+    )
+    normalize_sums(narrow, loss_scale=2.0, total_weight=3.0, in_place=in_place)
+    assert needs == [[], [(cpu, torch.float32, 5), (cpu, torch.float32, 8)]]
