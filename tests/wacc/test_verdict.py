@@ -708,6 +708,11 @@ def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
             helper(scenario, trace, short)
         with pytest.raises(ValueError):
             helper(scenario, short, trace)
+
+
+def test_the_worst_element_refuses_inputs_of_different_lengths() -> None:
+    """_worst_element, like the other helpers, raises ValueError when the exact values or the
+    bounds are fewer than the elements (never a line about a truncated window)."""
     one, two = [Fraction(1)], [Fraction(1), Fraction(2)]
     with pytest.raises(ValueError):  # fewer exact values than elements
         verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
