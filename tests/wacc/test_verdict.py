@@ -715,9 +715,9 @@ def test_the_worst_element_refuses_inputs_of_different_lengths() -> None:
     bounds are fewer than the elements (never a line about a truncated window)."""
     one, two = [Fraction(1)], [Fraction(1), Fraction(2)]
     with pytest.raises(ValueError):  # fewer exact values than elements
-        verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
+        wacc.verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
     with pytest.raises(ValueError):  # fewer bounds than elements
-        verdict._worst_element(np.array([3.0, 5.0]), two, np.array([0.5]))
+        wacc.verdict._worst_element(np.array([3.0, 5.0]), two, np.array([0.5]))
 
 
 # ----------------------------------------------------------------- the windows of oracle 2
