@@ -535,3 +535,114 @@ def test_a_gradient_aliasing_an_adopted_pending_buffer_is_refused(other_dtype: t
     result = accumulator.finish_sums().grads
     assert_bitwise_equal(result["a"], torch.ones(3), "the copy, added once")
     assert_bitwise_equal(result["big"], torch.full((20_000,), 2.0), "the adopted buffer + 1")
+
+
+def test_small_groups_count_one_element_parameters_and_pairs_of_them() -> None:
+    """small_groups: a parameter of one element is small (1 <= numel), a device with exactly
+    two small parameters gets a group, one with a single small parameter (the other holds no
+    element) none; shapes and devices pair one to one (ValueError for unequal lengths rather
+    than silently dropping the unpaired parameters)."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    shapes = [torch.Size(s) for s in ((1,), (1, 1), (4,), (0, 3))]
+    assert wacc_torch._arena.small_groups(shapes, [cpu, cpu, meta, meta]) == {cpu: (0, 1)}
+    with pytest.raises(ValueError):
+        wacc_torch._arena.small_groups(shapes, [cpu, cpu, meta])
+
+
+def test_common_dtype_before_collect_and_for_the_first_complete_set() -> None:
+    """A fresh GradientCheck (nothing collected, like after forget()) answers common_dtype from
+    the gradients handed in; the first complete set, checked in full, is already answered from
+    its signature (the gradients handed in are not looked at)."""
+    check = GradientCheck()
+    float32, bfloat16 = torch.ones(2), torch.ones(2, dtype=torch.bfloat16)
+    assert check.common_dtype((0, 1), [float32, float32]) == torch.float32
+    assert check.common_dtype((0, 1), [float32, bfloat16]) is None
+    shapes: Shapes = {"a": (3,), "b": (4,)}
+    parameters = tracked_parameters(Bag(shapes))
+    check.collect(binding_of(parameters), parameters, _gradients(shapes, torch.float32, 0))
+    assert check.common_dtype((0, 1), [None, None]) == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows"),
+    [
+        ((150,), [64, 64, 22]),  # 1-d: CHUNK_ELEMENTS (64) elements per piece
+        ((10, 20), [3, 3, 3, 1]),  # floor(64 / 20) = 3 whole rows per piece
+        ((5, 100), [1, 1, 1, 1, 1]),  # a row alone exceeds 64: one row per piece
+        ((64, 1), [64]),  # exactly CHUNK_ELEMENTS: one piece
+    ],
+    ids=["1d", "rows-of-20", "rows-of-100", "one-column"],
+)
+def test_pieces_are_as_many_whole_rows_as_fit_in_a_chunk(
+    shape: tuple[int, ...], rows: list[int]
+) -> None:
+    """A tensor larger than CHUNK_ELEMENTS is cut along dim 0 into pieces of
+    floor(CHUNK_ELEMENTS / row) whole rows (at least one: a row larger than the chunk is a piece
+    of its own); chunk_numel is the largest piece and piece_count their number."""
+    tensor = torch.zeros(shape)
+    row = math.prod(shape[1:])
+    assert [piece.shape[0] for (piece,) in wacc_torch._work.pieces(tensor)] == rows
+    assert wacc_torch._work.chunk_numel(tensor.shape) == max(rows) * row
+    assert wacc_torch._work.piece_count(tensor.shape) == len(rows)
+
+
+def test_scratch_holds_exactly_the_largest_need_per_device_and_dtype() -> None:
+    """Scratch preallocates, per (device, dtype), a work tensor of exactly the largest need
+    among those given: no element more, an empty one when every need is 0 elements."""
+    cpu = torch.device("cpu")
+    scratch = wacc_torch._work.Scratch(
+        [(cpu, torch.float32, 0), (cpu, torch.float64, 5), (cpu, torch.float64, 3)]
+    )
+    sizes = {key: tensor.numel() for key, tensor in scratch._storage.items()}
+    assert sizes == {(cpu, torch.float32): 0, (cpu, torch.float64): 5}
+
+
+def _adopted_window(
+    base: torch.Tensor, start: int
+) -> tuple[nn.Module, WeightedGradientsAccumulator]:
+    module = nn.Module()
+    module.big = nn.Parameter(torch.zeros(20_000))
+    module.empty = nn.Parameter(torch.zeros(0))  # checked before 'a': it must not end the check
+    module.a = nn.Parameter(torch.zeros(3))
+    state = AccumulatorState(
+        dtype=torch.float32, loss_scale=1.0, issued=1, zero_weight=0, total_weight=1.0,
+        fused=False, zero_copy=False,
+    )  # fmt: skip
+    pending = {"big": base[start : start + 20_000]}
+    return module, WeightedGradientsAccumulator.from_pending(module, pending, state)
+
+
+@pytest.mark.parametrize(
+    ("start", "where", "refused"),
+    [
+        (0, slice(19_998, 20_001), True),  # starts inside the buffer, ends past it
+        (3, slice(0, 3), False),  # ends where the buffer starts
+        (0, slice(20_000, 20_003), False),  # starts where the buffer ends
+        (3, slice(2, 5), True),  # straddles the buffer's start
+    ],
+    ids=["past-the-end", "just-before", "just-after", "across-the-start"],
+)
+def test_only_a_gradient_whose_bytes_overlap_an_adopted_buffer_is_refused(
+    start: int, where: slice, refused: bool
+) -> None:
+    """The alias check compares byte ranges: a gradient overlapping the adopted buffer at
+    either end is refused (with the message naming the remedy), one that merely touches it is
+    accumulated; a parameter without a gradient or with no elements before it does not end the
+    check."""
+    base = torch.ones(20_006)
+    module, accumulator = _adopted_window(base, start)
+    grads = {"empty": torch.zeros(0), "big": torch.ones(20_000), "a": base[where]}
+    if refused:
+        with pytest.raises(
+            ParameterMismatchError,
+            match=r"^gradient 'a' shares the memory of pending buffer 'big' \(adopted by "
+            r"from_pending\): the window would read a buffer it adds into; pass a copy$",
+        ):
+            accumulator.accumulate_sum(module, 1, grads=grads)
+        assert accumulator.state.issued == 1
+    else:
+        accumulator.accumulate_sum(module, 1, grads=grads)
+        assert accumulator.state.issued == 2
+    module2, accumulator2 = _adopted_window(torch.ones(20_006), 0)
+    accumulator2.accumulate_sum(module2, 1, grads={"big": torch.ones(20_000), "a": None})
+    assert accumulator2.state.issued == 2  # a None gradient is skipped, not read
