@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 import torch
 
-from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._environment import check_gradual_underflow, check_readable
 from wacc_torch._scalars import FLOAT_DTYPES, read_real
 from wacc_torch.errors import InvalidLossScaleError, WeightedAccumulationError
 
@@ -80,6 +80,7 @@ def check_loss_scale(loss_scale: object, dtype: torch.dtype) -> float:
         value = read_real(loss_scale, what="loss_scale", error=InvalidLossScaleError)
     except InvalidLossScaleError as error:
         raise InvalidLossScaleError(f"{error} (work dtype {dtype})") from None
+    check_readable(value, "loss_scale")  # before any comparison: FTZ/DAZ would read it as 0
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidLossScaleError(
             f"loss_scale must be a finite float > 0, got {value!r} (work dtype {dtype})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import sys
 
 from wacc_torch.errors import UnsupportedEnvironmentError
@@ -31,3 +32,21 @@ def check_gradual_underflow(operation: str) -> None:
             f"is on, e.g. torch.set_flush_denormal(True)); §2 rounds with gradual underflow, "
             f"so CPU results would differ. Call torch.set_flush_denormal(False) first."
         )
+
+
+def is_subnormal(value: float) -> bool:
+    """Whether ``value`` is a nonzero float64 subnormal, read from its bits: under
+    denormals-are-zero the CPU's own comparisons see such a value as 0."""
+    bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+    return (bits >> 52) & 0x7FF == 0 and bits & ((1 << 52) - 1) != 0
+
+
+def check_readable(value: int | float, what: str) -> None:
+    """Refuse a subnormal ``value`` while subnormals are flushed: its comparisons with 0 would be
+    wrong (a weight of 5e-324 would silently count as a zero-weight batch), naming ``what``."""
+    if isinstance(value, float) and is_subnormal(value):
+        # Written from the bits: repr() itself would print 0.0 under flush-to-zero.
+        bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+        sign = "-" if bits >> 63 else ""
+        shown = f"{sign}0x0.{bits & ((1 << 52) - 1):013x}p-1022"
+        check_gradual_underflow(f"{what} {shown} is subnormal")

@@ -15,7 +15,7 @@ import math
 import torch
 
 from wacc_torch._dtypes import to_work_dtype
-from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._environment import check_gradual_underflow, check_readable
 from wacc_torch._scalars import add_to_total, as_float64, read_real
 from wacc_torch.errors import InvalidWeightError, ZeroTotalWeightError
 
@@ -24,8 +24,10 @@ __all__ = ["count_weight", "read_total_weight", "read_weight"]
 
 def read_weight(weight: object) -> int | float:
     """A microbatch weight, read exactly (an int or a float): a finite real >= 0, else
-    :class:`InvalidWeightError` naming it."""
+    :class:`InvalidWeightError` naming it; a subnormal one while subnormals are flushed raises
+    :class:`UnsupportedEnvironmentError` (its comparisons with 0 would be wrong)."""
     value = read_real(weight, what="weight", error=InvalidWeightError)
+    check_readable(value, "weight")  # before any comparison: FTZ/DAZ would read it as 0
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidWeightError(f"weight must be finite and >= 0, got {weight!r}")
     if value < 0:

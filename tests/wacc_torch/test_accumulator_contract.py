@@ -5,6 +5,7 @@ messages of its refusals and the memory checks behind them."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from tests.wacc_torch.support import (
 from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_torch import (
     AccumulatorState,
+    InvalidWeightError,
     ParameterMismatchError,
     WeightedGradientsAccumulator,
     ZeroCopyError,
@@ -284,3 +286,19 @@ def test_from_pending_through_a_zero_copy_subclass_names_the_call() -> None:
     )
     weight = module.get_parameter("weight")
     assert np.all(weight.detach().numpy() == 0.0) and weight.grad is None
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("weight", ["abc", [1.0]], ids=["str", "list"])
+def test_a_weight_that_is_not_a_number_is_refused_naming_the_argument(
+    weight: object, *, mean: bool
+) -> None:
+    """A weight of a type the module does not read raises InvalidWeightError whose message
+    names the argument (``weight``), the value and its type, and the window is unchanged."""
+    module = one_parameter("cpu", (2,))
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    method = accumulator.accumulate_mean if mean else accumulator.accumulate_sum
+    pattern = rf"^weight must be a .*got {re.escape(repr(weight))} of type {type(weight).__name__}$"
+    with pytest.raises(InvalidWeightError, match=pattern):
+        method(module, weight, grads={"weight": torch.ones(2)})  # type: ignore[arg-type]
+    assert accumulator.state.issued == 0

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
 
-from tests.wacc_torch.support import WORK_DTYPE_PARAMS, TwoLayer
+from tests.wacc_torch.support import WORK_DTYPE_PARAMS, TwoLayer, flushing_subnormals
 from wacc_ref.formats import FORMATS, is_representable
 from wacc_torch import (
     AccumulatorState,
     InvalidLossScaleError,
+    UnsupportedEnvironmentError,
     WeightedAccumulationError,
     WeightedGradientsAccumulator,
 )
@@ -43,6 +45,27 @@ def test_unsupported_work_dtype_is_refused_by_name(dtype: torch.dtype) -> None:
 def test_non_dtype_is_refused_with_type_error(dtype: object) -> None:
     """A dtype option that is not a torch.dtype raises TypeError naming it."""
     with pytest.raises(TypeError, match=repr(dtype).replace("(", r"\(").replace(")", r"\)")):
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)  # type: ignore[arg-type]
+
+
+def test_unsupported_work_dtype_message_lists_the_four_work_dtypes() -> None:
+    """The refusal of an unsupported torch dtype lists the four work dtypes in torch spelling."""
+    with pytest.raises(
+        WeightedAccumulationError,
+        match=r"expected one of torch\.float64, torch\.float32, torch\.float16, torch\.bfloat16$",
+    ):
+        WeightedGradientsAccumulator(dtype=torch.int32, loss_scale=1.0)
+
+
+@pytest.mark.parametrize(("dtype", "type_name"), [("float32", "str"), (float, "type")])
+def test_non_dtype_message_lists_the_work_dtypes_and_names_the_type(
+    dtype: object, type_name: str
+) -> None:
+    """The TypeError for a non-dtype lists the four work dtypes and names the value's type."""
+    with pytest.raises(
+        TypeError,
+        match=rf"\(one of float64, float32, float16, bfloat16\), got .* of type {type_name}$",
+    ):
         WeightedGradientsAccumulator(dtype=dtype, loss_scale=1.0)  # type: ignore[arg-type]
 
 
@@ -114,6 +137,61 @@ def test_fused_must_be_a_bool(fused: object) -> None:
     """A non-bool ``fused`` raises TypeError naming it."""
     with pytest.raises(TypeError, match=repr(fused)):
         WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=fused)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("zero_copy", [1, 0, "yes", None])
+def test_zero_copy_must_be_a_bool(zero_copy: object) -> None:
+    """A non-bool ``zero_copy`` raises TypeError naming it."""
+    with pytest.raises(
+        TypeError, match=rf"zero_copy must be a bool, got {re.escape(repr(zero_copy))}$"
+    ):
+        WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, zero_copy=zero_copy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
+def test_integer_loss_scale_beyond_float64_is_refused_by_value(sign: int) -> None:
+    """An int loss scale too large for a float64 (10**400) raises InvalidLossScaleError naming
+    the value and D; a negative one is refused as not > 0, also by value."""
+    scale = sign * 10**400
+    with pytest.raises(InvalidLossScaleError, match=rf"{scale}\b.*torch\.float32"):
+        WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        # Below D's smallest normal number, exactly representable in D (a subnormal of D).
+        pytest.param(torch.float32, 2.0**-140, id="float32"),
+        pytest.param(torch.float16, 2.0**-20, id="float16"),
+        pytest.param(torch.bfloat16, 2.0**-130, id="bfloat16"),
+    ],
+)
+def test_subnormal_loss_scale_is_refused_under_flush_to_zero(
+    dtype: torch.dtype, scale: float
+) -> None:
+    """Under flush-to-zero, a loss scale below D's smallest normal (its conversion to D would be
+    flushed) raises UnsupportedEnvironmentError naming the value and D."""
+    assert 0.0 < scale < torch.finfo(dtype).tiny
+    assert is_representable(scale, str(dtype).removeprefix("torch."))
+    with (
+        flushing_subnormals(),
+        pytest.raises(
+            UnsupportedEnvironmentError, match=rf"converting {re.escape(repr(scale))} to {dtype}:"
+        ),
+    ):
+        WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale)
+    # In IEEE mode the same value is a valid loss scale.
+    assert WeightedGradientsAccumulator(dtype=dtype, loss_scale=scale).state.loss_scale == scale
+
+
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_smallest_normal_loss_scale_is_accepted_under_flush_to_zero(dtype: torch.dtype) -> None:
+    """D's smallest normal number converts alike in every mode, so flush-to-zero does not refuse
+    it as a loss scale."""
+    tiny = torch.finfo(dtype).tiny
+    with flushing_subnormals():
+        accumulator = WeightedGradientsAccumulator(dtype=dtype, loss_scale=tiny)
+    assert accumulator.state.loss_scale == tiny
 
 
 def test_fused_mode_is_declared_in_state() -> None:

@@ -349,3 +349,41 @@ def test_a_gradient_of_another_dtype_is_refused_naming_it_and_the_six_accepted(
     assert re.search(rf"'second\.bias'.*{re.escape(str(dtype))}", message), message
     for name in GRADIENT_DTYPE_NAMES:
         assert re.search(rf"torch\.{name}\b", message), (name, message)
+
+
+@pytest.mark.parametrize("weight", [5e-324, -5e-324, 2.0**-1030], ids=["min", "negative", "mid"])
+def test_a_subnormal_weight_under_flush_to_zero_is_refused_not_dropped(weight: float) -> None:
+    """Under flush-to-zero the CPU's comparisons read a subnormal as 0, so a weight of 5e-324
+    was silently counted as a zero-weight batch (its gradient never read) and -5e-324 accepted:
+    both raise UnsupportedEnvironmentError naming the weight from its bits, and nothing
+    changes; without flush-to-zero the positive one is an ordinary weight."""
+    module = nn.Linear(1, 1, bias=False)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=1.0)
+    before = accumulator.state
+    bits = weight.hex()  # read before the flush: hex() computes with the value
+    with flushing_subnormals():
+        with pytest.raises(
+            UnsupportedEnvironmentError, match=rf"^weight {re.escape(bits)} is subnormal"
+        ):
+            accumulator.accumulate_sum(module, weight, grads={"weight": torch.ones(1, 1)})
+    assert accumulator.state == before
+    if weight > 0:
+        accumulator.accumulate_sum(module, weight, grads={"weight": torch.ones(1, 1)})
+        assert accumulator.state.issued == 1 and accumulator.state.zero_weight == 0
+
+
+def test_a_subnormal_loss_scale_under_flush_to_zero_names_the_environment() -> None:
+    """A float64-subnormal loss scale under flush-to-zero is an UnsupportedEnvironmentError (it
+    read as 'not > 0, got 0.0' before), naming the scale from its bits; without the flush it is
+    a valid float64 scale."""
+    scale = 2.0**-1070
+    shown = scale.hex()
+    with flushing_subnormals():
+        with pytest.raises(
+            UnsupportedEnvironmentError, match=rf"^loss_scale {re.escape(shown)} is subnormal"
+        ):
+            WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=scale)
+    assert (
+        WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=scale).state.loss_scale
+        == scale
+    )
