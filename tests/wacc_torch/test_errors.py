@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -387,3 +388,15 @@ def test_a_subnormal_loss_scale_under_flush_to_zero_names_the_environment() -> N
         WeightedGradientsAccumulator(dtype=torch.float64, loss_scale=scale).state.loss_scale
         == scale
     )
+
+
+def test_is_subnormal_reads_the_bits() -> None:
+    """is_subnormal is true exactly for the nonzero float64s below the smallest normal, of
+    either sign, and never for ±0, normal, infinite or NaN values (the IEEE 754 definition)."""
+    from wacc_torch._environment import is_subnormal
+
+    tiny = 2.0**-1022
+    for value in (5e-324, -5e-324, tiny - 5e-324, -(tiny - 5e-324), 2.0**-1030):
+        assert is_subnormal(value), value.hex()
+    for value in (0.0, -0.0, tiny, -tiny, 1.0, 1.5, -1.5, math.inf, -math.inf, math.nan):
+        assert not is_subnormal(value), value
