@@ -227,3 +227,43 @@ def test_readme_points_nowhere_outside_the_repository() -> None:
     for target in re.findall(r"\]\(([^)#]+)\)", text):
         if "://" not in target:
             assert (README.parent / target).exists(), target
+
+
+def _workflow() -> dict[str, Any]:
+    import yaml
+
+    (block,) = re.findall(
+        r"```yaml\n(# \.github/workflows/numerics\.yml.*?)```",
+        README.read_text(encoding="utf-8"), flags=re.S,
+    )  # fmt: skip
+    workflow: dict[str, Any] = yaml.safe_load(block)
+    return workflow
+
+
+def test_the_ci_recipe_for_other_repositories_keeps_its_promises() -> None:
+    """The README's workflow for another project: shards that all finish (fail-fast false), a
+    merge job that runs when one failed (if: always()) and appends the summary to
+    $GITHUB_STEP_SUMMARY, replay files and results uploaded even from a failed shard, wacc
+    installed from a git URL, a committed baseline named; every wacc command line in it is
+    accepted by wacc's own parser."""
+    from wacc.cli import build_parser
+
+    jobs = _workflow()["jobs"]
+    shard, merge = jobs["gate-shard"], jobs["gate"]
+    assert shard["strategy"]["fail-fast"] is False
+    assert merge["if"] == "always()" and merge["needs"] == "gate-shard"
+    runs = [step.get("run", "") for job in (shard, merge) for step in job["steps"]]
+    assert any("git+https://" in run for run in runs)
+    assert any('>> "$GITHUB_STEP_SUMMARY"' in run for run in runs)
+    uploads = [s for s in shard["steps"] if s.get("uses", "").startswith("actions/upload")]
+    assert (
+        uploads and uploads[0]["if"] == "always()" and "gate-replays/" in uploads[0]["with"]["path"]
+    )
+    commands = [
+        run.replace("${{ matrix.shard }}", "1").split()
+        for run in runs
+        if run.startswith("wacc gate")
+    ]
+    assert len(commands) == 2 and any("--baseline" in c for c in commands)
+    for argv in commands:
+        build_parser().parse_args(argv[1:])  # exits 2 on an option wacc does not have

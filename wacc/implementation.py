@@ -33,13 +33,8 @@ implementation need not import ``wacc_torch`` to raise the right error.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -49,7 +44,7 @@ import wacc_torch
 from wacc.choices import DEFAULT_IMPL, FEATURES
 from wacc.errors import UsageError
 from wacc.integrity import IntegrityProbe, probe_integrity
-from wacc.spec import check_spec
+from wacc.spec import import_target
 from wacc.zero_copy import ZeroCopyAdapter
 
 __all__ = [
@@ -183,36 +178,7 @@ class Implementation:
 
 
 def _import_target(spec: str) -> Any:
-    location, attr = check_spec(spec)
-    if location.endswith(".py"):
-        path = Path(location)
-        name = f"_wacc_impl_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise UsageError(f"cannot load {location!r} as a Python file")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's file: any failure is an environment error
-            del sys.modules[name]
-            raise UsageError(
-                f"importing {location!r} failed: {type(exc).__name__}: {exc}"
-            ) from None
-    else:
-        # Like ``python -m``: a module in the working directory is importable by name.
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(location)
-        except Exception as exc:
-            raise UsageError(
-                f"cannot import module {location!r}: {type(exc).__name__}: {exc}"
-            ) from None
-    try:
-        target = getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"{location!r} has no attribute {attr!r}") from None
+    target = import_target(spec)  # the one import rule (wacc.spec)
     if not callable(target):
         raise UsageError(f"{spec!r} is not callable (a factory make(dtype, loss_scale))")
     return target

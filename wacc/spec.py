@@ -1,24 +1,80 @@
-"""An implementation's factory spec, ``module:attr`` or ``path/to/file.py:attr``, checked
-without importing anything: its shape, and for a file, that the file exists. The commands call
-:func:`check_spec` before they import torch, so a typo answers at once."""
+"""The one import rule for everything a user names on the command line: an implementation's
+factory (``wacc check``, ``replay``, ``gate``, ``report``, the pytest plugin) and a training loop
+(``wacc audit --loop``).
+
+* ``module:attr`` imports ``module`` as ``python -m`` would: the working directory first on the
+  import path, then the installed packages.
+* ``path/to/file.py:attr`` loads that file, with the file's own folder first on the import path,
+  so the file imports its sibling modules as it would when run as a script.
+
+:func:`check_spec` checks a spec's shape (and that a named file exists) without importing
+anything, so the commands answer a typo before they import torch; :func:`import_target` imports
+and returns the attribute. Every problem is a one-line :class:`~wacc.errors.UsageError` (exit 2).
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
 from wacc.errors import UsageError
 
-__all__ = ["check_spec"]
+__all__ = ["check_spec", "import_target"]
 
 
-def check_spec(spec: str) -> tuple[str, str]:
+def check_spec(spec: str, *, what: str = "implementation") -> tuple[str, str]:
     """``(location, attr)`` of ``spec``; :class:`UsageError` naming it when it is malformed or
-    names a ``.py`` file that does not exist."""
+    names a ``.py`` file that does not exist (``what``: how messages call it)."""
     if spec.count(":") != 1:
-        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
+        raise UsageError(f"{what} {spec!r} must be 'module:attr' or 'path/file.py:attr'")
     location, attr = spec.split(":")
     if not location or not attr:
-        raise UsageError(f"implementation {spec!r} must be 'module:attr' or 'path/file.py:attr'")
+        raise UsageError(f"{what} {spec!r} must be 'module:attr' or 'path/file.py:attr'")
     if location.endswith(".py") and not Path(location).is_file():
-        raise UsageError(f"implementation file {location!r} does not exist")
+        raise UsageError(f"{what} file {location!r} does not exist")
     return location, attr
+
+
+def _first_on_path(folder: str) -> None:
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
+
+
+def import_target(spec: str, *, what: str = "implementation") -> object:
+    """The attribute ``spec`` names, imported by the rule of the module docstring (``what`` is
+    how messages call it)."""
+    location, attr = check_spec(spec)
+    if location.endswith(".py"):
+        path = Path(location).resolve()
+        _first_on_path(str(path.parent))  # the file's siblings import as they would in a script
+        name = f"_wacc_user_{abs(hash(str(path)))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise UsageError(f"cannot load {location!r} as a Python file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file: any failure is an environment error
+            del sys.modules[name]
+            raise UsageError(
+                f"importing {location!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
+    else:
+        # Like ``python -m``: a module in the working directory is importable by name.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(location)
+        except Exception as exc:  # the user's module: any failure is an environment error
+            raise UsageError(
+                f"cannot import module {location!r}: {type(exc).__name__}: {exc}"
+            ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{what} {spec!r}: {location!r} has no attribute {attr!r}") from None

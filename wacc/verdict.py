@@ -40,6 +40,7 @@ from wacc_ref import formats
 from wacc_ref.bits import array_differences, array_key
 from wacc_ref.bounds import BoundArgumentError, error_ratio, window_error_bound
 from wacc_ref.corruption import CHECKSUM_KINDS
+from wacc_ref.display import shown_format, value_text
 from wacc_ref.oracles import (
     found_inf_violations,
     run_reference,
@@ -149,12 +150,14 @@ def _ulps(expected: np.ndarray, actual: np.ndarray, dtype: str) -> float:
     return worst
 
 
-def _rel_error(actual: np.ndarray, exact: Sequence[Fraction]) -> float:
-    """Max |a - x| / |x| over the elements whose exact value x is nonzero (an exact zero, e.g.
-    a cancellation, has no relative error: the bound judges it)."""
+def _rel_error(actual: np.ndarray, exact: Sequence[Fraction], min_normal: float) -> float:
+    """Max |a - x| / |x| over the elements whose exact value x is in D's normal range,
+    ``|x| >= min_normal``. Below it D's spacing is fixed, so a relative error says nothing (one
+    subnormal spacing off a tiny x reads as 100 % or more next to a pass): the bound's absolute
+    term judges those elements, and an exact zero (a cancellation) alike."""
     worst = 0.0
     for a, x in zip(actual.reshape(-1).tolist(), exact, strict=True):
-        if x == 0:
+        if abs(x) < min_normal:
             continue
         value = _exact(a)
         if value is None:
@@ -348,11 +351,41 @@ def _presence_differences(
     return lines, notes, both
 
 
+def _step_title(index: int, step: object) -> str:
+    """How failure lines name a step: its index and op, and an accumulate's weight."""
+    op = getattr(step, "op")  # noqa: B009  # every step type has it
+    if isinstance(step, Accumulate):
+        return f"step {index} ({op}, weight {step.weight!r})"  # float64: repr is exact
+    return f"step {index} ({op})"
+
+
+_FLAT = re.compile(r"\[flat (\d+)\]: ")
+
+
+def _with_inputs(lines: list[str], step: object, name: str, fmt: str) -> list[str]:
+    """An accumulate's pending-buffer lines, each with the input gradient entry at its flat
+    position (what was added there), so a reader sees the operands of the diverging step."""
+    if not isinstance(step, Accumulate):
+        return lines
+    values = dict(step.grads).get(name)
+    shown = []
+    for line in lines:
+        match = _FLAT.search(line)
+        if values is not None and match is not None and int(match[1]) < len(values):
+            position = int(match[1])
+            line += f"; input grads[{name!r}][flat {position}] = "
+            line += value_text(float(values[position]), fmt)
+        shown.append(line)
+    return shown
+
+
 def _value_differences(
-    expected: StepOutcome, actual: StepOutcome, *, schema: bool, what: str
+    expected: StepOutcome, actual: StepOutcome, *, schema: bool, what: str, step: object = None
 ) -> tuple[list[str], list[str]]:
     """Oracle 1 for one step of the reproducible order: (divergence lines, notes)."""
     lines: list[str] = []
+    # Values are shown in D (the reference's own records say which)
+    fmt = shown_format(expected.state.dtype)
     if schema:
         exp_pending, act_pending = dict(expected.state.pending), dict(actual.state.pending)
         if exp_pending.keys() != act_pending.keys():
@@ -360,13 +393,16 @@ def _value_differences(
                 f"{what}: pending buffers {sorted(act_pending)}, expected {sorted(exp_pending)}"
             )
         for name in sorted(exp_pending.keys() & act_pending.keys()):
-            lines += array_differences(
-                f"{what} pending[{name!r}]", exp_pending[name], act_pending[name]
-            )
+            lines += _with_inputs(
+                array_differences(
+                    f"{what} pending[{name!r}]", exp_pending[name], act_pending[name], fmt=fmt
+                ),
+                step, name, fmt,
+            )  # fmt: skip
     presence, notes, both = _presence_differences(expected, actual, what=what)
     lines += presence
     for name, exp_grad, act_grad in both:
-        lines += array_differences(f"{what} grads[{name!r}]", exp_grad, act_grad)
+        lines += array_differences(f"{what} grads[{name!r}]", exp_grad, act_grad, fmt=fmt)
     return lines, notes
 
 
@@ -492,7 +528,7 @@ def judge(
     for index, (step, exp, act) in enumerate(
         zip(scenario.steps, expected.outcomes, actual.outcomes, strict=True)
     ):
-        what = f"step {index} ({step.op})"
+        what = _step_title(index, step)
         failed: list[str] = []
         lines: list[str] = []
         notes: list[str] = []
@@ -503,7 +539,7 @@ def judge(
             if fused_lines is not None:
                 emulation = fused_lines[index]
             else:
-                emulation, notes = _value_differences(exp, act, schema=schema, what=what)
+                emulation, notes = _value_differences(exp, act, schema=schema, what=what, step=step)
             if emulation:
                 failed.insert(0, "emulation")
                 lines = emulation + lines
@@ -542,7 +578,9 @@ def judge(
             rel = max(
                 rel,
                 _rel_error(
-                    array.reshape(-1)[finite], [x for x, f in zip(exact, finite, strict=True) if f]
+                    array.reshape(-1)[finite],
+                    [x for x, f in zip(exact, finite, strict=True) if f],
+                    formats.get_format(scenario.work_dtype).min_normal,
                 ),
             )
             step_ratio = error_ratio(

@@ -10,6 +10,8 @@ import struct
 
 import numpy as np
 
+from wacc_ref.display import value_text
+
 __all__ = [
     "CANONICAL_NAN_BITS",
     "array_differences",
@@ -43,7 +45,11 @@ def describe_array(array: np.ndarray) -> str:
     return "[" + ", ".join(float(v).hex() for v in flat) + f"] shape {tuple(array.shape)}"
 
 
-def array_differences(what: str, expected: np.ndarray, actual: np.ndarray) -> list[str]:
+def array_differences(
+    what: str, expected: np.ndarray, actual: np.ndarray, *, fmt: str = "float64"
+) -> list[str]:
+    """One line per element that differs bit for bit (NaN equal to NaN), values shown as
+    :func:`wacc_ref.display.value_text` in ``fmt`` (the arrays' own format)."""
     if array_key(expected) == array_key(actual):
         return []
     if expected.shape != actual.shape:
@@ -54,5 +60,7 @@ def array_differences(what: str, expected: np.ndarray, actual: np.ndarray) -> li
     for position in range(exp_flat.size):
         e, a = float(exp_flat[position]), float(act_flat[position])
         if float_key(e) != float_key(a):
-            lines.append(f"{what}[flat {position}]: expected {e.hex()}, got {a.hex()}")
+            lines.append(
+                f"{what}[flat {position}]: expected {value_text(e, fmt)}, got {value_text(a, fmt)}"
+            )
     return lines

@@ -35,6 +35,7 @@ from wacc_ref import formats
 from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_ref.arith import fused_mean_step_accepts, fused_mean_step_candidates
 from wacc_ref.corruption import applicable_corruptions, corrupt_record
+from wacc_ref.display import value_text
 from wacc_ref.errors import WeightedAccumulationError
 from wacc_ref.scaler import ReferenceLossScaler
 from wacc_ref.scenario import (
@@ -368,10 +369,11 @@ def _fused_mean_differences(
             candidates = fused_mean_step_candidates(buf, formats.conv_to(gradient, work), w_d, work)
             value = float(observed[position])
             if not fused_mean_step_accepts(value, candidates):
-                shown = sorted(float(c).hex() for c in candidates)
+                shown = sorted(value_text(float(c), work) for c in candidates)
                 lines.append(
-                    f"{what} state.pending[{name!r}][flat {position}]: got {value.hex()}, "
-                    f"allowed {shown} (buf {buf.hex()}, g {gradient.hex()}, w_D {w_d.hex()})"
+                    f"{what} state.pending[{name!r}][flat {position}]: got "
+                    f"{value_text(value, work)}, allowed {shown} (buf {value_text(buf, work)}, "
+                    f"g {value_text(gradient)}, w_D {value_text(w_d, work)})"
                 )
     return lines
 

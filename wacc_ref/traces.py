@@ -34,6 +34,7 @@ import numpy as np
 
 from wacc_ref import formats
 from wacc_ref.bits import array_differences, array_key, describe_array, float_key
+from wacc_ref.display import shown_format, value_text
 from wacc_ref.records import RECORD_KEYS  # the shared record schema's keys, re-exported
 
 __all__ = [
@@ -118,7 +119,9 @@ class RecordSnapshot:
         for name in ("loss_scale", "total_weight"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if float_key(mine) != float_key(theirs):
-                lines.append(f"{what}.{name}: expected {mine.hex()}, got {theirs.hex()}")
+                lines.append(
+                    f"{what}.{name}: expected {value_text(mine)}, got {value_text(theirs)}"
+                )
         if self.param_names != other.param_names or self.param_shapes != other.param_shapes:
             lines.append(
                 f"{what}.params: expected {self.param_names} {self.param_shapes}, "
@@ -132,8 +135,9 @@ class RecordSnapshot:
             )
         for name in mine_pending.keys() & theirs_pending.keys():
             lines += array_differences(
-                f"{what}.pending[{name!r}]", mine_pending[name], theirs_pending[name]
-            )
+                f"{what}.pending[{name!r}]", mine_pending[name], theirs_pending[name],
+                fmt=shown_format(self.dtype, other.dtype),
+            )  # fmt: skip
         # The checksum follows from the content: a line of its own only when all else agrees.
         if not lines and self.checksum != other.checksum:
             lines.append(f"{what}.checksum: expected {self.checksum!r}, got {other.checksum!r}")
@@ -191,6 +195,8 @@ class FinishOutcome:
     # (name, dtype handed over, work dtype) of every finished tensor not in the work dtype
     # (semantics §7, §8 hand over the D buffers); filled when finish_outcome is given D.
     foreign_dtypes: tuple[tuple[str, str, str], ...] = ()
+    # D when finish_outcome is given it: how differences show values (never compared)
+    work_dtype: str | None = None
 
     def holds_non_finite(self) -> bool:
         """Whether any gradient value is NaN or ±inf (what ``found_inf`` must say)."""
@@ -221,7 +227,9 @@ class FinishOutcome:
         for name in ("weight", "loss_scale"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if float_key(mine) != float_key(theirs):
-                lines.append(f"{what}.{name}: expected {mine.hex()}, got {theirs.hex()}")
+                lines.append(
+                    f"{what}.{name}: expected {value_text(mine)}, got {value_text(theirs)}"
+                )
         mine_grads, theirs_grads = dict(self.grads), dict(other.grads)
         if list(mine_grads) != list(theirs_grads):
             lines.append(
@@ -237,7 +245,10 @@ class FinishOutcome:
                     ]
                     lines.append(f"{what}.grads[{name!r}]: expected {shown[0]}, got {shown[1]}")
                 continue
-            lines += array_differences(f"{what}.grads[{name!r}]", mine_grad, theirs_grad)
+            lines += array_differences(
+                f"{what}.grads[{name!r}]", mine_grad, theirs_grad,
+                fmt=shown_format(self.work_dtype, other.work_dtype),
+            )  # fmt: skip
         return lines
 
 
@@ -284,6 +295,7 @@ def finish_outcome(
         normalized=getattr(result, "normalized"),  # noqa: B009
         found_inf=found_inf,
         foreign_dtypes=tuple(foreign),
+        work_dtype=work_dtype,
     )
 
 
@@ -338,7 +350,7 @@ class ScalerSnapshot:
 
 
 def _shown(value: object) -> str:
-    return value.hex() if isinstance(value, float) else f"{value!r} ({type(value).__name__})"
+    return value_text(value) if isinstance(value, float) else f"{value!r} ({type(value).__name__})"
 
 
 @dataclass(frozen=True, eq=False)

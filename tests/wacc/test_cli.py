@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from wacc_ref import formats
 from wacc_ref.scenario import Accumulate, Finish, Scenario, from_json, to_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +113,13 @@ print("EXIT", code, "LOADED", *heavy)
         (["replay", "/no/such/file.json"], 2),
         (["replay", "README.md", "--impl", "no_colon"], 2),
         (["gate", "--impl", "missing.py:make"], 2),
+        (["gate", "--shard", "3/2"], 2),
+        (["gate", "--out", "README.md"], 2),
+        (["gate", "--shard", "1/2", "--update-baseline"], 2),
         (["report", "--out", "README.md"], 2),
+        (["report", "--impl", "nocolon"], 2),
+        (["report", "--impl", "a:b", "--impl", "a:b"], 2),
+        (["report", "--compare-to", "/no/such/report"], 2),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else str(value),
 )
@@ -222,9 +230,13 @@ def test_the_gate_fails_an_unsupported_feature_before_running() -> None:
     """``wacc gate`` answers a missing feature like ``wacc check`` (exit 1, the same line) at
     once, before the corpus runs; --allow-missing is one of its options."""
     started = time.monotonic()
-    result = wacc("gate", "--impl", "tests.wacc.impls:schema_unchecked", "--quiet")
+    result = wacc(
+        "gate", "--impl", "tests.wacc.impls:schema_unchecked", "--allow-other-impl", "--quiet"
+    )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert result.stdout.startswith("unsupported: checksum: ") and "Traceback" not in result.stderr
+    lines = result.stdout.splitlines()  # the note on the baseline's IMPL, then the verdict
+    assert lines[0].startswith("note: the baseline was recorded for "), lines
+    assert lines[-1].startswith("unsupported: checksum: ") and "Traceback" not in result.stderr
     assert time.monotonic() - started < 60  # the corpus takes minutes
     assert "--allow-missing FEATURE" in wacc("gate", "--help").stdout
 
@@ -374,3 +386,28 @@ def test_one_bug_in_several_dtypes_and_families_is_one_block(tmp_path: Path) -> 
     paths = others.split("the others: ", 1)[1].split(", ")
     assert len(paths) == 3 and all(Path(path).is_file() for path in paths)
     assert len(list(tmp_path.glob("divergence-*.json"))) == 4
+
+
+def test_a_check_says_what_it_judged_and_shows_values_in_the_dtypes_own_width(
+    tmp_path: Path,
+) -> None:
+    """A failing bfloat16 check prints each diverging value as its shortest decimal with the hex
+    beside it in bfloat16's width (2 hex digits), never float64's 13, and closes with what was
+    judged: the implementation, the scenarios per family, how records were judged, the profile
+    and its seed."""
+    result = wacc(
+        "check", "tests.wacc.impls:double_unscale", "--dtype", "bfloat16", "--family", "windows",
+        "--examples", "30", "--out", str(tmp_path), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    values = re.findall(r"expected (\S+) \((-?0x[0-9a-f.]+p[+-]\d+)\)", result.stdout)
+    assert values, result.stdout
+    for decimal, hexed in values:
+        assert re.fullmatch(r"-?0x[01]\.[0-9a-f]{2}p[+-]\d+", hexed), hexed
+        # the decimal names the same value: it rounds to it in bfloat16
+        assert formats.round_to(float(decimal), "bfloat16") == float.fromhex(hexed)
+    judged = result.stdout.split("what was judged:\n", 1)[1].splitlines()
+    assert judged[0] == "  implementation: tests.wacc.impls:double_unscale (fused: no)"
+    assert re.fullmatch(r"  scenarios per family \(all dtypes\): windows \d+", judged[1])
+    assert judged[2].startswith("  records: judged by the schema")
+    assert judged[3].startswith("  profile: ci; derandomized")

@@ -63,3 +63,28 @@ def test_the_frozen_corpus_reaches_over_half_the_bound_in_every_work_dtype() -> 
     for dtype in formats.WORK_DTYPES:
         per_dtype = max(v for (d, _), v in worst.items() if d == dtype)
         assert 0.5 < per_dtype <= 1.0, f"{dtype}: worst error/bound {per_dtype!r}"
+
+
+def test_each_implementation_is_judged_on_the_twin_it_can_run() -> None:
+    """judged_scenario: wacc_torch runs a corpus scenario as it is; a fused implementation its
+    fused=True twin; one without records (checkpoint steps are not run, as `wacc check`
+    generates none for it) the twin without checkpoints and restores; scenario_of_replay
+    gives back exactly the scenario each replay file names."""
+    from wacc.implementation import load_implementation
+    from wacc.report.corpus import judged_scenario, scenario_of_replay
+    from wacc_ref.scenario import INTERRUPTIONS
+
+    entry = next(e for e in build_corpus(size="quick") if e.family == "interruptions")
+    assert any(isinstance(step, INTERRUPTIONS) for step in entry.scenario.steps)
+    for spec, suffix in (
+        ("wacc.implementation:wacc_torch_reproducible", ""),
+        ("wacc.implementation:wacc_torch_fused", "-fused"),
+        ("tests.wacc.impls:counters_only", "-no-records"),
+    ):
+        implementation = load_implementation(spec)
+        scenario, got = judged_scenario(entry, implementation)
+        assert got == suffix, spec
+        assert scenario.fused == implementation.fused
+        stripped = not implementation.supports("records")
+        assert stripped != any(isinstance(s, INTERRUPTIONS) for s in scenario.steps), spec
+        assert scenario_of_replay(entry, got) == scenario

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from wacc.cli import main
 from wacc.gate.baseline import BASELINE_FORMAT, RESULTS_FORMAT, GateFile, write_gate_file
-from wacc.gate.measure import Metrics
+from wacc.gate.measure import GateFinding, Metrics
 from wacc_ref.corruption import CORRUPTION_KINDS
 from wacc_ref.scenario import (
     Accumulate,
@@ -210,8 +210,12 @@ GATE_KINDS: dict[tuple[str, ...], str] = {
     ("entries", "*", "failing"): "int",
     ("entries", "*", "max_ulps"): "hex",
     ("entries", "*", "max_ratio"): "hex",
+    ("entries", "*", "milliseconds"): "int",
     ("entries", "*", "findings"): "list",
-    ("entries", "*", "findings", "#"): "str",
+    ("entries", "*", "findings", "#"): "object",
+    ("entries", "*", "findings", "#", "signature"): "str",
+    ("entries", "*", "findings", "#", "message"): "str",
+    ("entries", "*", "findings", "#", "replay"): "str",
 }
 ENUMS = {
     "work_dtype": ("float64", "float32", "float16", "bfloat16"),
@@ -735,14 +739,15 @@ def test_failing_scenarios_are_refused_in_a_baseline_only(
     """``failing > 0`` in a baseline is exit 2 naming it (a baseline records a passing run); in
     results it is a shard's hard failure, merged and reported (exit 1)."""
     paths = gate_folder(folder, f"failing-{name}")
-    edit_json(paths[name], lambda d: d["entries"][CORPUS_KEY].update(failing=1, findings=["x"]))
+    finding = {"signature": "[bound] x", "message": "[bound] x", "replay": None}
+    edit_json(paths[name], lambda d: d["entries"][CORPUS_KEY].update(failing=1, findings=[finding]))
     result = run_wacc(*gate_argv(paths))
     if outcome == 2:
         assert_names(result, paths[name], f"entries[{CORPUS_KEY!r}].failing")
     else:
-        assert result.code == 1 and f"FAILURE: {CORPUS_KEY}: 1 failing" in result.stdout, (
-            result.stdout + result.stderr
-        )
+        assert result.code == 1, result.stdout + result.stderr
+        assert "FAILURE 1 scenario(s) in 1 key(s): [bound] x" in result.stdout
+        assert f"keys: {CORPUS_KEY} (1)" in result.stdout
 
 
 SHARD_SPELLINGS = [
@@ -780,6 +785,59 @@ def test_version_is_the_json_integer_1(folder: Path, value: object) -> None:
     paths = gate_folder(folder, f"version-{value!r}")
     edit_json(paths["baseline"], lambda d: d.update(version=value))
     assert_names(run_wacc(*gate_argv(paths)), paths["baseline"], "version")
+
+
+def test_a_version_1_gate_file_is_refused_with_how_to_record_it_anew(folder: Path) -> None:
+    """A gate file of the older format (version 1: findings as strings, no times) is one line
+    naming ``version`` and the command that records the baseline anew, not a field error."""
+    paths = gate_folder(folder, "version-old")
+    edit_json(paths["baseline"], lambda d: d.update(version=1))
+    line = assert_names(run_wacc(*gate_argv(paths)), paths["baseline"], "version")
+    assert "older wacc" in line and "--update-baseline" in line
+
+
+def _failing_shard(document: dict[str, Any], findings: list[object]) -> None:
+    entry = document["entries"][CHECK_KEY]
+    entry.update(failing=1, findings=findings)
+
+
+GOOD_FINDING = {"signature": "[bound] #", "message": "[bound] 1", "replay": "out/gate-00001.json"}
+
+
+@pytest.mark.parametrize(
+    ("findings", "where"),
+    [
+        ([GOOD_FINDING, GOOD_FINDING], ""),
+        (["[bound] 1"], "[0]"),
+        ([{**GOOD_FINDING, "replay": 3}], "[0].replay"),
+        ([{"signature": "s", "message": "m"}], "[0].replay"),
+        ([{**GOOD_FINDING, "extra": 1}], "[0]['extra']"),
+        ([{**GOOD_FINDING, "message": None}], "[0].message"),
+    ],
+    ids=["more-than-failing", "a-string", "replay-number", "replay-missing", "unknown", "message"],
+)
+def test_a_results_file_holds_at_most_one_well_formed_finding_per_failing_scenario(
+    folder: Path, findings: list[object], where: str
+) -> None:
+    """A shard's ``findings`` are objects with exactly signature, message and replay (a string
+    or null), at most one per failing scenario: anything else is one line naming the field."""
+    paths = gate_folder(folder, "findings")  # written afresh for each case
+    edit_json(paths["shard-2"], lambda d: _failing_shard(d, findings))
+    field = f"entries[{CHECK_KEY!r}].findings{where}"
+    assert_names(run_wacc(*gate_argv(paths)), paths["shard-2"], field)
+
+
+def test_a_well_formed_finding_fails_the_merged_gate_with_its_replay_command(
+    folder: Path,
+) -> None:
+    """The same shard with one well-formed finding is read: the merge fails (exit 1) and prints
+    the finding's group with its replay command."""
+    paths = gate_folder(folder, "findings-good")
+    edit_json(paths["shard-2"], lambda d: _failing_shard(d, [GOOD_FINDING]))
+    outcome = run_wacc(*gate_argv(paths))
+    assert outcome.code == 1, outcome.stdout + outcome.stderr
+    assert "FAILURE 1 scenario(s) in 1 key(s): [bound] #" in outcome.stdout
+    assert "replay: wacc replay out/gate-00001.json --impl wacc_torch" in outcome.stdout
 
 
 def test_a_version_2_scenario_without_its_scaler_field_names_it(folder: Path) -> None:
@@ -908,7 +966,16 @@ def test_a_file_name_with_a_line_break_stays_one_line(folder: Path) -> None:
             failing=st.integers(0, 3),
             max_ulps=st.floats(min_value=0.0),
             max_ratio=st.floats(min_value=0.0),
-            findings=st.lists(st.text(max_size=20), max_size=3),
+            findings=st.lists(
+                st.builds(
+                    GateFinding,
+                    st.text(max_size=20),
+                    st.text(max_size=20),
+                    st.none() | st.text(max_size=20),
+                ),
+                max_size=3,
+            ),  # fmt: skip
+            milliseconds=st.integers(0, 2**63 - 1),
         ),
         max_size=3,
     ),
@@ -919,15 +986,15 @@ def test_what_the_gate_writes_it_reads_back(
     folder: Path, entries: dict[str, Metrics], kind: str, shard: str
 ) -> None:
     """``write_gate_file`` writes a file that ``read_gate_file`` returns unchanged, or refuses
-    before writing anything, exactly when the content breaks the rules (failing > scenarios,
-    which no run records; and in a baseline failing > 0, a shard other than 1/1 or an inf
-    corpus metric)."""
+    before writing anything, exactly when the content breaks the rules (failing > scenarios or
+    more findings than failing scenarios, which no run records; and in a baseline failing > 0, a
+    shard other than 1/1 or an inf corpus metric)."""
     from wacc.errors import UsageError
     from wacc.gate.baseline import read_gate_file
 
     baseline = kind == BASELINE_FORMAT
     breaks_rules = (
-        any(m.failing > m.scenarios for m in entries.values())
+        any(m.failing > m.scenarios or len(m.findings) > m.failing for m in entries.values())
         or baseline
         and (
             shard != "1/1"

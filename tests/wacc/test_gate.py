@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from wacc.choices import DEFAULT_IMPL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,15 +94,56 @@ def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) ->
 
 
 @pytest.mark.slow
-def test_a_planted_regression_fails_the_gate(runs: Path) -> None:
+def test_a_planted_regression_fails_the_gate_with_replayable_grouped_failures(
+    runs: Path, tmp_path: Path
+) -> None:
     """An implementation dividing once by S·W formed in D fails against wacc_torch's baseline
-    (its records, the spec baseline's, carry no checksum: allowed, so the numbers are judged)."""
+    (judged with --allow-other-impl; its records carry no checksum: allowed). Every failing
+    scenario is a replay file under --out; failures are grouped by signature with counts, one
+    replay command per group, and that command reproduces the failure; gate.md fits a comment
+    and the JUnit cases carry their own measured times."""
+    impl = "wacc.baselines:scale_times_weight"
+    out = tmp_path / "replays"
     result = gate(
-        "--impl", "wacc.baselines:scale_times_weight", "--baseline", str(runs / "baseline.json"),
-        "--allow-missing", "checksum",
+        "--impl", impl, "--baseline", str(runs / "baseline.json"), "--allow-missing", "checksum",
+        "--allow-other-impl", "--out", str(out), "--summary-md", str(tmp_path / "gate.md"),
+        "--junit-xml", str(tmp_path / "gate.xml"),
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAILURE:" in result.stdout and "wacc gate FAILED" in result.stdout
+    assert "wacc gate FAILED" in result.stdout
+    blocks = [line for line in result.stdout.splitlines() if line.startswith("FAILURE ")]
+    replays = [line for line in result.stdout.splitlines() if line.startswith("  replay: ")]
+    failing = sum(int(line.split()[1]) for line in blocks)
+    written = sorted(out.glob("gate-*.json"))
+    assert blocks and len(replays) == len(blocks)
+    # Grouped: fewer blocks than failing scenarios, and the counts add up to the files written.
+    assert len(blocks) < failing == len(written), result.stdout
+    command = shlex.split(replays[0].removeprefix("  replay: ").split(" (")[0])
+    assert command[:2] == ["wacc", "replay"] and command[-2:] == ["--impl", impl]
+    replayed = subprocess.run(
+        [sys.executable, "-m", "wacc", *command[1:]], cwd=REPO, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    summary = (tmp_path / "gate.md").read_text(encoding="utf-8").splitlines()
+    assert len(summary) <= 60 and summary[0].startswith("### wacc gate FAILED")
+    assert any(line.startswith("Artifacts: ") and str(out) in line for line in summary)
+    times = [float(case.get("time", "nan")) for case in
+             ET.parse(tmp_path / "gate.xml").iter("testcase")]  # fmt: skip
+    assert all(t >= 0 for t in times) and len(set(times)) > 1  # measured per key, not averaged
+
+
+def test_a_baseline_of_another_implementation_is_refused_before_the_run(tmp_path: Path) -> None:
+    """Judging IMPL against a baseline recorded for another one is exit 2 at once, naming both
+    and --allow-other-impl; an --out that is a file is exit 2 before the run too."""
+    result = gate("--impl", "wacc.baselines:scale_times_weight", "--out", str(tmp_path / "o"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"recorded for {DEFAULT_IMPL!r}" in result.stderr, result.stderr
+    assert "--allow-other-impl" in result.stderr
+    assert not result.stdout and not (tmp_path / "o").exists()  # nothing ran, nothing written
+    (tmp_path / "file").write_text("", encoding="utf-8")
+    refused = gate("--out", str(tmp_path / "file"))
+    assert refused.returncode == 2 and "--out" in refused.stderr and not refused.stdout
 
 
 @pytest.mark.parametrize(
@@ -106,8 +151,8 @@ def test_a_planted_regression_fails_the_gate(runs: Path) -> None:
     [
         (None, "no gate file"),
         ("{not json", "(document): not JSON"),
-        (json.dumps({"format": "something-else", "version": 1}), "expected 'wacc-gate-baseline'"),
-        (json.dumps({"format": "wacc-gate-baseline", "version": 1}), "implementation: missing"),
+        (json.dumps({"format": "something-else", "version": 2}), "expected 'wacc-gate-baseline'"),
+        (json.dumps({"format": "wacc-gate-baseline", "version": 2}), "implementation: missing"),
     ],
 )
 def test_a_missing_corrupt_or_foreign_baseline_is_exit_2(
@@ -120,7 +165,7 @@ def test_a_missing_corrupt_or_foreign_baseline_is_exit_2(
     shards = tmp_path / "none"
     shards.mkdir()
     (shards / "s1.json").write_text(
-        json.dumps({"format": "wacc-gate-results", "version": 1, "implementation": "x",
+        json.dumps({"format": "wacc-gate-results", "version": 2, "implementation": "x",
                     "corpus": {"seed": 0, "size": "default"}, "hypothesis": "0", "entries": {},
                     "provenance": {}, "shard": "1/1", "profile": "ci"}),
         encoding="utf-8")  # fmt: skip

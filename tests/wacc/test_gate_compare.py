@@ -11,7 +11,7 @@ import pytest
 
 from wacc.errors import UsageError
 from wacc.gate.compare import ULPS_HEADROOM, compare, headroom
-from wacc.gate.measure import Metrics, Shard, merge_metrics
+from wacc.gate.measure import GateFinding, Metrics, Shard, merge_metrics
 
 
 def test_headroom_is_exact_for_ulps_and_one_rounding_for_ratios() -> None:
@@ -28,7 +28,9 @@ def test_compare_separates_failures_regressions_and_improvements() -> None:
     base = {k: Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5) for k in keys}
     run = {
         "a/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5),
-        "b/w/corpus": Metrics(scenarios=10, failing=1, max_ratio=7.0, findings=["step 1: boom"]),
+        "b/w/corpus": Metrics(
+            scenarios=10, failing=1, max_ratio=7.0, findings=[GateFinding("#", "step 1: boom")]
+        ),
         "c/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.5 + 2.0**-40),
         "d/w/corpus": Metrics(scenarios=10, max_ulps=0.0, max_ratio=0.25),
         "e/w/check": Metrics(scenarios=37, max_ulps=5.0, max_ratio=0.9),
@@ -43,12 +45,15 @@ def test_shards_partition_the_units_and_merging_is_order_free() -> None:
     """Shards K/N take disjoint slices covering all units; merging sums counts, keeps maxima."""
     shards = [Shard(k, 3) for k in (1, 2, 3)]
     assert all(sum(s.takes(i) for s in shards) == 1 for i in range(50))
+    boom = GateFinding("#", "boom", "gate-00001-k.json")
     parts = [
-        {"k": Metrics(scenarios=2, max_ratio=0.1)},
-        {"k": Metrics(scenarios=3, failing=1, max_ulps=4.0)},
+        {"k": Metrics(scenarios=2, max_ratio=0.1, milliseconds=7)},
+        {"k": Metrics(scenarios=3, failing=1, max_ulps=4.0, findings=[boom], milliseconds=5)},
     ]
     merged = merge_metrics(parts)["k"]
     assert (merged.scenarios, merged.failing, merged.max_ulps, merged.max_ratio) == (5, 1, 4.0, 0.1)
+    assert (merged.findings, merged.milliseconds) == ([boom], 12)
+    assert merge_metrics(parts[::-1])["k"] == merged
     with pytest.raises(ValueError, match="'3/2'"):
         Shard.parse("3/2")
 
@@ -86,19 +91,19 @@ def test_a_corpus_key_with_another_scenario_count_is_foreign_naming_the_field() 
 
 
 def test_each_finding_regression_and_improvement_is_stated_exactly() -> None:
-    """A failure lists the findings joined by ' | '; a regression and an improvement name the
-    key, the metric, the value and the baseline."""
+    """A failure lists the first three findings' messages joined by ' | '; a regression and an
+    improvement name the key, the metric, the value and the baseline."""
     base = {
         "a/w/corpus": Metrics(scenarios=2, max_ulps=1.0, max_ratio=0.5),
         "b/w/corpus": Metrics(scenarios=2, max_ulps=1.0, max_ratio=0.5),
     }
     run = {
         "a/w/corpus": Metrics(scenarios=2, failing=2, max_ulps=1.0, max_ratio=0.5,
-                              findings=["x", "y"]),
+                              findings=[GateFinding("s", m) for m in "xyzw"]),
         "b/w/corpus": Metrics(scenarios=2, max_ulps=2.0, max_ratio=0.25),
     }  # fmt: skip
     result = compare(run, base)
-    assert result.failures == ["a/w/corpus: 2 failing scenario(s): x | y"]
+    assert result.failures == ["a/w/corpus: 2 failing scenario(s): x | y | z"]
     assert result.regressions == ["b/w/corpus: max_ulps 2.0 > baseline 1.0"]
     assert result.improvements == ["b/w/corpus: max_ratio 0.25 < baseline 0.5"]
     # a regression and an improvement in one key: the key regressed
@@ -124,3 +129,17 @@ def test_max_ulps_has_no_headroom_in_a_comparison() -> None:
     ratio_base = {"a/w/corpus": Metrics(scenarios=1, max_ratio=0.5)}
     one_ulp = {"a/w/corpus": Metrics(scenarios=1, max_ratio=math.nextafter(0.5, 1.0))}
     assert compare(one_ulp, ratio_base).passed  # a ratio has its one rounding of headroom
+
+
+@pytest.mark.parametrize("text", ["3/2", "x" * 500, "١/٢", "+1/2", "1/" + "9" * 80])
+def test_a_shard_is_shown_like_every_other_field(text: str) -> None:
+    """The shard parser, kept free of the reference for a fast command line, shows a bad value
+    exactly as wacc_ref.strict_json does for every other field."""
+    from wacc.gate import shards
+    from wacc_ref.strict_json import SHOWN_CHARS, shown
+
+    assert shards._SHOWN_CHARS == SHOWN_CHARS
+    assert shards.shown(text) == shown(text)
+    with pytest.raises(ValueError) as raised:
+        Shard.parse(text)
+    assert shown(text) in str(raised.value)

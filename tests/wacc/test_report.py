@@ -1,4 +1,6 @@
-"""``wacc report --quick`` through a real subprocess: every file, plot and replay it promises."""
+"""``wacc report --quick`` through a real subprocess: every file, plot and replay it promises,
+for the shipped implementations and a user's own (``--impl``), next to a previous report
+(``--compare-to``)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from wacc.errors import UsageError
+from wacc.report.previous import read_rows
 from wacc.report.rows import IMPLEMENTATIONS
 from wacc.report.sweeps import overflow_map
-from wacc.report.writer import CSV_COLUMNS
+from wacc.report.writer import CSV_COLUMNS, ORACLE_COLUMNS, ROW_COLUMNS
 from wacc_ref import formats
 
 REPO = Path(__file__).resolve().parents[2]
+USER = "tests.wacc.impls:double_unscale"  # a user's implementation: divides by S twice
+PREVIOUS = REPO / "reports" / "cpu-reference"  # the committed report: compared with
 FIGURES = (
     "error_bound_vs_window.png",
     "skew.png",
@@ -26,16 +32,23 @@ FIGURES = (
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A quick report written by the real command."""
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A quick report written by the real command, with a user's implementation that diverges
+    (so the command exits 1) and compared with the committed report."""
     out = tmp_path_factory.mktemp("report") / "wacc-report"
     result = subprocess.run(
-        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out), "--impl", USER,
+         "--compare-to", str(PREVIOUS)],
+        cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr  # the user's rows fail
     assert "report: " in result.stdout
-    return out
+    return out, result.stdout
+
+
+@pytest.fixture(scope="module")
+def report(run: tuple[Path, str]) -> Path:
+    return run[0]
 
 
 def test_index_has_provenance_the_headline_table_and_every_figure(report: Path) -> None:
@@ -44,7 +57,7 @@ def test_index_has_provenance_the_headline_table_and_every_figure(report: Path) 
     for fact in ("at commit", "torch", "hypothesis", "gmpy2", "corpus: seed 0", "wall time"):
         assert fact in index
     for dtype in formats.WORK_DTYPES:
-        for name in IMPLEMENTATIONS:
+        for name in (*IMPLEMENTATIONS, USER):
             assert f"| {dtype} | `{name}` | cpu |" in index
     for figure in FIGURES:
         assert f"(figures/{figure})" in index
@@ -78,7 +91,7 @@ def test_csv_rows_cover_the_corpus_and_name_a_replay_file_for_every_failure(repo
         rows = list(csv.DictReader(handle))
     assert tuple(rows[0]) == CSV_COLUMNS
     scenarios = {row["scenario_id"] for row in rows}
-    assert len(rows) == len(scenarios) * len(IMPLEMENTATIONS)
+    assert len(rows) == len(scenarios) * (len(IMPLEMENTATIONS) + 1)  # and the user's
     ours = [row for row in rows if row["implementation"].startswith("wacc_torch")]
     names = {row["implementation"] for row in ours}
     assert names == {"wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy"}
@@ -86,6 +99,103 @@ def test_csv_rows_cover_the_corpus_and_name_a_replay_file_for_every_failure(repo
     failing = [row for row in rows if row["verdict"] != "pass"]
     assert failing and all((report / row["replay"]).is_file() for row in failing)
     assert {row["grad_dtype"] for row in rows} == set(formats.FORMATS)
+
+
+def test_csv_columns_name_each_oracle_and_the_provenance(report: Path) -> None:
+    """Each row says pass/fail per oracle in its own column (matching its verdict) and carries
+    the report's commit, versions and corpus, so rows of several reports stay attributable."""
+    with (report / "divergence.csv").open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    index = (report / "index.md").read_text(encoding="utf-8")
+    for row in rows:
+        failed = {o for o in ORACLE_COLUMNS if row[o] == "fail"}
+        assert {row[o] for o in ORACLE_COLUMNS} <= {"pass", "fail"}
+        expected = set(row["verdict"].removeprefix("fail: ").split(",")) if failed else set()
+        assert failed == expected and (row["verdict"] == "pass") == (not failed), row
+        assert (
+            row["commit"] in index and row["corpus_seed"] == "0" and row["corpus_size"] == "quick"
+        )
+    assert {row["torch_version"] for row in rows} == {__import__("torch").__version__}
+
+
+def test_a_users_implementation_is_judged_like_the_shipped_ones(run: tuple[Path, str]) -> None:
+    """--impl: the user's rows are in the CSV with replay files for its failures (which replay
+    as failures with its spec), in the headline on stdout and in the figures' captions; the
+    overflow map marks the cells where it loses the mean that wacc_torch keeps."""
+    report, stdout = run
+    with (report / "divergence.csv").open(encoding="utf-8") as handle:
+        mine = [row for row in csv.DictReader(handle) if row["implementation"] == USER]
+    failing = [row for row in mine if row["verdict"] != "pass"]
+    assert mine and failing and all((report / row["replay"]).is_file() for row in failing)
+    assert USER in stdout
+    index = (report / "index.md").read_text(encoding="utf-8")
+    caption = index.split("## Overflow map", 1)[1].split("\n## ", 1)[0]
+    assert f"`{USER}`: a marker on each of the " in caption
+    marked = int(caption.split(f"`{USER}`: a marker on each of the ", 1)[1].split()[0])
+    assert marked > 0  # it divides by S twice: wrong wherever S != 1
+    replayed = subprocess.run(
+        [sys.executable, "-m", "wacc", "replay", str(report / failing[0]["replay"]), "--impl",
+         USER], cwd=REPO, capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert replayed.returncode == 1
+
+
+def test_the_previous_reports_headline_stands_next_to_the_new_one(run: tuple[Path, str]) -> None:
+    """--compare-to: index.md and stdout put each headline line's values next to the previous
+    report's, as `now (before)`, with a change column; a line only the new report has is
+    `new`."""
+    report, stdout = run
+    index = (report / "index.md").read_text(encoding="utf-8")
+    section = index.split(f"## Compared with `{PREVIOUS}`", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines()
+             if line.split(" | ")[0].removeprefix("| ") in formats.WORK_DTYPES]  # fmt: skip
+    assert len(lines) == len(formats.WORK_DTYPES) * (len(IMPLEMENTATIONS) + 1)
+    changes = {line: line.rstrip(" |").rsplit("| ", 1)[-1] for line in lines}
+    assert set(changes.values()) <= {"same", "better", "worse", "new"}
+    assert {change for line, change in changes.items() if USER in line} == {"new"}
+    assert "compared with" in stdout and "(180)" in stdout  # the committed report's 180 each
+
+
+def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) -> None:
+    """--compare-to reads a CSV with only the row columns (an older wacc's); a missing column, a
+    bad number or a bad verdict is one UsageError naming the file, line, column and value."""
+    lines = (PREVIOUS / "divergence.csv").read_text(encoding="utf-8").splitlines()
+    header = lines[0].split(",")
+    keep = [header.index(column) for column in ROW_COLUMNS]
+    older = tmp_path / "older"
+    older.mkdir()
+    rows = [next(csv.reader([line])) for line in lines[:4]]
+    with (older / "divergence.csv").open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([[row[i] for i in keep] for row in rows])
+    assert len(read_rows(older)) == 3
+    text = (older / "divergence.csv").read_text(encoding="utf-8").splitlines()
+    for edit, fragment in (
+        (lambda cells: cells[:-1], "line 1: missing column(s) replay"),
+        (lambda cells: [*cells[:9], "lots", *cells[10:]], "line 1: missing column(s) max_ulps"),
+    ):
+        broken = tmp_path / f"b{len(fragment)}"
+        broken.mkdir()
+        (broken / "divergence.csv").write_text(
+            ",".join(edit(text[0].split(","))) + "\n" + "\n".join(text[1:]) + "\n",
+            encoding="utf-8",
+        )
+        with pytest.raises(UsageError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            read_rows(broken)
+    column = ROW_COLUMNS.index("max_ratio")
+    for value, fragment in (
+        ("nan", "must not be NaN"),
+        ("-1", "must be >= 0"),
+        ("x", "not a number"),
+    ):
+        bad = tmp_path / f"v{value}"
+        bad.mkdir()
+        cells = next(csv.reader([text[2]]))
+        cells[column] = value
+        buffer = [text[0], text[1], ",".join(f'"{c}"' for c in cells)]
+        (bad / "divergence.csv").write_text("\n".join(buffer) + "\n", encoding="utf-8")
+        with pytest.raises(UsageError, match=f"line 3: max_ratio: {fragment}") as raised:
+            read_rows(bad)
+        assert str(raised.value).endswith(f"got '{value}'") and str(bad) in str(raised.value)
 
 
 def test_a_failing_rows_replay_file_reproduces_the_divergence(report: Path) -> None:
@@ -104,3 +214,19 @@ def test_the_overflow_map_is_confirmed_by_running_both_divisions(dtype: str) -> 
     """Every finite cell of the map was run on both implementations and matched its category."""
     data = overflow_map(dtype)
     assert data.checked > 0 and 1 in data.categories  # S·W overflow is present in every dtype
+
+
+def test_an_implementation_without_records_runs_the_corpus_without_checkpoints(
+    report: Path,
+) -> None:
+    """pixparse_loop has no records: its interruption scenarios run without their checkpoints
+    and restores (the missing feature is listed once, not a semantics failure per scenario):
+    each failing row's replay file is that twin, holding no checkpoint step."""
+    with (report / "divergence.csv").open(encoding="utf-8") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["implementation"] == "pixparse_loop"
+                and r["family"] == "interruptions" and r["verdict"] != "pass"]  # fmt: skip
+    assert rows
+    for row in rows:
+        assert row["replay"].endswith("-no-records.json"), row["replay"]
+        steps = (report / row["replay"]).read_text(encoding="utf-8")
+        assert '"checkpoint"' not in steps and '"restore' not in steps

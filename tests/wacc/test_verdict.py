@@ -673,7 +673,11 @@ def test_relative_error_is_taken_over_the_nonzero_exact_values_only() -> None:
     """_rel_error: max |a - x| / |x| computed exactly over the elements whose exact value x is
     nonzero (an exact zero is skipped whatever sits there, ±0, inf or NaN); a NaN or an
     infinity against a nonzero x, or a ratio beyond float64, is +inf; any shape is flattened."""
-    rel_error = wacc.verdict._rel_error
+    tiny = 2.0**-1022  # float64's smallest normal: every nonzero x below is subnormal
+
+    def rel_error(actual: np.ndarray, exact: list[Fraction]) -> float:
+        return wacc.verdict._rel_error(actual, exact, tiny)
+
     # x = 0 first (skipped), then |1.5 - 1| / 1 = 1/2 and |-3 + 4| / 4 = 1/4.
     assert rel_error(np.array([5.0, 1.5, -3.0]), [Fraction(0), Fraction(1), Fraction(-4)]) == 0.5
     # Exact, not in float: |1/4 - 1/3| / (1/3) = 1/4.
@@ -684,8 +688,21 @@ def test_relative_error_is_taken_over_the_nonzero_exact_values_only() -> None:
     assert rel_error(np.array([-0.0]), [Fraction(1, 2**200)]) == 1.0
     assert rel_error(np.array([1.0, math.nan]), [Fraction(1), Fraction(1)]) == math.inf
     assert rel_error(np.array([-math.inf]), [Fraction(1)]) == math.inf
-    assert rel_error(np.array([LARGEST_FLOAT64]), [Fraction(1, 2**1074)]) == math.inf
+    assert rel_error(np.array([LARGEST_FLOAT64]), [Fraction(1, 2**1022)]) == math.inf
     assert rel_error(np.array([]), []) == 0.0
+
+
+def test_relative_error_skips_the_exact_values_below_the_normal_range() -> None:
+    """_rel_error only counts elements whose exact value is at least D's smallest normal: in
+    float16 (smallest normal 2**-14) a 0 where the exact value is 2**-20 is skipped (the bound's
+    absolute term judges it), while a 0 against exactly 2**-14, or against -2**-14, is a
+    relative error of 1."""
+    rel_error = wacc.verdict._rel_error
+    tiny = 2.0**-14
+    assert rel_error(np.array([0.0]), [Fraction(1, 2**20)], tiny) == 0.0
+    assert rel_error(np.array([0.0, 0.0]), [Fraction(1, 2**20), Fraction(1, 2**14)], tiny) == 1.0
+    assert rel_error(np.array([0.0]), [Fraction(-1, 2**14)], tiny) == 1.0
+    assert rel_error(np.array([math.nan]), [Fraction(1, 2**15)], tiny) == 0.0
 
 
 def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
@@ -695,7 +712,7 @@ def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
     with pytest.raises(ValueError):
         verdict._ulps(np.array([1.0, 2.0]), np.array([1.0]), "float32")
     with pytest.raises(ValueError):
-        verdict._rel_error(np.array([1.0]), [Fraction(1), Fraction(2)])
+        verdict._rel_error(np.array([1.0]), [Fraction(1), Fraction(2)], 2.0**-1022)
     scenario = _every_corruption()
     trace = run_reference(scenario)
     short = ScenarioTrace(outcomes=trace.outcomes[:-1], implementation=trace.implementation)
@@ -859,9 +876,9 @@ def test_describe_prefixes_each_line_with_its_failed_oracles_and_stops_at_the_li
     lines = verdict.describe()
     assert lines[:2] == [
         "[emulation, bound] step 2 (finish_mean) grads['weight'][flat 0]: "
-        "expected 0x1.8000000000000p-12, got 0x0.0p+0",
+        "expected 0.0003662 (0x1.800p-12), got 0.0 (0x0.000p+0)",
         "[emulation, bound] step 2 (finish_mean) grads['weight'][flat 1]: "
-        "expected -0x1.0000000000000p-13, got -0x0.0p+0",
+        "expected -0.0001221 (-0x1.000p-13), got -0.0 (-0x0.000p+0)",
     ], lines
     assert lines[2].startswith("[emulation, bound] step 2 (finish_mean): 'weight' error/bound = ")
     # the worst element, its value and the exact one (the reference's 0x1.8p-12) are named
@@ -898,11 +915,14 @@ def test_pending_buffers_are_compared_by_name_then_by_value() -> None:
     step = verdict.steps[0]
     assert step.failed[0] == "emulation", _verdict_text(verdict)
     assert step.lines[:3] == (
-        "step 0 (accumulate_sum): pending buffers ['weight'], expected ['bias', 'weight']",
-        "step 0 (accumulate_sum) pending['weight'][flat 0]: "
-        "expected 0x1.0000000000000p+0, got -0x1.0000000000000p+0",
-        "step 0 (accumulate_sum) pending['weight'][flat 1]: "
-        "expected -0x1.0000000000000p+1, got 0x1.0000000000000p+1",
+        "step 0 (accumulate_sum, weight 1.0): pending buffers ['weight'], expected ['bias', "
+        "'weight']",
+        "step 0 (accumulate_sum, weight 1.0) pending['weight'][flat 0]: expected 1.0 "
+        "(0x1.000000p+0), got -1.0 (-0x1.000000p+0); input grads['weight'][flat 0] = 1.0 "
+        "(0x1.000000p+0)",
+        "step 0 (accumulate_sum, weight 1.0) pending['weight'][flat 1]: expected -2.0 "
+        "(-0x1.000000p+1), got 2.0 (0x1.000000p+1); input grads['weight'][flat 1] = -2.0 "
+        "(-0x1.000000p+1)",
     ), step.lines
     assert not verdict.steps[1].failed, _verdict_text(verdict)  # the finished sums are right
 
@@ -943,9 +963,9 @@ def test_every_parameter_of_a_finished_result_is_judged(oracles: str) -> None:
         assert finish.lines[:3] == (
             missing,
             "step 1 (finish_sums) grads['d'][flat 0]: "
-            "expected 0x1.8000000000000p+1, got -0x1.8000000000000p+1",
+            "expected 3.0 (0x1.800000p+1), got -3.0 (-0x1.800000p+1)",
             "step 1 (finish_sums) grads['d'][flat 1]: "
-            "expected -0x1.0000000000000p+2, got 0x1.0000000000000p+2",
+            "expected -4.0 (-0x1.000000p+2), got 4.0 (0x1.000000p+2)",
         ), finish.lines
     else:
         assert finish.lines[0] == missing, finish.lines
@@ -1244,8 +1264,8 @@ def test_a_finished_result_is_judged_on_its_counters_and_its_gradients(oracles: 
         oracles=ORACLE_SETS[oracles],
     )
     weight = (
-        "step 1 (finish_sums) result.weight: expected 0x1.8000000000000p+1, "
-        "got 0x1.8000000000000p+2"
+        "step 1 (finish_sums) result.weight: expected 3.0 (0x1.8000000000000p+1), "
+        "got 6.0 (0x1.8000000000000p+2)"
     )
     missing = "step 1 (finish_sums): grads['bias'] is None, expected values"
     finish = verdict.steps[-1]
@@ -1282,8 +1302,8 @@ def test_every_counter_difference_is_reported_at_its_step_however_many() -> None
     assert verdict.steps[28].lines == (
         "step 28 (accumulate_sum) state.issued: expected 29, got 30",
         "step 28 (accumulate_sum) state.zero_weight: expected 0, got 1",
-        "step 28 (accumulate_sum) state.total_weight: expected 0x1.d000000000000p+4, "
-        "got 0x1.e000000000000p+4",
+        "step 28 (accumulate_sum) state.total_weight: expected 29.0 (0x1.d000000000000p+4), "
+        "got 30.0 (0x1.e000000000000p+4)",
     )
 
 
@@ -1354,14 +1374,15 @@ def test_buffers_of_unknown_names_or_shapes_are_reported_and_the_rest_bounded() 
     step = verdict.steps[0]
     assert step.failed == ("emulation", "bound"), _verdict_text(verdict)
     assert step.lines[:4] == (
-        "step 0 (accumulate_sum): pending buffers ['a', 'b', 'ghost'], expected ['a', 'b', 'c']",
-        "step 0 (accumulate_sum) pending['a']: shape (2,) != (1, 2)",
-        "step 0 (accumulate_sum) pending['b'][flat 0]: "
-        "expected 0x1.8000000000000p+1, got -0x1.8000000000000p+1",
-        "step 0 (accumulate_sum) pending['b'][flat 1]: "
-        "expected 0x1.0000000000000p+2, got -0x1.0000000000000p+2",
+        "step 0 (accumulate_sum, weight 1.0): pending buffers ['a', 'b', 'ghost'], expected "
+        "['a', 'b', 'c']",
+        "step 0 (accumulate_sum, weight 1.0) pending['a']: shape (2,) != (1, 2)",
+        "step 0 (accumulate_sum, weight 1.0) pending['b'][flat 0]: expected 3.0 (0x1.800000p+1), "
+        "got -3.0 (-0x1.800000p+1); input grads['b'][flat 0] = 3.0 (0x1.800000p+1)",
+        "step 0 (accumulate_sum, weight 1.0) pending['b'][flat 1]: expected 4.0 (0x1.000000p+2), "
+        "got -4.0 (-0x1.000000p+2); input grads['b'][flat 1] = 4.0 (0x1.000000p+2)",
     ), step.lines
-    assert step.lines[4].startswith("step 0 (accumulate_sum): 'b' error/bound = "), step.lines
+    assert step.lines[4].startswith("step 0 (accumulate_sum, weight 1.0): 'b' error/bound = ")
     assert len(step.lines) == 5 and step.max_ratio == math.inf
 
 
@@ -1416,9 +1437,9 @@ def test_a_wrong_fused_step_is_reported_for_every_element(monkeypatch: pytest.Mo
     elements = [line for line in step.lines if "state.pending['weight'][flat " in line]
     assert len(elements) == size, step.lines
     assert elements[0] == (
-        "step 0 (accumulate_mean) state.pending['weight'][flat 0]: got 0x1.2000000000000p+3, "
-        "allowed ['0x1.8000000000000p+1'] "
-        "(buf 0x0.0p+0, g 0x1.0000000000000p+0, w_D 0x1.8000000000000p+1)"
+        "step 0 (accumulate_mean) state.pending['weight'][flat 0]: got 9.0 (0x1.200000p+3), "
+        "allowed ['3.0 (0x1.800000p+1)'] "
+        "(buf 0.0 (0x0.000000p+0), g 1.0 (0x1.0000000000000p+0), w_D 3.0 (0x1.800000p+1))"
     ), elements[0]
 
 

@@ -94,4 +94,4 @@ def test_a_planted_zero_copy_defect_is_found() -> None:
     assert not report.passed
     (finding,) = report.findings
     assert finding.verdict.failed_oracles == ("emulation",), to_json(finding.verdict.scenario)
-    assert any("-0x0.0p+0" in line for line in finding.verdict.describe())
+    assert any("-0.0 (-0x0.000000p+0)" in line for line in finding.verdict.describe())

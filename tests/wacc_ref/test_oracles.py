@@ -15,6 +15,7 @@ from tests.wacc_ref.scenario_support import (
     special_scenario,
 )
 from wacc_ref import formats
+from wacc_ref.display import value_text
 from wacc_ref.errors import (
     InvalidLossScaleError,
     InvalidWeightError,
@@ -233,7 +234,11 @@ def test_trace_differences_sees_a_sign_of_zero_but_not_a_nan_payload() -> None:
     trace = run_reference(_hand_scenario())
     flipped = _replace_result_grad(trace, 6, "w", [0.25, -0.0])
     lines = trace_differences(trace, flipped)
-    assert len(lines) == 1 and "step 6 (finish_mean)" in lines[0] and "-0x0.0p+0" in lines[0]
+    assert (
+        len(lines) == 1
+        and "step 6 (finish_mean)" in lines[0]
+        and "-0.0 (-0x0.0000000000000p+0)" in lines[0]
+    )
     nan_scenario = make_scenario(
         (Accumulate.of("sum", 1.0, {"w": [math.nan, 1.0]}), Finish("sums"))
     )
@@ -283,8 +288,9 @@ def test_trace_differences_pins_mismatch_lines_and_stops_at_limit() -> None:
         _replace_state_pending(expected, 0, "w", [3.0] * 15), 1, "w", [3.0] * 15
     )
     line = "step {} (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
-    every = [line.format(0, i, (1.0).hex(), (3.0).hex()) for i in range(15)]
-    every += [line.format(1, i, (2.0).hex(), (3.0).hex()) for i in range(15)]
+    one, two, three = (value_text(v, "float32") for v in (1.0, 2.0, 3.0))
+    every = [line.format(0, i, one, three) for i in range(15)]
+    every += [line.format(1, i, two, three) for i in range(15)]
     assert trace_differences(expected, tampered) == every[:20]
     assert trace_differences(expected, tampered, limit=7) == every[:7]
     assert trace_differences(expected, tampered, limit=100) == every
@@ -621,9 +627,11 @@ def test_stepwise_oracle_refuses_a_fused_result_outside_the_allowed_set() -> Non
     lines = stepwise_differences(scenario, tampered)
     assert len(lines) == 2, lines
     assert lines[0].startswith("step 1 (accumulate_mean) state.pending['w'][flat 0]: got ")
-    assert "-0x1.ff80000000000p+15" in lines[0] and "'-inf'" in lines[0], lines[0]
+    assert "-0x1.ff8p+15" in lines[0] and "'-inf'" in lines[0], lines[0]  # in float16's width
     # finish_sums is judged from the tampered buffer, which the actual trace did not hand over.
-    assert lines[1].startswith("step 2 (finish_sums) result.grads['w'][flat 0]: expected -0x1.ff4")
+    assert lines[1].startswith(
+        "step 2 (finish_sums) result.grads['w'][flat 0]: expected -65440.0 (-0x1.ff4"
+    )
 
 
 def test_stepwise_oracle_reports_a_fused_buffer_of_the_wrong_shape_at_its_step() -> None:
@@ -650,9 +658,11 @@ def test_stepwise_oracle_is_exact_and_local_outside_fused_steps() -> None:
     tampered = _replace_state_pending(trace, 0, "w", [1.0, -0.0])
     lines = stepwise_differences(scenario, tampered)
     assert lines == [
-        "step 0 (accumulate_sum) state.pending['w'][flat 1]: expected 0x0.0p+0, got -0x0.0p+0",
+        "step 0 (accumulate_sum) state.pending['w'][flat 1]: expected 0.0 (0x0.000000p+0), "
+        "got -0.0 (-0x0.000000p+0)",
         # judged from the actual -0.0: -0.0 + -0.0 is -0.0, but the trace says +0.0
-        "step 1 (accumulate_sum) state.pending['w'][flat 1]: expected -0x0.0p+0, got 0x0.0p+0",
+        "step 1 (accumulate_sum) state.pending['w'][flat 1]: expected -0.0 (-0x0.000000p+0), "
+        "got 0.0 (0x0.000000p+0)",
     ]
 
 
@@ -695,11 +705,13 @@ def test_stepwise_oracle_judges_every_fused_buffer_after_a_missing_one() -> None
         outcomes[1], state=dataclasses.replace(state, pending=pending, checksum=None)
     )
     lines = stepwise_differences(scenario, ScenarioTrace(outcomes=tuple(outcomes)))
-    allowed = sorted([(-65472.0).hex(), "-inf"])
+    allowed = sorted([value_text(-65472.0, "float16"), "-inf"])
     assert lines[:2] == [
         "step 1 (accumulate_mean) state.pending names: expected ['a', 'w'], got ['w']",
-        f"step 1 (accumulate_mean) state.pending['w'][flat 0]: got {(-65440.0).hex()}, "
-        f"allowed {allowed} (buf {(62.0).hex()}, g {(-62.0).hex()}, w_D {(1057.0).hex()})",
+        f"step 1 (accumulate_mean) state.pending['w'][flat 0]: got "
+        f"{value_text(-65440.0, 'float16')}, allowed {allowed} (buf "
+        f"{value_text(62.0, 'float16')}, g {value_text(-62.0)}, w_D "
+        f"{value_text(1057.0, 'float16')})",
     ], lines
 
 
@@ -749,7 +761,9 @@ def test_stepwise_oracle_returns_at_most_limit_lines() -> None:
     )
     tampered = _replace_state_pending(run_reference(scenario), 0, "w", [2.0] * 30)
     line = "step 0 (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
-    expected = [line.format(i, (1.0).hex(), (2.0).hex()) for i in range(30)]
+    expected = [
+        line.format(i, value_text(1.0, "float32"), value_text(2.0, "float32")) for i in range(30)
+    ]
     assert stepwise_differences(scenario, tampered) == expected[:20]
     assert stepwise_differences(scenario, tampered, limit=5) == expected[:5]
     assert stepwise_differences(scenario, tampered, limit=100) == expected
@@ -760,13 +774,17 @@ def test_stepwise_oracle_keeps_the_lines_of_earlier_fused_steps() -> None:
     scenario = _fp16_fused_scenario()
     tampered = _replace_state_pending(run_reference(scenario), 0, "w", [62.0, 3.0])
     lines = stepwise_differences(scenario, tampered)
+
     # Step 0: buf 0, g 1, w_D 1: every §6 result is 1.  Step 1 from the tampered buf 3 with g 0:
     # every result is 3, but the trace (untampered there) says 1.
+    def h(value: float) -> str:
+        return value_text(value, "float16")
+
     assert lines == [
-        f"step 0 (accumulate_mean) state.pending['w'][flat 1]: got {(3.0).hex()}, "
-        f"allowed {[(1.0).hex()]} (buf {(0.0).hex()}, g {(1.0).hex()}, w_D {(1.0).hex()})",
-        f"step 1 (accumulate_mean) state.pending['w'][flat 1]: got {(1.0).hex()}, "
-        f"allowed {[(3.0).hex()]} (buf {(3.0).hex()}, g {(0.0).hex()}, w_D {(1057.0).hex()})",
+        f"step 0 (accumulate_mean) state.pending['w'][flat 1]: got {h(3.0)}, "
+        f"allowed {[h(1.0)]} (buf {h(0.0)}, g {value_text(1.0)}, w_D {h(1.0)})",
+        f"step 1 (accumulate_mean) state.pending['w'][flat 1]: got {h(1.0)}, "
+        f"allowed {[h(3.0)]} (buf {h(3.0)}, g {value_text(0.0)}, w_D {h(1057.0)})",
     ]
 
 
@@ -780,5 +798,5 @@ def test_stepwise_oracle_stops_reading_the_trace_once_limit_lines_are_found() ->
     trace = ScenarioTrace(outcomes=(tampered.outcomes[0], unreadable))
     line = "step 0 (accumulate_sum) state.pending['w'][flat {}]: expected {}, got {}"
     assert stepwise_differences(scenario, trace) == [
-        line.format(i, (1.0).hex(), (2.0).hex()) for i in range(20)
+        line.format(i, value_text(1.0, "float32"), value_text(2.0, "float32")) for i in range(20)
     ]

@@ -191,17 +191,17 @@ class Adapter:
 
 
 def user_adapter(spec: str) -> Adapter:
-    """An :class:`Adapter` for ``module:function`` (``ValueError`` naming what is wrong)."""
-    module_name, sep, function_name = spec.partition(":")
-    if not sep or not module_name or not function_name:
-        raise ValueError(f"user loop {spec!r} is not module:function")
+    """An :class:`Adapter` for ``module:function`` or ``path/file.py:function``, imported by the
+    one rule of :mod:`wacc.spec` (``ValueError`` naming what is wrong)."""
+    from wacc.errors import UsageError
+    from wacc.spec import import_target
+
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"user loop {spec!r}: cannot import {module_name!r}: {exc}") from None
-    function: Any = getattr(module, function_name, None)
+        function: Any = import_target(spec, what="user loop")
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
     if not callable(function):
-        raise ValueError(f"user loop {spec!r}: {module_name} has no callable {function_name!r}")
+        raise ValueError(f"user loop {spec!r} is not callable (a function(task) -> LoopRun)")
     from wacc.audit.models import MODEL_KINDS
 
     model = getattr(function, "model", "plain")

@@ -29,7 +29,6 @@ allowed), 2 = usage or environment error
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
 import textwrap
@@ -46,9 +45,8 @@ from wacc.commands._common import (
 from wacc.errors import UsageError
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help, wacc.choices)
-    from wacc.engine import CheckReport, Finding
+    from wacc.engine import CheckConfig, CheckReport, Finding
     from wacc.implementation import Implementation
-    from wacc.verdict import ScenarioVerdict
 
 __all__ = ["add_arguments", "run"]
 
@@ -113,28 +111,63 @@ def _print_report(report: CheckReport, implementation: Implementation) -> None:
     )
     print(
         render_table(
-            ["dtype", "scenarios", "failed", "max ulps", "max rel err", "max err/bound"], rows
+            ["dtype", "scenarios", "failed", "max ulps", "max rel err (normal)", "max err/bound"],
+            rows,
         )
     )
     for feature in report.unsupported:
         print(implementation.unsupported(feature))
 
 
-# Numbers, hex floats and quoted names (parameters differ from one family to the next).
-_VALUE = re.compile(r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|inf|nan|\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
+def _judged_lines(
+    implementation: Implementation, config: CheckConfig, counts: dict[str, int],
+    allowed: tuple[str, ...],
+) -> list[str]:  # fmt: skip
+    """The closing "what was judged" block: what a pass (or a failure) is a statement about."""
+    from wacc.profiles import profile_settings
 
-
-def signature(verdict: ScenarioVerdict) -> tuple[tuple[str, ...], str]:
-    """What makes two divergences one: the oracles that failed and the first failure line with
-    every number, value and quoted name replaced (the same wrong division in float32 and in
-    bfloat16 gives other values, steps, sizes and parameters, and the same signature)."""
-    lines = verdict.describe(limit=1)
-    return verdict.failed_oracles, _VALUE.sub("#", lines[0] if lines else "")
+    families = ", ".join(f"{family} {count}" for family, count in counts.items())
+    probe = implementation.integrity
+    if probe is None:
+        records = "none (no state_dict/load_state_dict: checkpoints and restores not judged)"
+    elif probe.layout == "schema":
+        records = "judged by the schema (the documented layout: pending buffers compared bit "
+        records += "for bit after every step, schema corruptions refused with RecordError)"
+    elif probe.layout == "opaque":
+        records = "opaque (a layout of its own: judged by what a restore gives back, and any "
+        records += "§11 error accepted for a corrupted one)"
+    else:
+        records = f"not probed ({probe.problem})"
+    if probe is not None and not probe.has_integrity:
+        records += f"; not judged without a checksum: {', '.join(probe.kinds)}"
+    if config.seed is not None:
+        seed = f"seed {config.seed}"
+    elif profile_settings(config.profile).derandomize:
+        seed = "derandomized (the same examples every run; --seed N for others)"
+    else:
+        seed = "random (Hypothesis' own seed; --seed N to repeat a run)"
+    fused = "yes" if implementation.fused else "no"
+    lines = [
+        "what was judged:",
+        f"  implementation: {implementation.spec} (fused: {fused})",
+        f"  scenarios per family (all dtypes): {families or 'none'}",
+        f"  records: {records}",
+        f"  profile: {config.profile}; {seed}",
+    ]
+    if implementation.missing:
+        missing = ", ".join(
+            f"{f} ({'allowed' if f in allowed else 'not allowed'})" for f in implementation.missing
+        )
+        lines.append(f"  features missing: {missing}")
+    return lines
 
 
 def _grouped(findings: list[Finding]) -> list[list[Finding]]:
-    """The findings grouped by :func:`signature`, in the order each signature first appears."""
-    groups: dict[tuple[tuple[str, ...], str], list[Finding]] = {}
+    """The findings grouped by signature (:mod:`wacc.signature`), in the order each signature
+    first appears."""
+    from wacc.signature import signature
+
+    groups: dict[str, list[Finding]] = {}
     for finding in findings:
         groups.setdefault(signature(finding.verdict), []).append(finding)
     return list(groups.values())
@@ -162,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     )
     total = len(config.dtypes) * len(config.families)
     quiet = args.quiet or not sys.stderr.isatty()
+    counts: dict[str, int] = {}
     with tqdm(total=total, disable=quiet, file=sys.stderr, unit="family", leave=False) as bar:
         started: list[str] = []
 
@@ -169,9 +203,15 @@ def run(args: argparse.Namespace) -> int:
             if started:
                 bar.update(1)
             started.append(family)
+            counts.setdefault(family, 0)
             bar.set_description(f"{dtype} {family}")
 
-        report = run_check(implementation, config, out=args.out, progress=progress)
+        def count(verdict: object) -> None:
+            counts[started[-1]] += 1
+
+        report = run_check(
+            implementation, config, out=args.out, progress=progress, on_verdict=count
+        )
         bar.update(1)
     report.unsupported = unsupported
     _print_report(report, implementation)
@@ -199,4 +239,6 @@ def run(args: argparse.Namespace) -> int:
             others = [str(f.path) for f in group[1:] if f.path is not None]
             if others:
                 print(f"  the others: {', '.join(others)}")
+    print()
+    print("\n".join(_judged_lines(implementation, config, counts, tuple(args.allow_missing))))
     return 1 if report.findings or unsupported else 0

@@ -10,10 +10,16 @@ Spread it over N runners: each runs `wacc gate --shard K/N --results DIR/shard-K
 deterministic slice; exit 1 on a hard failure in it), then one job runs `wacc gate --merge DIR`
 for the verdict against the baseline.
 
+A failure is acted on: every failing scenario is written under --out (default ./wacc-gate) as
+a replay file, failures are grouped by signature (one bug in many scenarios, keys and dtypes is
+one group, with counts) and each group prints one `wacc replay` command. The baseline records
+the IMPL it was made for; judging another one is refused unless --allow-other-impl.
+
 examples:
   wacc gate                                         # wacc_torch vs reports/baseline.json
   wacc gate --junit-xml gate.xml --summary-md gate.md
   wacc gate --impl mypkg.acc:make --baseline my-baseline.json --update-baseline
+  wacc gate --impl mypkg.acc:make --baseline my-baseline.json --out gate-failures/
   wacc gate --shard 2/4 --results gate-results/shard-2.json
   wacc gate --merge gate-results/
 
@@ -21,7 +27,7 @@ An IMPL without a feature (records, async_records, checksum: see `wacc check --h
 before the run unless --allow-missing FEATURE names it.
 
 exit codes: 0 = pass, 1 = divergence, regression or unsupported feature, 2 = usage or
-environment error (missing, corrupt or foreign baseline, bad shard)
+environment error (missing, corrupt or foreign baseline, a baseline of another IMPL, bad shard)
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import TYPE_CHECKING
 from wacc.choices import DEFAULT_IMPL, FEATURES
 from wacc.commands._common import check_device
 from wacc.errors import UsageError
+from wacc.gate.shards import Shard
 from wacc.spec import check_spec
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help)
@@ -66,12 +73,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"accept an IMPL without FEATURE ({', '.join(FEATURES)}); repeatable. Without it a "
         "missing feature fails the gate (exit 1) before the run",
     )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path("wacc-gate"), metavar="DIR",
+        help="where every failing scenario is written as a replay file (default: ./wacc-gate; "
+        "created only when something fails)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-other-impl", action="store_true",
+        help="judge IMPL against a baseline recorded for another implementation (refused "
+        "otherwise: exit 2)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _check_implementation(recorded: str, judged: str, baseline: Path, *, allowed: bool) -> None:
+    """A baseline made for one IMPL is not silently used for another."""
+    if recorded == judged:
+        return
+    if not allowed:
+        raise UsageError(
+            f"{str(baseline)!r}: implementation: recorded for {recorded!r}, this run judges "
+            f"{judged!r} (record a baseline for it with --update-baseline, or pass "
+            "--allow-other-impl)"
+        )
+    print(f"note: the baseline was recorded for {recorded}; judging {judged} (--allow-other-impl)")
 
 
 def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
     from wacc.gate.baseline import RESULTS_FORMAT, read_gate_file
-    from wacc.gate.measure import GATE_CORPUS, Shard, merge_metrics
+    from wacc.gate.measure import GATE_CORPUS, merge_metrics
     from wacc_ref.strict_json import shown
 
     files = sorted(path for directory in directories for path in directory.glob("*.json"))
@@ -126,6 +156,21 @@ def run(args: argparse.Namespace) -> int:
     check_device("cpu")
     if not args.merge:
         check_spec(args.impl)  # a typo answers before the judge is imported
+    # Every argument is checked before the judge is imported (seconds): a typo answers at once.
+    try:
+        shard = Shard.parse(args.shard)
+    except ValueError as exc:
+        raise UsageError(f"--shard: {exc}") from None
+    for option, path in (("--junit-xml", args.junit_xml), ("--summary-md", args.summary_md)):
+        # Found now, not after the whole run: an output that can never be written.
+        if path is not None and path.is_dir():
+            raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder for replay files")
+    if args.merge and (shard.count > 1 or args.results):
+        raise UsageError("--merge combines shard results: it takes no --shard or --results")
+    if args.update_baseline and shard.count > 1:
+        raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
     from hypothesis import __version__ as hypothesis_version
     from tqdm import tqdm
 
@@ -137,32 +182,20 @@ def run(args: argparse.Namespace) -> int:
         write_gate_file,
     )
     from wacc.gate.compare import compare
+    from wacc.gate.groups import group_findings
     from wacc.gate.measure import (
         GATE_CORPUS,
         GATE_CORPUS_SEED,
         GATE_CORPUS_SIZE,
-        Shard,
         measure,
         units,
     )
-    from wacc.gate.outputs import table, write_junit, write_summary
+    from wacc.gate.outputs import failure_lines, table, write_junit, write_summary
     from wacc.implementation import load_implementation
     from wacc.report.corpus import build_corpus
     from wacc.report.provenance import collect_provenance
     from wacc_ref.strict_json import shown
 
-    try:
-        shard = Shard.parse(args.shard)
-    except ValueError as exc:
-        raise UsageError(f"--shard: {exc}") from None
-    for option, path in (("--junit-xml", args.junit_xml), ("--summary-md", args.summary_md)):
-        # Found now, not after the whole run: an output that can never be written.
-        if path is not None and path.is_dir():
-            raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
-    if args.merge and (shard.count > 1 or args.results):
-        raise UsageError("--merge combines shard results: it takes no --shard or --results")
-    if args.update_baseline and shard.count > 1:
-        raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
     baseline = None
     if not args.update_baseline and shard.count == 1:
         # Read (and check) the baseline first: a missing or corrupt one answers in a second,
@@ -173,8 +206,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{str(args.baseline)!r}: corpus: recorded on {shown(baseline.corpus)}, the gate "
                 f"runs {GATE_CORPUS}: update the baseline"
             )
+        if not args.merge:  # a merge learns its IMPL from the shards' results
+            _check_implementation(baseline.implementation, args.impl, args.baseline,
+                                  allowed=args.allow_other_impl)  # fmt: skip
     if args.merge:
         implementation, metrics = _merge(args.merge)
+        if baseline is not None:
+            _check_implementation(baseline.implementation, implementation, args.baseline,
+                                  allowed=args.allow_other_impl)  # fmt: skip
     else:
         loaded = load_implementation(args.impl)
         implementation = args.impl
@@ -192,13 +231,18 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_description(key)
 
-            metrics = measure(loaded, shard=shard, corpus=corpus, progress=progress)
+            metrics = measure(loaded, shard=shard, corpus=corpus, out=args.out, progress=progress)
+    seconds = time.perf_counter() - started
     provenance = collect_provenance(
         devices=["cpu"], corpus_seed=GATE_CORPUS_SEED, corpus_size=GATE_CORPUS_SIZE,
         scenarios=sum(m.scenarios for m in metrics.values()),
     ).__dict__  # fmt: skip
-    seconds = time.perf_counter() - started
+    # The time spent judging: this run's, or for a merge the shards' measured times together.
+    provenance["wall_seconds"] = (
+        sum(m.milliseconds for m in metrics.values()) / 1000 if args.merge else seconds
+    )
     failing = sum(m.failing for m in metrics.values())
+    groups = group_findings(metrics)
     if shard.count > 1:
         path = (
             args.results or Path("wacc-gate-results") / f"shard-{shard.index}-of-{shard.count}.json"
@@ -208,15 +252,16 @@ def run(args: argparse.Namespace) -> int:
                      shard=str(shard), provenance=provenance),
             path,
         )  # fmt: skip
+        for line in failure_lines(groups, implementation=implementation):
+            print(line)
         print(f"wacc gate shard {shard}: {len(metrics)} keys, {failing} failing scenario(s); "
               f"results in {path} ({seconds:.1f} s)")  # fmt: skip
         return 1 if failing else 0
     if args.update_baseline:
         if failing:
+            for line in failure_lines(groups, implementation=implementation):
+                print(line)
             print(f"not updating the baseline: {failing} scenario(s) fail an oracle")
-            for key, m in metrics.items():
-                for finding in m.findings:
-                    print(f"  {key}: {finding}")
             return 1
         write_gate_file(
             GateFile(kind=BASELINE_FORMAT, implementation=implementation, entries=metrics,
@@ -230,30 +275,37 @@ def run(args: argparse.Namespace) -> int:
         # The gated corpus is frozen; only the check's examples (never compared) move with it.
         print(f"note: the baseline was recorded with hypothesis {baseline.hypothesis}, "
               f"this run has {hypothesis_version}")  # fmt: skip
-    if baseline.implementation != implementation:
-        print(
-            f"note: the baseline was recorded for {baseline.implementation}; "
-            f"judging {implementation}"
-        )
     try:
         comparison = compare(metrics, baseline.entries)
     except UsageError as exc:
         raise UsageError(f"{str(args.baseline)!r}: {exc}") from None
     print(table(comparison))
-    for title, items in (("FAILURE", comparison.failures), ("REGRESSION", comparison.regressions),
+    for line in failure_lines(groups, implementation=implementation):
+        print(line)
+    for title, items in (("REGRESSION", comparison.regressions),
                          ("improvement", comparison.improvements)):  # fmt: skip
         for item in items:
             print(f"{title}: {item}")
     verdict = "passed" if comparison.passed else "FAILED"
     print(f"wacc gate {verdict}: {implementation} against {args.baseline} ({seconds:.1f} s)")
+    artifacts = []
+    replays = sum(len(group.replays) for group in groups)
+    if replays:
+        folders = sorted({str(Path(r).parent) for group in groups for r in group.replays})
+        artifacts.append(f"{replays} replay file(s) in {', '.join(folders)}")
+    if args.junit_xml is not None:
+        artifacts.append(f"JUnit XML {args.junit_xml} (every key)")
     for option, path, write in (
-        ("--junit-xml", args.junit_xml, write_junit),
-        ("--summary-md", args.summary_md, write_summary),
-    ):
+        ("--junit-xml", args.junit_xml,
+         lambda path: write_junit(comparison, path, implementation=implementation)),
+        ("--summary-md", args.summary_md,
+         lambda path: write_summary(comparison, path, implementation=implementation,
+                                    seconds=seconds, groups=groups, artifacts=artifacts)),
+    ):  # fmt: skip
         if path is None:
             continue
         try:
-            write(comparison, path, implementation=implementation, seconds=seconds)
+            write(path)
         except OSError as exc:
             raise UsageError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
     return 0 if comparison.passed else 1

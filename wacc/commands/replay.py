@@ -152,7 +152,7 @@ def _table(verdict: ScenarioVerdict) -> str:
         "error ref",
         "error impl",
         "max ulps",
-        "max rel err",
+        "max rel err (normal)",
         "err/bound",
         "verdict",
     ]

@@ -8,13 +8,20 @@ map, dynamic loss scaling (skipped windows and accepted error vs the initial sca
 next to GradScaler around `loss /= accum_steps`), float64 -> fp16/bf16 double rounding, and
 (with --device all) CPU vs CUDA.
 
+Your own implementation: --impl IMPL (repeatable; module:attr or path/to/file.py:attr, as for
+`wacc check`) judges it on the same corpus next to wacc_torch, in the headline, the CSV, the
+replay files and the figures that sweep (error/bound by window length, relative error vs skew,
+the overflow map: a marker wherever it loses the mean that wacc_torch keeps). --compare-to DIR
+puts a previous report's headline (from DIR/divergence.csv) next to this one's.
+
 examples:
   wacc report                          # ./wacc-report/index.md, default corpus, CPU
   wacc report --quick --out /tmp/r     # every plot, under a minute
+  wacc report --impl mypkg.acc:make --compare-to last-report/
   wacc report --device all --full      # nightly size, CPU and CUDA
 
 exit codes: 0 = report written (divergences of the baselines are findings, not failures),
-1 = wacc_torch itself diverged (its rows fail), 2 = usage or environment error
+1 = wacc_torch or an --impl diverged (its rows fail), 2 = usage or environment error
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 
 from wacc.choices import WORK_DTYPES
 from wacc.errors import UsageError
+from wacc.spec import check_spec
 
 __all__ = ["add_arguments", "run"]
 
@@ -47,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--quick", action="store_true", help="a small corpus, every plot (< 60 s)")
     size.add_argument("--full", action="store_true", help="a nightly-size corpus")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
+    parser.add_argument(
+        "--impl", action="append", default=[], metavar="IMPL",
+        help="also judge this implementation (a factory make(dtype, loss_scale) as module:attr "
+        "or path/to/file.py:attr); repeatable",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-to", type=Path, metavar="DIR",
+        help="a previous report's folder: its headline next to this one's",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -65,6 +82,16 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+    for spec in args.impl:  # a typo answers before the judge is imported
+        check_spec(spec)
+    if len(set(args.impl)) != len(args.impl):
+        raise UsageError(f"--impl: {sorted(s for s in args.impl if args.impl.count(s) > 1)[0]!r} "
+                         "given twice")  # fmt: skip
+    if args.compare_to is not None and not (args.compare_to / "divergence.csv").is_file():
+        raise UsageError(
+            f"--compare-to: no divergence.csv in {str(args.compare_to)!r} (a folder `wacc "
+            "report` wrote)"
+        )
     devices = _devices(args.device)
     from tqdm import tqdm
 
@@ -73,35 +100,57 @@ def run(args: argparse.Namespace) -> int:
     from wacc.report.corpus import build_corpus
     from wacc.report.devices import device_differences, fused_variants
     from wacc.report.loss_scaling import loss_scaling_sweep
+    from wacc.report.previous import (
+        COMPARISON_HEADER,
+        compare_headlines,
+        comparison_rows,
+        read_rows,
+    )
     from wacc.report.provenance import collect_provenance
     from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
     from wacc.report.sweeps import double_rounding_sweep, overflow_map, skew_sweep
     from wacc.report.writer import headline, write_csv, write_index, write_scenarios
     from wacc.tables import format_metric, render_table
 
+    users = list(args.impl)  # named in the report by their spec
+    taken = [spec for spec in users if spec in IMPLEMENTATIONS]
+    if taken:
+        raise UsageError(f"--impl: {taken[0]!r} is the name of one of the report's own rows")
+    specs = {**IMPLEMENTATIONS, **{spec: spec for spec in users}}
+    # Loaded (and probed) once, before minutes of running: a broken IMPL answers now.
+    loaded = {name: load_implementation(spec) for name, spec in specs.items()}
+    previous = read_rows(args.compare_to) if args.compare_to is not None else None
     corpus = build_corpus(size=size, corpus_seed=args.seed)
     provenance = collect_provenance(
         devices=devices, corpus_seed=args.seed, corpus_size=size, scenarios=len(corpus)
     )
     quiet = args.quiet or not sys.stderr.isatty()
-    total = len(corpus) * len(IMPLEMENTATIONS) * len(devices)
+    total = len(corpus) * len(specs) * len(devices)
     with tqdm(total=total, disable=quiet, file=sys.stderr, unit="run", desc="corpus") as bar:
-        rows, _ = judge_corpus(corpus, devices=devices, progress=lambda: bar.update(1))
+        rows, _ = judge_corpus(
+            corpus, implementations=specs, devices=devices, progress=lambda: bar.update(1)
+        )
     if out.exists():
         shutil.rmtree(out / "scenarios", ignore_errors=True)
     (out / "figures").mkdir(parents=True, exist_ok=True)
     steps = tqdm(total=6, disable=quiet, file=sys.stderr, unit="figure", desc="figures")
     shown: dict[str, tuple[Path, str]] = {}
     shown["Error against the bound, by window length"] = (
-        figures.error_bound_figure(rows, out / "figures" / "error_bound_vs_window.png"),
-        "Each point is one corpus scenario on `wacc_torch` (reproducible, zero-copy and fused): "
-        "the largest "
-        "|result - exact| / bound over its steps. The dashed line is the bound; every point stays "
-        "under it, for every window length and work dtype.",
-    )
+        figures.error_bound_figure(
+            rows, out / "figures" / "error_bound_vs_window.png", users=users
+        ),
+        "Each point is one corpus scenario on `wacc_torch` (reproducible, zero-copy and fused)"
+        + "".join(f", on `{spec}`" for spec in users)
+        + ": the largest |result - exact| / bound over its steps. The dashed line is the bound"
+        + ("; a triangle at the top is a scenario above it." if users else "; every point stays "
+           "under it, for every window length and work dtype."),
+    )  # fmt: skip
     steps.update(1)
     shown["Relative error vs weight skew"] = (
-        figures.skew_figure(skew_sweep(), out / "figures" / "skew.png"),
+        figures.skew_figure(
+            skew_sweep(implementations=("wacc_torch", "pixparse_loop", *users), specs=specs),
+            out / "figures" / "skew.png",
+        ),
         "Windows of 4 microbatches with 1, 3, 7 and `skew` tokens (all 1 for skew 1), each "
         "microbatch's gradient the mean of its tokens' float32 gradients. `wacc_torch` weighs by "
         "tokens and stays at the work dtype's rounding level; the `loss /= accum_steps` loop "
@@ -131,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
         "loops coincide.",
     )
     steps.update(1)
-    maps = {dtype: overflow_map(dtype) for dtype in WORK_DTYPES}
+    maps = {
+        dtype: overflow_map(dtype, others={spec: spec for spec in users}) for dtype in WORK_DTYPES
+    }
     shown["Overflow map: loss scale x total weight"] = (
         figures.overflow_map_figure(maps, out / "figures" / "overflow_map.png"),
         "One microbatch of W tokens whose true mean gradient is t = 2^-4, scaled by S. Every "
@@ -141,7 +192,13 @@ def run(args: argparse.Namespace) -> int:
         "only the sequential division is right; blue: S < 1 and the unscaled sum W·t overflows D, "
         "so `buf / S` overflows (the sequential order's own limit); red: the scaled sum overflows "
         "D; grey: it underflows (why losses are scaled up). The true mean t itself never "
-        "overflows in this map: that needs t > max_D.",
+        "overflows in this map: that needs t > max_D."
+        + "".join(
+            f" `{spec}`: a marker on each of the "
+            f"{sum(int(m.lost[spec].sum()) for m in maps.values())} cells where it misses the "
+            "exact mean that the sequential division keeps."
+            for spec in users
+        ),
     )
     steps.update(1)
     shown["Double rounding of float64 -> fp16 / bf16"] = (
@@ -165,15 +222,18 @@ def run(args: argparse.Namespace) -> int:
         )
     steps.update(1)
     steps.close()
-    write_csv(rows, out / "divergence.csv")
-    replay_files = write_scenarios(rows, corpus, out)
     provenance = type(provenance)(
         **{**provenance.__dict__, "wall_seconds": time.perf_counter() - started}
     )
-    loaded = {name: load_implementation(spec) for name, spec in IMPLEMENTATIONS.items()}
+    write_csv(rows, out / "divergence.csv", provenance=provenance)
+    replay_files = write_scenarios(rows, corpus, out)
+    compared = None
+    if previous is not None:
+        changes = compare_headlines(rows, previous)
+        compared = (str(args.compare_to), COMPARISON_HEADER, comparison_rows(changes))
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
-        replay_files=replay_files,
+        replay_files=replay_files, compared=compared,
         unsupported={name: [i.unsupported(f) for f in i.missing] for name, i in loaded.items()},
     )  # fmt: skip
     table = [
@@ -182,11 +242,13 @@ def run(args: argparse.Namespace) -> int:
         for h in headline(rows)
     ]  # fmt: skip
     print(render_table(
-        ["dtype", "implementation", "device", "scenarios", "max ulps", "max rel err",
+        ["dtype", "implementation", "device", "scenarios", "max ulps", "max rel err (normal)",
          "max err/bound", "verdict"], table,
     ))  # fmt: skip
+    if compared is not None:
+        print(f"\ncompared with {args.compare_to} (now (before)):")
+        print(render_table(compared[1], compared[2]))
     print(f"report: {index} ({time.perf_counter() - started:.1f} s)")
-    own = [
-        row for row in rows if row.implementation.startswith("wacc_torch") and row.verdict != "pass"
-    ]
-    return 1 if own else 0
+    judged = ("wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy", *users)
+    failing = [row for row in rows if row.implementation in judged and row.failed]
+    return 1 if failing else 0

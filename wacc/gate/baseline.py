@@ -2,11 +2,17 @@
 
 Both are JSON objects with exactly these fields::
 
-    {"format": "wacc-gate-baseline" | "wacc-gate-results", "version": 1,
-     "implementation": "<factory spec>", "corpus": {"seed": 0, "size": "default"},
+    {"format": "wacc-gate-baseline" | "wacc-gate-results", "version": 2,
+     "implementation": "<IMPL spec>", "corpus": {"seed": 0, "size": "default"},
      "profile": "ci", "hypothesis": "<version>", "shard": "K/N", "provenance": {...},
-     "entries": {"<dtype>/<family>/<source>": {"scenarios": int, "failing": int,
-                 "max_ulps": "<float.hex>", "max_ratio": "<float.hex>", "findings": [str]}}}
+     "entries": {"<dtype>/<family>/<source>": {
+         "scenarios": int, "failing": int, "max_ulps": "<float.hex>", "max_ratio": "<float.hex>",
+         "milliseconds": int,
+         "findings": [{"signature": str, "message": str, "replay": str | null}]}}}
+
+Version 2 (wacc 0.2) added ``milliseconds`` (the measured time of the key: the JUnit time) and
+made a finding an object (its signature groups failures; ``replay`` is the scenario file
+written under ``--out``); a version-1 file is refused with the command that records it anew.
 
 Reading is strict (:mod:`wacc_ref.strict_json`) and every problem is a
 :class:`~wacc.errors.UsageError` (exit 2) of one line naming the file, the field's path
@@ -14,8 +20,9 @@ Reading is strict (:mod:`wacc_ref.strict_json`) and every problem is a
 and why (each rule strict where a lenient reading could hide a corrupt or hand-edited file;
 whatever :func:`write_gate_file` writes it reads back, and it checks that before writing):
 
-* ``format`` and ``version``: the kind asked for and the JSON integer 1 (``true`` and ``1.0``,
-  which equal 1 in Python, are refused); a file of another kind is named as such first.
+* ``format`` and ``version``: the kind asked for and the JSON integer 2 (``true`` and ``2.0``,
+  which equal an integer in Python, are refused); a file of another kind is named as such
+  first.
 * No field missing, none unknown, no key twice in one object (``json`` would keep the last: a
   merge conflict resolved by keeping both lines would silently change the baseline).
 * ``max_ulps`` and ``max_ratio``: spelled exactly as :meth:`float.hex` writes them (``inf``
@@ -25,19 +32,22 @@ whatever :func:`write_gate_file` writes it reads back, and it checks that before
   of a ``corpus`` key must be finite: ``inf`` would switch the regression check off for that key
   (``x > inf`` never holds), and a passing run never records it; a ``check`` key's metrics are
   shown, never compared, so ``inf`` is accepted there, as in results files.
-* ``scenarios`` and ``failing``: JSON integers (never ``true``), ``0 <= failing <= scenarios <
-  2**63``. A **baseline** records a passing run, so its ``failing`` is 0 everywhere
-  (``--update-baseline`` refuses a failing run; a hand-edited count is refused, not ignored).
+* ``scenarios``, ``failing`` and ``milliseconds``: JSON integers (never ``true``), ``0 <= failing
+  <= scenarios < 2**63``, ``0 <= milliseconds < 2**63``. A **baseline** records a passing run, so
+  its ``failing`` is 0 everywhere (``--update-baseline`` refuses a failing run; a hand-edited
+  count is refused, not ignored).
+* ``findings``: one object per failing scenario of the key (so at most ``failing`` of them, none
+  in a baseline), each exactly ``{"signature": str, "message": str, "replay": str or null}``.
 * ``shard``: ``K/N`` in ASCII digits without sign, space or leading zero (``int()`` would take
   ``"+1"``, ``" 1"`` and ``"١"``), ``1 <= K <= N``; ``1/1`` in a baseline. ``--shard`` on the
   command line follows the same rule, and results files record the shard in that spelling.
 * ``corpus``: exactly ``{"seed": int, "size": str}``; ``profile``: ``"ci"``; ``implementation``
   a non-empty string; ``hypothesis`` a string; ``entries`` keys ``<work dtype>/<family>/corpus``
-  or ``.../check``; ``findings`` a list of strings; ``provenance`` any JSON object (recorded,
-  never read back) without integers too long for Python to read.
+  or ``.../check``; ``provenance`` any JSON object (recorded, never read back) without integers too
+  long for Python to read.
 
-A foreign file (another implementation, corpus or Hypothesis version) is judged by the command
-(:mod:`wacc.commands.gate`), also with exit 2.
+A foreign file (another corpus, or a baseline of another implementation without
+``--allow-other-impl``) is judged by the command (:mod:`wacc.commands.gate`), also with exit 2.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from typing import Any
 from hypothesis import __version__ as hypothesis_version
 
 from wacc.errors import UsageError
-from wacc.gate.measure import GATE_CORPUS, Metrics, Shard
+from wacc.gate.measure import GATE_CORPUS, GateFinding, Metrics, Shard
 from wacc_ref import formats
 from wacc_ref.strict_json import (
     FieldError,
@@ -79,12 +89,13 @@ __all__ = [
 
 BASELINE_FORMAT = "wacc-gate-baseline"
 RESULTS_FORMAT = "wacc-gate-results"
-VERSION = 1
+VERSION = 2
 _MAX_BYTES = 16 * 2**20
 _MAX_COUNT = 2**63 - 1  # a count of scenarios; sums of a few stay printable (int's digit limit)
 _TOP_FIELDS = ("format", "version", "implementation", "corpus", "profile", "hypothesis", "shard",
                "provenance", "entries")  # fmt: skip
-_ENTRY_FIELDS = ("scenarios", "failing", "max_ulps", "max_ratio", "findings")
+_ENTRY_FIELDS = ("scenarios", "failing", "max_ulps", "max_ratio", "milliseconds", "findings")
+_FINDING_FIELDS = ("signature", "message", "replay")
 _KEY = re.compile(r"([a-z0-9]+)/([a-z0-9_]+)/(?:corpus|check)")
 
 
@@ -137,9 +148,17 @@ def _entry(value: object, where: str, *, key: str, kind: str) -> Metrics:
             field(where, "failing"),
             f"must be 0 in a baseline (only a passing run is recorded), got {shown(failing)}",
         )
-    findings = expect_list(entry["findings"], field(where, "findings"))
-    for position, finding in enumerate(findings):
-        expect_str(finding, item(field(where, "findings"), position))
+    milliseconds = expect_int(entry["milliseconds"], field(where, "milliseconds"), minimum=0,
+                              maximum=_MAX_COUNT)  # fmt: skip
+    findings = [
+        _finding(finding, item(field(where, "findings"), position))
+        for position, finding in enumerate(expect_list(entry["findings"], field(where, "findings")))
+    ]
+    if len(findings) > failing:  # one per failing scenario: more is a corrupt or edited file
+        raise FieldError(
+            field(where, "findings"),
+            f"{len(findings)} finding(s) for {failing} failing scenario(s): at most one each",
+        )
     # Only the corpus keys are compared with the baseline (wacc.gate.compare).
     finite = baseline and key.endswith("/corpus")
     return Metrics(
@@ -147,7 +166,18 @@ def _entry(value: object, where: str, *, key: str, kind: str) -> Metrics:
         failing=failing,
         max_ulps=_metric(entry["max_ulps"], field(where, "max_ulps"), finite=finite),
         max_ratio=_metric(entry["max_ratio"], field(where, "max_ratio"), finite=finite),
-        findings=list(findings),
+        findings=findings,
+        milliseconds=milliseconds,
+    )
+
+
+def _finding(value: object, where: str) -> GateFinding:
+    finding = expect_object(value, where, _FINDING_FIELDS)
+    replay = finding["replay"]
+    return GateFinding(
+        signature=expect_str(finding["signature"], field(where, "signature")),
+        message=expect_str(finding["message"], field(where, "message")),
+        replay=None if replay is None else expect_str(replay, field(where, "replay")),
     )
 
 
@@ -158,7 +188,13 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
     if top.get("format") != kind:
         raise FieldError("format", f"expected {kind!r}, got {shown(top.get('format'))}")
     version = top.get("version")
-    if type(version) is not int or version != VERSION:  # not true, not 1.0
+    if type(version) is int and 0 < version < VERSION:
+        raise FieldError(
+            "version",
+            f"{version} is the format of an older wacc (this one reads {VERSION}): record it "
+            "anew (`wacc gate --update-baseline` for a baseline, the shard's run for results)",
+        )
+    if type(version) is not int or version != VERSION:  # not true, not 2.0
         raise FieldError("version", f"expected {VERSION}, got {shown(version)}")
     expect_object(top, "", _TOP_FIELDS)
     implementation = expect_str(top["implementation"], "implementation")
@@ -235,7 +271,11 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
                 "failing": m.failing,
                 "max_ulps": m.max_ulps.hex(),
                 "max_ratio": m.max_ratio.hex(),
-                "findings": m.findings,
+                "milliseconds": m.milliseconds,
+                "findings": [
+                    {"signature": f.signature, "message": f.message, "replay": f.replay}
+                    for f in m.findings
+                ],
             }
             for key, m in sorted(gate_file.entries.items())
         },

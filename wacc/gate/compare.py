@@ -87,7 +87,8 @@ def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comp
         if now.failing:
             status = "FAIL"
             result.failures.append(
-                f"{key}: {now.failing} failing scenario(s): " + " | ".join(now.findings)
+                f"{key}: {now.failing} failing scenario(s): "
+                + " | ".join(finding.message for finding in now.findings[:3])
             )
         for metric in ("max_ulps", "max_ratio") if gated else ():
             value, reference = getattr(now, metric), getattr(base, metric)

@@ -10,95 +10,78 @@ metrics (sums of counts, maxima of metrics: associative) equals the unsharded ru
 from __future__ import annotations
 
 import dataclasses
-import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from wacc.engine import CheckConfig, family_names, run_family
+from wacc.gate.shards import Shard
 from wacc.implementation import Implementation
-from wacc.report.corpus import CorpusEntry, build_corpus
+from wacc.report.corpus import CorpusEntry, build_corpus, judged_scenario
+from wacc.signature import signature
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref import formats
-from wacc_ref.strict_json import shown
+from wacc_ref.scenario import to_json
 
 __all__ = [
     "GATE_CORPUS",
     "GATE_CORPUS_SEED",
     "GATE_CORPUS_SIZE",
+    "GateFinding",
     "Metrics",
     "Shard",
     "Unit",
     "measure",
     "merge_metrics",
+    "replay_name",
     "units",
 ]
 
-_SHARD = re.compile(r"([1-9][0-9]{0,8})/([1-9][0-9]{0,8})")
 GATE_CORPUS_SEED = 0
 GATE_CORPUS_SIZE = "default"
 GATE_CORPUS: dict[str, int | str] = {"seed": GATE_CORPUS_SEED, "size": GATE_CORPUS_SIZE}
+WHOLE_RUN = Shard()  # 1/1
 
 
-@dataclass(frozen=True, order=True)
-class Shard:
-    """Shard ``index`` (1-based) of ``count``."""
+@dataclass(frozen=True)
+class GateFinding:
+    """One failing scenario: what makes it one with others (:mod:`wacc.signature`), its first
+    failure lines, and the replay file written for it (``None`` without ``--out``)."""
 
-    index: int = 1
-    count: int = 1
-
-    @classmethod
-    def parse(cls, text: object) -> Shard:
-        """``"K/N"`` with ``1 <= K <= N``; ``ValueError`` naming the text otherwise.
-
-        Only the spelling :meth:`__str__` writes: ASCII digits without sign, space or leading
-        zero (``int()`` would also take ``"+1"``, ``" 1"`` and ``"١"``), at most 9 of them.
-        """
-        match = _SHARD.fullmatch(text) if isinstance(text, str) else None
-        if match is None:
-            raise ValueError(
-                f"must be K/N (decimal digits, no sign, space or leading zero), got {shown(text)}"
-            )
-        index, count = int(match[1]), int(match[2])
-        if not index <= count:
-            raise ValueError(f"K/N needs 1 <= K <= N, got {shown(text)}")
-        return cls(index, count)
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
-
-    def takes(self, position: int) -> bool:
-        """Whether unit ``position`` of the ordered unit list is in this shard."""
-        return position % self.count == self.index - 1
+    signature: str
+    message: str
+    replay: str | None = None
 
 
 @dataclass
 class Metrics:
-    """What the gate tracks for one key: counts and the worst metrics."""
+    """What the gate tracks for one key: counts, the worst metrics, the time spent, and every
+    failing scenario (the shrunk one for a check family)."""
 
     scenarios: int = 0
     failing: int = 0
     max_ulps: float = 0.0
     max_ratio: float = 0.0
-    findings: list[str] = dataclasses.field(default_factory=list)  # failure lines (first few)
+    findings: list[GateFinding] = dataclasses.field(default_factory=list)
+    milliseconds: int = 0  # measured: the JUnit time of the key
 
     def add(self, verdict: ScenarioVerdict, *, counted: bool = True) -> None:
         """Count a judged scenario (``counted=False``: a shrunk failure, metrics only)."""
         self.scenarios += counted
         self.max_ulps = max(self.max_ulps, verdict.maximum("max_ulps"))
         self.max_ratio = max(self.max_ratio, verdict.maximum("max_ratio"))
-        if verdict.failed:
-            self.failing += counted
-            if len(self.findings) < 3:
-                self.findings.append("; ".join(verdict.describe(limit=2)))
+        self.failing += counted and verdict.failed
 
     def merged(self, other: Metrics) -> Metrics:
-        """Both together (sums and maxima)."""
+        """Both together (sums, maxima, the findings of both)."""
         return Metrics(
             scenarios=self.scenarios + other.scenarios,
             failing=self.failing + other.failing,
             max_ulps=max(self.max_ulps, other.max_ulps),
             max_ratio=max(self.max_ratio, other.max_ratio),
-            findings=(self.findings + other.findings)[:3],
+            findings=self.findings + other.findings,
+            milliseconds=self.milliseconds + other.milliseconds,
         )
 
 
@@ -126,14 +109,24 @@ def units(corpus: Iterable[CorpusEntry]) -> list[Unit]:
     return out
 
 
+def replay_name(position: int, unit: Unit) -> str:
+    """The replay file of unit ``position``'s failure: unique across shards (positions are)."""
+    return f"gate-{position:05d}-{unit.key.replace('/', '-')}.json"
+
+
 def measure(
     implementation: Implementation,
     *,
-    shard: Shard = Shard(),
+    shard: Shard = WHOLE_RUN,
     corpus: list[CorpusEntry] | None = None,
+    out: Path | None = None,
     progress: Callable[[str], None] = lambda key: None,
 ) -> dict[str, Metrics]:
-    """Run this shard's units; metrics per key (keys of other shards absent)."""
+    """Run this shard's units; metrics per key (keys of other shards absent).
+
+    Every failing scenario becomes a :class:`GateFinding`; with ``out`` its scenario is also
+    written there as a replay file (the shrunk one for a check family).
+    """
     if corpus is None:
         corpus = build_corpus(size=GATE_CORPUS_SIZE, corpus_seed=GATE_CORPUS_SEED)
     results: dict[str, Metrics] = {}
@@ -144,15 +137,33 @@ def measure(
             continue
         progress(unit.key)
         metrics = results.setdefault(unit.key, Metrics())
+        started = time.perf_counter()
         if unit.entry is not None:
-            scenario = dataclasses.replace(unit.entry.scenario, fused=implementation.fused)
-            metrics.add(judge(implementation, scenario, oracles=ORACLES))
-        else:
-            shrunk = run_family(
+            scenario, _ = judged_scenario(unit.entry, implementation)
+            judged = judge(implementation, scenario, oracles=ORACLES)
+            metrics.add(judged)
+            verdict: ScenarioVerdict | None = judged
+        else:  # the family's first failure, shrunk (None: none)
+            verdict = run_family(
                 implementation, unit.dtype, unit.family, config, on_verdict=metrics.add
             )
-            if shrunk is not None:
-                metrics.add(shrunk, counted=False)
+            if verdict is not None:
+                metrics.add(verdict, counted=False)
+        if verdict is not None and verdict.failed:
+            replay = None
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                path = out / replay_name(position, unit)
+                path.write_text(to_json(verdict.scenario, indent=1) + "\n", encoding="utf-8")
+                replay = str(path)
+            metrics.findings.append(
+                GateFinding(
+                    signature=signature(verdict),
+                    message="; ".join(verdict.describe(limit=2)),
+                    replay=replay,
+                )
+            )
+        metrics.milliseconds += round((time.perf_counter() - started) * 1000)
     return results
 
 

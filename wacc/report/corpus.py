@@ -16,6 +16,7 @@ of ``default``), ``default`` and ``full``.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -26,11 +27,25 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from wacc.engine import CORPUS_FAMILIES, FAMILIES
+from wacc.implementation import Implementation
 from wacc_ref import formats
-from wacc_ref.scenario import Scenario, from_json, to_json
+from wacc_ref.scenario import Scenario, from_json, to_json, without_interruptions
 from wacc_ref.strategies import scenarios
 
-__all__ = ["CORPUS_SIZES", "FROZEN_CORPUS", "CorpusEntry", "build_corpus", "freeze_corpus"]
+__all__ = [
+    "CORPUS_SIZES",
+    "FROZEN_CORPUS",
+    "FUSED_SUFFIX",
+    "NO_RECORDS_SUFFIX",
+    "CorpusEntry",
+    "build_corpus",
+    "freeze_corpus",
+    "judged_scenario",
+    "scenario_of_replay",
+]
+
+FUSED_SUFFIX = "-fused"  # the fused=True twin of a corpus scenario
+NO_RECORDS_SUFFIX = "-no-records"  # the twin without checkpoints and restores
 
 FROZEN_CORPUS = Path(__file__).with_name("data") / "corpus-seed0-default.jsonl.gz"
 
@@ -141,3 +156,31 @@ def freeze_corpus(path: Path = FROZEN_CORPUS, *, redraw: bool = False) -> Path:
 
 if __name__ == "__main__":
     print(f"wrote {freeze_corpus()}")
+
+
+def judged_scenario(entry: CorpusEntry, implementation: Implementation) -> tuple[Scenario, str]:
+    """The scenario ``implementation`` is judged on, and the suffix of its replay file's name.
+
+    An implementation that declares ``fused`` runs the ``fused=True`` twin; one without records
+    (feature ``records``) runs the twin without checkpoints and restores, as ``wacc check``
+    generates none for it: the missing feature is reported once as unsupported, not as a
+    semantics failure in every scenario that checkpoints.
+    """
+    scenario = dataclasses.replace(entry.scenario, fused=implementation.fused)
+    suffix = FUSED_SUFFIX if implementation.fused else ""
+    if not implementation.supports("records"):
+        stripped = without_interruptions(scenario)
+        if stripped != scenario:
+            scenario, suffix = stripped, suffix + NO_RECORDS_SUFFIX
+    return scenario, suffix
+
+
+def scenario_of_replay(entry: CorpusEntry, suffix: str) -> Scenario:
+    """The scenario a replay file of ``entry`` with ``suffix`` holds (see
+    :func:`judged_scenario`)."""
+    scenario = entry.scenario
+    if suffix.startswith(FUSED_SUFFIX):
+        scenario = dataclasses.replace(scenario, fused=True)
+    if suffix.endswith(NO_RECORDS_SUFFIX):
+        scenario = without_interruptions(scenario)
+    return scenario

@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -59,16 +61,22 @@ def _save(figure: plt.Figure, path: Path) -> Path:
     return path
 
 
-def error_bound_figure(rows: Sequence[Row], path: Path) -> Path:
-    """Max error/bound per scenario vs its longest window, per work dtype (wacc_torch's modes)."""
+_OWN_MODES = ("wacc_torch", "wacc_torch_zero_copy", "wacc_torch_fused")
+_RATIO_TOP = 1.08  # ratios above it (the bound broken) are drawn here as triangles
+_USER_COLORS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf")  # a user's --impl, in order
+
+
+def error_bound_figure(rows: Sequence[Row], path: Path, *, users: Sequence[str] = ()) -> Path:
+    """Max error/bound per scenario vs its longest window, per work dtype: wacc_torch's modes
+    and each of ``users`` (a user's ``--impl``: the report's implementation names)."""
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, sharey=True)
     rng = np.random.default_rng(0)  # jitter only, so overlapping points stay visible
+    names = (*_OWN_MODES, *users)
+    colors = {**_COLORS, **dict(zip(users, _USER_COLORS * 4, strict=False))}
+    spread = 0.6 / max(1, len(names) - 1)  # side by side within one window length
     for axis, dtype in zip(axes.flat, formats.WORK_DTYPES, strict=True):
-        for name, offset in (
-            ("wacc_torch", -0.2),
-            ("wacc_torch_zero_copy", 0.0),
-            ("wacc_torch_fused", 0.2),
-        ):
+        for position, name in enumerate(names):
+            offset = -0.3 + position * spread
             chosen = [
                 r
                 for r in rows
@@ -76,29 +84,46 @@ def error_bound_figure(rows: Sequence[Row], path: Path) -> Path:
             ]
             x = np.array([r.window_length for r in chosen], dtype=float)
             y = np.array([r.max_ratio for r in chosen])
-            axis.scatter(
-                x + offset + rng.uniform(-0.08, 0.08, x.size), y, s=10, alpha=0.5,
-                color=_COLORS[name], label=name.replace("_", " "),
-            )  # fmt: skip
+            x = x + offset + rng.uniform(-0.08, 0.08, x.size)
+            above = y > _RATIO_TOP  # a bound broken (a user's implementation): shown at the top
+            axis.scatter(x[~above], y[~above], s=10, alpha=0.5, color=colors[name], label=name)
+            if above.any():
+                axis.scatter(x[above], np.full(int(above.sum()), _RATIO_TOP), s=24, marker="^",
+                             color=colors[name])  # fmt: skip
         axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
         axis.text(0.01, 1.02, "bound", fontsize=9, transform=axis.get_yaxis_transform())
         axis.set_title(f"work dtype {dtype}")
-        axis.set_ylim(-0.03, 1.12)
+        axis.set_ylim(-0.03, _RATIO_TOP + 0.04)
         axis.grid(alpha=0.3)
     for axis in axes[1]:
         axis.set_xlabel("microbatches in the longest window of the scenario")
     for axis in axes[:, 0]:
         axis.set_ylabel("max |error| / derived bound")
-    axes[0, 0].legend(loc="lower right", fontsize=9)
-    figure.suptitle("Error against the exact result stays within the derived bound (≤ 1)")
+    # Below the panels, where it covers no point (the names are the headline table's).
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=10, frameon=False,
+                  markerscale=2)  # fmt: skip
+    figure.suptitle(
+        "Error against the exact result relative to the derived bound (≤ 1: within; ▲: above)"
+        if users
+        else "Error against the exact result stays within the derived bound (≤ 1)"
+    )
+    figure.tight_layout(rect=(0, 0.05, 1, 0.97))
     return _save(figure, path)
+
+
+# Lines that may coincide (the modes of wacc_torch give the same bits) stay visible: each
+# implementation has its own marker, the later ones drawn smaller on top of the earlier ones.
+_SKEW_MARKERS = {"wacc_torch": ("o", 9), "wacc_torch_zero_copy": ("s", 6),
+                 "wacc_torch_fused": ("x", 6), "pixparse_loop": ("D", 6)}  # fmt: skip
 
 
 def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
     """Relative error vs the window's weight skew: wacc_torch against the pixparse loop."""
     figure, axis = plt.subplots(figsize=(9, 5.5))
     floor = 1e-10  # exact results (error 0) are drawn here, on a log axis
-    for name in sorted({p.implementation for p in points}):
+    for name in sorted({p.implementation for p in points}, key=lambda n: n != "wacc_torch"):
+        marker, size = _SKEW_MARKERS.get(name, ("^", 6))
         for dtype, style in (("float32", "-"), ("bfloat16", "--")):
             chosen = [p for p in points if p.implementation == name and p.work_dtype == dtype]
             if not chosen:
@@ -106,8 +131,9 @@ def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
             skews = sorted({p.skew for p in chosen})
             worst = [max(p.max_rel_error for p in chosen if p.skew == s) for s in skews]
             axis.plot(
-                skews, [max(w, floor) for w in worst], style, marker="o",
-                color=_COLORS.get(name, "gray"), label=f"{name.replace('_', ' ')}, D = {dtype}",
+                skews, [max(w, floor) for w in worst], style, marker=marker, markersize=size,
+                markerfacecolor="none" if size > 6 else None,
+                color=_COLORS.get(name, "gray"), label=f"{name}, D = {dtype}",
             )  # fmt: skip
     axis.set_xscale("log")
     axis.set_yscale("log")
@@ -116,16 +142,20 @@ def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
     axis.set_xlabel(
         "weight skew: largest / smallest token count in the window (tokens 1, 3, 7, skew)"
     )
-    axis.set_ylabel("max relative error vs the exact mean (over 4 draws)")
+    axis.set_ylabel("max relative error vs the exact mean\n(normal-range elements, 4 draws)")
     axis.set_title(
-        "`loss /= accum_steps` grows with the skew; token weighting stays at rounding level"
+        "Dividing the loss by accum_steps errs more as the skew grows;\n"
+        "token weighting stays at rounding level"
     )
     axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=9)
+    # Outside the axes, on the right: it covers no point.
+    axis.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return _save(figure, path)
 
 
 _MAP_COLORS = ("#c7e9c0", "#fdae6b", "#9ecae1", "#de2d26", "#bdbdbd", "#54278f")
+# A user's implementations (wacc report --impl) on the map: a marker where it loses the mean.
+_LOST_MARKERS = (("x", "black"), ("+", "#e7298a"), ("1", "#1b9e77"), ("2", "#7570b3"))
 
 
 def overflow_map_figure(maps: Mapping[str, OverflowMap], path: Path) -> Path:
@@ -143,16 +173,34 @@ def overflow_map_figure(maps: Mapping[str, OverflowMap], path: Path) -> Path:
             extent=(s[0] - 0.5 * (s[1] - s[0]), s[-1] + 0.5 * (s[1] - s[0]),
                     w[0] - 0.5 * (w[1] - w[0]), w[-1] + 0.5 * (w[1] - w[0])),
         )  # fmt: skip
+        for lost, (marker, color) in zip(data.lost.values(), _LOST_MARKERS, strict=False):
+            rows, columns = np.nonzero(lost)
+            axis.scatter([s[c] for c in columns], [w[r] for r in rows], marker=marker, s=28,
+                         color=color, linewidths=1.2)  # fmt: skip
         axis.set_title(f"work dtype {dtype} (max ≈ 2^{formats.get_format(dtype).emax + 1})")
         axis.set_xlabel("log2 loss scale S")
         axis.set_ylabel("log2 total weight W (tokens)")
-    handles = [Patch(color=_MAP_COLORS[i], label=OVERFLOW_CATEGORIES[i]) for i in sorted(present)]
+    handles: list[Artist] = [
+        Patch(color=_MAP_COLORS[i], label=OVERFLOW_CATEGORIES[i]) for i in sorted(present)
+    ]
+    others = next(iter(maps.values())).lost
+    handles += [
+        plt.Line2D(
+            [],
+            [],
+            linestyle="",
+            marker=marker,
+            color=color,
+            label=f"{name}: not the exact mean where wacc_torch's is",
+        )  # fmt: skip
+        for name, (marker, color) in zip(others, _LOST_MARKERS, strict=False)
+    ]
     figure.legend(handles=handles, loc="lower center", ncol=1, fontsize=9, frameon=False)
     mean = next(iter(maps.values())).mean_exponent
     figure.suptitle(
         f"Where S·W overflows and sequential division does not (true mean gradient t = 2^{mean})"
     )
-    figure.tight_layout(rect=(0, 0.15, 1, 0.97))
+    figure.tight_layout(rect=(0, 0.15 + 0.02 * len(others), 1, 0.97))
     return _save(figure, path)
 
 
@@ -183,7 +231,7 @@ def device_differences_figure(counts: Mapping[tuple[str, str], int], path: Path)
     for offset, name in enumerate(names):
         values = [counts.get((dtype, name), 0) for dtype in formats.WORK_DTYPES]
         positions = np.arange(len(formats.WORK_DTYPES)) + offset * width
-        axis.bar(positions, values, width, label=name.replace("_", " "))
+        axis.bar(positions, values, width, label=name)
     axis.set_xticks(np.arange(len(formats.WORK_DTYPES)) + width * (len(names) - 1) / 2)
     axis.set_xticklabels(formats.WORK_DTYPES)
     axis.set_ylabel("scenarios with CPU ≠ CUDA bits")
@@ -193,8 +241,10 @@ def device_differences_figure(counts: Mapping[tuple[str, str], int], path: Path)
 
 
 _LENGTH_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a")
-_LOOP_STYLES = {"wacc_torch": ("-", "o", "wacc_torch (per-window scale, token weights)"),
-                "GradScaler": ("--", "s", "GradScaler around loss /= accum_steps")}  # fmt: skip
+_LOOP_STYLES: dict[str, tuple[Any, str, str]] = {
+    "wacc_torch": ("-", "o", "wacc_torch (per-window scale, token weights)"),
+    "GradScaler": ("--", "s", "GradScaler around loss /= accum_steps"),
+}
 
 
 def loss_scaling_figure(points: Sequence[ScalingPoint], path: Path) -> Path:

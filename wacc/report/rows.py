@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from wacc.implementation import Implementation, load_implementation
-from wacc.report.corpus import CorpusEntry
+from wacc.report.corpus import FUSED_SUFFIX, CorpusEntry, judged_scenario
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 
 __all__ = ["FUSED_SUFFIX", "IMPLEMENTATIONS", "Row", "judge_corpus", "window_length", "weight_skew"]
-
-FUSED_SUFFIX = "-fused"  # replay files of the fused=True twin of a corpus scenario
 
 # report name -> factory spec, in the order of the headline table
 IMPLEMENTATIONS: Mapping[str, str] = {
@@ -46,6 +43,11 @@ class Row:
     verdict: str  # "pass" or "fail: <oracles>"
     replay: str  # the replay file (relative to the report) for a failing row, else ""
 
+    @property
+    def failed(self) -> bool:
+        """Whether an oracle failed on this row."""
+        return self.verdict != "pass"
+
 
 def _windows(scenario: Scenario) -> list[list[Accumulate]]:
     windows: list[list[Accumulate]] = [[]]
@@ -72,11 +74,11 @@ def weight_skew(scenario: Scenario) -> float:
     return max(skews)
 
 
-def _row(entry: CorpusEntry, name: str, device: str, verdict: ScenarioVerdict) -> Row:
+def _row(entry: CorpusEntry, name: str, device: str, verdict: ScenarioVerdict, suffix: str) -> Row:
     scenario = verdict.scenario
     failed = verdict.failed_oracles
-    # The corpus scenario, or its fused=True twin for an implementation that declares fused.
-    replay = f"scenarios/{entry.scenario_id}{FUSED_SUFFIX if scenario.fused else ''}.json"
+    # The corpus scenario, or the twin the implementation was judged on (wacc.report.corpus).
+    replay = f"scenarios/{entry.scenario_id}{suffix}.json"
     return Row(
         scenario_id=entry.scenario_id,
         family=entry.family,
@@ -104,8 +106,9 @@ def judge_corpus(
 ) -> tuple[list[Row], dict[tuple[str, str, str], ScenarioVerdict]]:
     """Judge every entry on every implementation and device with all three oracles.
 
-    Returns the rows and the verdicts keyed by (scenario id, implementation, device). A fused
-    implementation runs each scenario with ``fused=True`` (what it declares).
+    Returns the rows and the verdicts keyed by (scenario id, implementation, device). Each
+    implementation runs the scenario :func:`~wacc.report.corpus.judged_scenario` gives it (the
+    ``fused=True`` twin for a fused one, no checkpoints for one without records).
     """
     loaded: dict[str, Implementation] = {
         name: load_implementation(spec) for name, spec in implementations.items()
@@ -114,10 +117,10 @@ def judge_corpus(
     verdicts: dict[tuple[str, str, str], ScenarioVerdict] = {}
     for entry in corpus:
         for name, implementation in loaded.items():
-            scenario = dataclasses.replace(entry.scenario, fused=implementation.fused)
+            scenario, suffix = judged_scenario(entry, implementation)
             for device in devices:
                 verdict = judge(implementation, scenario, device=device, oracles=ORACLES)
-                rows.append(_row(entry, name, device, verdict))
+                rows.append(_row(entry, name, device, verdict, suffix))
                 verdicts[(entry.scenario_id, name, device)] = verdict
                 progress()
     return rows, verdicts

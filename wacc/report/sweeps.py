@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
@@ -76,11 +76,13 @@ def skew_sweep(
     *,
     implementations: Sequence[str] = ("wacc_torch", "pixparse_loop"),
     work_dtypes: Sequence[str] = ("float32", "bfloat16"),
+    specs: Mapping[str, str] = IMPLEMENTATIONS,
 ) -> list[SkewPoint]:
-    """Every skew x draw x work dtype x implementation, judged against the exact mean."""
+    """Every skew x draw x work dtype x implementation (a name of ``specs``: the report's own,
+    and a user's ``--impl``), judged against the exact mean."""
     points: list[SkewPoint] = []
     for name in implementations:
-        implementation = load_implementation(IMPLEMENTATIONS[name])
+        implementation = load_implementation(specs[name])
         for work in work_dtypes:
             for skew in SKEWS:
                 for draw in range(_DRAWS):
@@ -113,6 +115,9 @@ class OverflowMap:
     weight_exponents: tuple[int, ...]
     categories: np.ndarray  # [weight index, scale index]
     checked: int  # finite cells where both implementations ran and matched the category
+    # per other implementation (a user's --impl): the cells where wacc_torch's sequential
+    # division gives the exact mean and it does not (or raises), [weight index, scale index]
+    lost: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 _TORCH_DTYPES = {
@@ -150,12 +155,16 @@ def _category(scale: Fraction, weight: Fraction, mean: Fraction, fmt: formats.Fo
     return 0
 
 
-def overflow_map(work_dtype: str, *, cells: int = 25) -> OverflowMap:
+def overflow_map(
+    work_dtype: str, *, cells: int = 25, others: Mapping[str, str] | None = None
+) -> OverflowMap:
     """The map for ``work_dtype`` over ``S = 2**s`` x ``W = 2**w`` for a window whose true mean
     gradient is ``t = 2**MEAN_EXPONENT`` (the scaled loss-sum gradient is ``S·W·t``): each cell's
     category (:data:`OVERFLOW_CATEGORIES`, exact rational comparisons with ``max_D``), confirmed
     wherever the buffer is finite by running ``wacc_torch`` (sequential: ``buf / S``, then ``/ W``)
-    and ``scale_times_weight`` (one division by ``S·W`` formed in D) on one microbatch."""
+    and ``scale_times_weight`` (one division by ``S·W`` formed in D) on one microbatch. Each of
+    ``others`` (name -> IMPL spec) runs on the cells where the sequential division is exact: a
+    cell where it is not exact too (or raises) is marked in :attr:`OverflowMap.lost`."""
     fmt = formats.get_format(work_dtype)
     top = fmt.emax + 1  # max_D < 2**top
     # W up to op(D)'s range (beyond it W_op = inf and both divisions break: nothing to map).
@@ -170,6 +179,8 @@ def overflow_map(work_dtype: str, *, cells: int = 25) -> OverflowMap:
     # writes and reads 33 records), which per cell made the map the report's slowest part.
     sequential_impl = load_implementation(IMPLEMENTATIONS["wacc_torch"])
     product_impl = load_implementation(IMPLEMENTATIONS["scale_times_weight"])
+    other_impls = {name: load_implementation(spec) for name, spec in (others or {}).items()}
+    lost = {name: np.zeros(categories.shape, dtype=bool) for name in other_impls}
     for i, w_exp in enumerate(weight_exponents):
         for j, s_exp in enumerate(scale_exponents):
             scale, weight = Fraction(2) ** s_exp, Fraction(2) ** w_exp
@@ -194,8 +205,14 @@ def overflow_map(work_dtype: str, *, cells: int = 25) -> OverflowMap:
                     f"{category}: sequential {sequential!r}, S·W {product!r}, exact {float(mean)!r}"
                 )
             checked += 1
+            for name, other in other_impls.items():
+                if expected[0]:
+                    try:
+                        lost[name][i, j] = _finish_mean(other, *args) != float(mean)
+                    except Exception:  # the user's implementation may raise anything
+                        lost[name][i, j] = True
     return OverflowMap(
-        work_dtype, MEAN_EXPONENT, scale_exponents, weight_exponents, categories, checked
+        work_dtype, MEAN_EXPONENT, scale_exponents, weight_exponents, categories, checked, lost
     )
 
 

@@ -10,16 +10,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from wacc.report.corpus import CorpusEntry
+from wacc.report.corpus import CorpusEntry, scenario_of_replay
 from wacc.report.provenance import Provenance
-from wacc.report.rows import FUSED_SUFFIX, IMPLEMENTATIONS, Row
+from wacc.report.rows import IMPLEMENTATIONS, Row
 from wacc.tables import format_metric
+from wacc.verdict import ORACLES
 from wacc_ref import formats
 from wacc_ref.scenario import to_json
 
-__all__ = ["CSV_COLUMNS", "Headline", "headline", "write_csv", "write_index", "write_scenarios"]
+__all__ = [
+    "CSV_COLUMNS",
+    "ORACLE_COLUMNS",
+    "PROVENANCE_COLUMNS",
+    "ROW_COLUMNS",
+    "Headline",
+    "headline",
+    "write_csv",
+    "write_index",
+    "write_scenarios",
+]
 
-CSV_COLUMNS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Row))
+# A row's own fields, then one column per oracle ("pass"/"fail": no string to unpack), then the
+# report's provenance on every row (rows of several reports concatenated stay attributable).
+ROW_COLUMNS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Row))
+ORACLE_COLUMNS: tuple[str, ...] = ORACLES
+PROVENANCE_COLUMNS: tuple[str, ...] = (
+    "wacc_version", "torch_version", "commit", "corpus_seed", "corpus_size", "date",
+)  # fmt: skip
+CSV_COLUMNS: tuple[str, ...] = ROW_COLUMNS + ORACLE_COLUMNS + PROVENANCE_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ def headline_markdown(lines: Sequence[Headline]) -> str:
     """The headline table in markdown."""
     out = [
         "| work dtype | implementation | device | scenarios | max ulps vs emulation | "
-        "max rel. error | max error/bound | verdict |",
+        "max rel. error (normal range) | max error/bound | verdict |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for h in lines:
@@ -92,27 +110,37 @@ def headline_markdown(lines: Sequence[Headline]) -> str:
     return "\n".join(out)
 
 
-def write_csv(rows: Sequence[Row], path: Path) -> Path:
-    """``divergence.csv``: one row per scenario x implementation x device (floats as repr)."""
+def write_csv(rows: Sequence[Row], path: Path, *, provenance: Provenance) -> Path:
+    """``divergence.csv``: one row per scenario x implementation x device (floats as repr),
+    with :data:`CSV_COLUMNS`."""
+    stamp = [
+        provenance.versions.get("wacc", "?"), provenance.versions.get("torch", "?"),
+        provenance.commit, provenance.corpus_seed, provenance.corpus_size, provenance.date,
+    ]  # fmt: skip
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(CSV_COLUMNS)
         for row in rows:
-            writer.writerow([getattr(row, column) for column in CSV_COLUMNS])
+            failed = set(row.verdict.removeprefix("fail: ").split(",")) if row.failed else set()
+            writer.writerow(
+                [getattr(row, column) for column in ROW_COLUMNS]
+                + ["fail" if oracle in failed else "pass" for oracle in ORACLE_COLUMNS]
+                + stamp
+            )
     return path
 
 
 def write_scenarios(rows: Sequence[Row], corpus: Sequence[CorpusEntry], out: Path) -> int:
     """The replay file of every scenario a failing row names; returns how many were written."""
-    by_id = {entry.scenario_id: entry.scenario for entry in corpus}
+    by_id = {entry.scenario_id: entry for entry in corpus}
     needed = sorted({row.replay for row in rows if row.replay})
+    ids = sorted(by_id, key=len, reverse=True)  # the longest id first: ids may share a prefix
     for name in needed:
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
         stem = Path(name).stem
-        fused = stem.endswith(FUSED_SUFFIX)
-        scenario = by_id[stem.removesuffix(FUSED_SUFFIX)]
-        scenario = dataclasses.replace(scenario, fused=True) if fused else scenario
+        scenario_id = next(i for i in ids if stem.startswith(i))
+        scenario = scenario_of_replay(by_id[scenario_id], stem.removeprefix(scenario_id))
         path.write_text(to_json(scenario, indent=1) + "\n", encoding="utf-8")
     return len(needed)
 
@@ -126,8 +154,11 @@ def write_index(
     variants: Mapping[str, Mapping[str, Counter[str]]],
     replay_files: int,
     unsupported: Mapping[str, Sequence[str]] | None = None,
+    compared: tuple[str, Sequence[str], Sequence[Sequence[str]]] | None = None,
 ) -> Path:
-    """``index.md``: provenance, the headline table, each figure with what it shows."""
+    """``index.md``: provenance, the headline table (and, with ``compared`` = (the previous
+    report's folder, a header, rows), the same lines next to the previous report's), each
+    figure with what it shows."""
     parts = ["# wacc report", "", *provenance.lines(), ""]
     parts += [
         "## Headline",
@@ -135,12 +166,29 @@ def write_index(
         "Every scenario of the corpus judged on every implementation with the three oracles "
         "(emulation bit for bit, error within the derived bound, semantics). `max ulps` is the "
         "distance to the reproducible order's emulation in units of the work dtype (a fused mode "
-        "may legitimately differ); `max rel. error` is against the exact result over elements "
-        "whose exact value is nonzero; `max error/bound` <= 1 means the bound held.",
+        "may legitimately differ); `max rel. error (normal range)` is against the exact result "
+        "over the elements whose exact value is in the work dtype's normal range (below it the "
+        "dtype's spacing is fixed, so a relative error says nothing: the bound's absolute term "
+        "judges those); `max error/bound` <= 1 means the bound held.",
         "",
         headline_markdown(headline(rows)),
         "",
     ]
+    if compared is not None:
+        folder, header, cells = compared
+        parts += [
+            f"## Compared with `{folder}`",
+            "",
+            "Each value as `now (before)`, from that report's `divergence.csv`; `worse`: a "
+            "metric or the failing share went up, `better`: down, `new` / `gone`: a line only "
+            "one report has. A report from a wacc before 0.2 measured the relative error over "
+            "every nonzero exact value, not only the normal range.",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in cells),
+            "",
+        ]
     lacking = {name: lines for name, lines in (unsupported or {}).items() if lines}
     if lacking:
         parts += [
@@ -167,9 +215,11 @@ def write_index(
             "## Fused mode: the §6 variant each device took",
             "",
             "Scenarios with a mean step, run with `fused=True`; each counted under the variants "
-            "of the reference whose whole trace it equals (`mixed`: none alone, as when PyTorch's "
-            "CPU half-precision kernels round the vectorized body and the scalar tail "
-            "differently; `any`: the variants coincide).",
+            "of the reference whose whole trace it equals, named as in `docs/semantics.md` §6: "
+            "`fma` (one rounding in D), `op_rounded` (rounded in op(D), then to D), `two_step` "
+            "(the reproducible order); `fma+op_rounded`: both of those; `mixed`: none alone, as "
+            "when PyTorch's CPU half-precision kernels round the vectorized body and the scalar "
+            "tail differently; `any`: the three coincide on the scenario.",
             "",
             "| device | work dtype | variants matched (scenarios) |",
             "|---|---|---|",
