@@ -1,5 +1,23 @@
-"""The tiny causal LMs the audit trains: a hub-style model class built from a config (GPT-2 or
-Llama of ``transformers``, a few thousand parameters) and a plain ``nn.Module``.
+"""The tiny models the audit trains: hub-style model classes built from configs (``transformers``'
+GPT-2, Llama, Qwen2, GPT-NeoX and OPT causal LMs, a BERT masked LM and a T5 seq2seq model, a few
+thousand parameters each) and a plain ``nn.Module`` causal LM.
+
+Each model belongs to a *family* (:class:`Family`) that says what a microbatch of the window is for
+it, how its logits are computed and which labels its loss counts, so that every family gets its
+own float64 truth (:mod:`wacc.audit.truth`) on the same target counts:
+
+* ``causal``: the window's microbatch as is (``input_ids``, ``labels`` = the ids, ``-100`` where
+  nothing is learned); the loss shifts the labels by one (position ``t`` predicts ``t + 1``).
+* ``masked`` (BERT-style): ``labels`` keep the token at positions ``1 .. n`` (the causal
+  microbatch's ``n`` targets; position 0, the ``[CLS]`` slot, and padding are ``-100``),
+  ``input_ids`` hold ``MASK_TOKEN`` at every such position, ``attention_mask`` hides the padding;
+  the loss is unshifted (the data collator's ``labels`` convention).
+* ``seq2seq`` (T5-style): the encoder reads ``input_ids`` (with ``attention_mask``), the decoder
+  is trained on ``labels`` = the same positions ``1 .. n`` as targets, unshifted; the decoder input
+  is ``labels`` shifted right with the decoder start token (pad, ``0``) in front and ``-100`` read
+  as pad, which is what ``T5ForConditionalGeneration`` builds from ``labels`` itself.
+
+Every family keeps the window's per-microbatch target counts exactly (the truth checks it).
 
 Every model is created in float32 from a fixed seed, then converted to the audited dtype; the truth
 uses a float64 copy of *that* converted model (exact: every narrower float is a float64), so the
@@ -13,7 +31,10 @@ The head runs in float16 under autocast, so that token's logits overflow float16
 every other position is untouched, and the same spiked model in float32 stays finite.  The site is
 the head's input, not the token's embedding row: GPT-2 and Llama normalise every position
 (LayerNorm / RMSNorm, in float32) before any float16 matmul, so no embedding row can overflow
-float16 there, and GPT-2's tied head would carry a scaled row into every position's logits.
+float16 there, and GPT-2's tied head would carry a scaled row into every position's logits.  The
+positions are read from the model's ``input_ids``: for the seq2seq family (whose head is the
+decoder's) that is the decoder position aligned with the encoder's spike token (decoder and
+encoder have the same length in the audit's windows).
 """
 
 from __future__ import annotations
@@ -30,8 +51,11 @@ from torch.nn import functional
 from wacc.audit.windows import IGNORE_INDEX, SPIKE_TOKEN, VOCAB_SIZE
 
 __all__ = [
+    "FAMILIES",
+    "MASK_TOKEN",
     "MODEL_KINDS",
     "SPIKE_FACTOR",
+    "Family",
     "ModelSpec",
     "SpikeProbe",
     "TinyCausalLM",
@@ -43,6 +67,8 @@ __all__ = [
 MODEL_SEED = 1234
 POSITIONS = 256
 SPIKE_FACTOR = 2.0**20
+MASK_TOKEN = VOCAB_SIZE  # the masked LM's [MASK]: one id past the window's vocabulary
+PAD_TOKEN = 0  # the windows' right padding (wacc.audit.windows) and T5's decoder start token
 
 
 class TinyCausalLM(nn.Module):
@@ -93,6 +119,97 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ of the token cross-entropies over *unshifted* labels != -100 (masked LM, seq2seq)."""
+    return functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def shift_right(labels: torch.Tensor) -> torch.Tensor:
+    """The seq2seq decoder input for ``labels`` ([..., L]): ``PAD_TOKEN`` (the decoder start
+    token) then ``labels[..., :-1]``, with ``-100`` read as ``PAD_TOKEN``."""
+    start = torch.full_like(labels[..., :1], PAD_TOKEN)
+    shifted = torch.cat([start, labels[..., :-1]], dim=-1)
+    return shifted.masked_fill(shifted == IGNORE_INDEX, PAD_TOKEN)
+
+
+def _attention_mask(ids: torch.Tensor) -> torch.Tensor:
+    return (ids != PAD_TOKEN).long()
+
+
+def _causal_prepare(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in microbatch.items()}
+
+
+def _targets_from_one(microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The causal microbatch's labels with position 0 ignored: its ``n`` targets, unshifted."""
+    labels = microbatch["labels"].clone()
+    labels[..., 0] = IGNORE_INDEX
+    return labels
+
+
+def _masked_prepare(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = microbatch["input_ids"]
+    labels = _targets_from_one(microbatch)
+    masked = ids.masked_fill(labels != IGNORE_INDEX, MASK_TOKEN)
+    return {"input_ids": masked, "attention_mask": _attention_mask(ids), "labels": labels}
+
+
+def _seq2seq_prepare(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = microbatch["input_ids"].clone()
+    return {
+        "input_ids": ids,
+        "attention_mask": _attention_mask(ids),
+        "labels": _targets_from_one(microbatch),
+    }
+
+
+def _causal_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return logits_of(model(input_ids=batch["input_ids"]))
+
+
+def _masked_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return logits_of(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+
+
+def _seq2seq_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return logits_of(
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            decoder_input_ids=shift_right(batch["labels"]),
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a microbatch is for a model family and how its loss is computed (module docstring)."""
+
+    name: str
+    prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]  # window mb -> inputs
+    logits: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]  # batched inputs -> logits
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> Σ loss
+    shifted: bool  # the loss shifts the labels by one (a target count is over labels[..., 1:])
+
+    def count(self, labels: torch.Tensor) -> int:
+        """Target tokens of a prepared microbatch as this family's loss counts them."""
+        counted = labels[..., 1:] if self.shifted else labels
+        return int((counted != IGNORE_INDEX).sum())
+
+
+FAMILIES: dict[str, Family] = {
+    "causal": Family("causal", _causal_prepare, _causal_logits, causal_lm_loss_sum, True),
+    "masked": Family("masked", _masked_prepare, _masked_logits, token_loss_sum, False),
+    "seq2seq": Family("seq2seq", _seq2seq_prepare, _seq2seq_logits, token_loss_sum, False),
+}
+"""Model families by name (module docstring)."""
+
+
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -115,16 +232,83 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=POSITIONS,
+        use_cache=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+def _gpt_neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=POSITIONS, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return GPTNeoXForCausalLM(config)
+
+
+def _opt() -> nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=16, word_embed_proj_dim=16, ffn_dim=32,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=POSITIONS,
+        dropout=0.0, attention_dropout=0.0, layerdrop=0.0, use_cache=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return OPTForCausalLM(config)
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=MASK_TOKEN + 1, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, type_vocab_size=1, pad_token_id=PAD_TOKEN,
+    )  # fmt: skip
+    return BertForMaskedLM(config)
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB_SIZE, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, dropout_rate=0.0, use_cache=False, pad_token_id=PAD_TOKEN, eos_token_id=1,
+    )  # fmt: skip
+    config.decoder_start_token_id = PAD_TOKEN  # T5 starts the decoder with the pad token
+    return T5ForConditionalGeneration(config)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A named model: ``build(dtype)`` gives a fresh copy, identical weights on every call."""
 
     name: str
     factory: Callable[[], nn.Module]  # builds the float32 model (called once, seeded)
+    family: str = "causal"  # a name of FAMILIES: the microbatch format and loss of its truth
 
     def build(self, dtype: torch.dtype) -> nn.Module:
         """A new model converted to ``dtype`` (float32 init from the fixed seed)."""
         return copy.deepcopy(_base(self.name)).to(dtype)
+
+    @property
+    def loss_family(self) -> Family:
+        """Its :class:`Family`."""
+        return FAMILIES[self.family]
+
+    def prepare(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The window's (causal) microbatch in this model's family format, new tensors."""
+        return self.loss_family.prepare(microbatch)
 
 
 _BASES: dict[str, nn.Module] = {}
@@ -141,6 +325,11 @@ def _base(name: str) -> nn.Module:
 MODEL_KINDS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec("gpt2", _gpt2),  # GPT2LMHeadModel, n_embd 16, 1 layer (needs transformers)
     "llama": ModelSpec("llama", _llama),  # LlamaForCausalLM, hidden 16, 1 layer (transformers)
+    "qwen2": ModelSpec("qwen2", _qwen2),  # Qwen2ForCausalLM, hidden 16, GQA 2:1 (transformers)
+    "gpt_neox": ModelSpec("gpt_neox", _gpt_neox),  # GPTNeoXForCausalLM, hidden 16 (transformers)
+    "opt": ModelSpec("opt", _opt),  # OPTForCausalLM, hidden 16, 1 layer (transformers)
+    "bert": ModelSpec("bert", _bert, "masked"),  # BertForMaskedLM, hidden 16 (transformers)
+    "t5": ModelSpec("t5", _t5, "seq2seq"),  # T5ForConditionalGeneration, d_model 16 (transformers)
     "plain": ModelSpec("plain", TinyCausalLM),
 }
 """Models by name."""

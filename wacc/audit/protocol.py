@@ -5,7 +5,9 @@ only the framework's public code path:
 
 1. build its model with ``task.build_model()`` (fresh, identical weights every call, in
    ``task.dtype``) and read the microbatches from ``task.dataset`` in order (a map-style
-   ``torch.utils.data.Dataset`` of dicts ``input_ids``/``labels``, shape ``[L]``; batch size 1);
+   ``torch.utils.data.Dataset`` of dicts ``input_ids``/``labels``, shape ``[L]``; batch size 1;
+   a masked-LM or seq2seq model's microbatches also hold ``attention_mask`` and use that family's
+   labels: :class:`wacc.audit.models.Family`);
 2. run one optimizer step over the whole window, the loss multiplied by ``task.loss_scale`` when
    the loop can be given a fixed loss scale (``Adapter.loss_scale``), which it must divide out;
 3. call ``task.record_gradients(model)`` right before the optimizer changes anything (a framework
@@ -52,18 +54,28 @@ FP16_LEARNING_RATE = 1.0  # SGD's lr in a float16 run: an applied step changes t
 
 
 class WindowDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """The window's microbatches as a map-style dataset that logs every fetch (in order)."""
+    """The window's microbatches as a map-style dataset that logs every fetch (in order); each in
+    the format of the model's family (``prepare``; default: as the window holds it)."""
 
-    def __init__(self, window: Window, log: list[int]) -> None:
+    def __init__(
+        self,
+        window: Window,
+        log: list[int],
+        prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         self._window = window
         self._log = log
+        self._prepare = prepare
 
     def __len__(self) -> int:
         return len(self._window.microbatches)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         self._log.append(index)
-        return {k: v.clone() for k, v in self._window.microbatches[index].items()}
+        microbatch = self._window.microbatches[index]
+        if self._prepare is not None:
+            return self._prepare(microbatch)
+        return {k: v.clone() for k, v in microbatch.items()}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return (self[i] for i in range(len(self)))
@@ -96,8 +108,8 @@ class LoopTask:
 
     @property
     def dataset(self) -> WindowDataset:
-        """The window's microbatches (each fetch is logged)."""
-        return WindowDataset(self.window, self.fetch_log)
+        """The window's microbatches in the model family's format (each fetch is logged)."""
+        return WindowDataset(self.window, self.fetch_log, self.model_spec.prepare)
 
     @property
     def num_microbatches(self) -> int:

@@ -143,8 +143,9 @@ def render_table(result: AuditResult) -> str:
 
 _METHOD = """\
 **How to read it.** Truth: the gradient of the mean token loss over the whole window, in float64
-on a float64 copy of the same model (its own cross-entropy on the logits, shifted labels, `-100`
-ignored). `rel L2` = ‖F − T‖/‖T‖ and `max rel elem` = max |F_i − T_i|/|T_i| for the gradient F the
+on a float64 copy of the same model (its own cross-entropy on the logits, `-100` ignored, over the
+labels its family's loss uses: shifted for a causal LM, unshifted for a masked LM or a seq2seq
+decoder). `rel L2` = ‖F − T‖/‖T‖ and `max rel elem` = max |F_i − T_i|/|T_i| for the gradient F the
 loop hands its optimizer in the audited dtype. `err/bound` = ‖F − T‖/‖B‖ with B the per-element
 bound of `wacc_ref.bounds.window_error_bound` for summing the window's per-microbatch loss-sum
 gradients in the audited dtype and dividing by the true count (the D run also carries its own
@@ -158,7 +159,8 @@ loop's own float16 mixed-precision path (autocast float16 + its loss scaler, SGD
 a window in which one microbatch's float16 logits overflow (a spike token), read from the
 parameters after the step and the scaler's scale: "skips the whole window" (parameters unchanged,
 scale before -> after), "applies non-finite gradients", "drops the microbatch", or "no float16
-compute" when the path never ran in float16 (accelerate, and so Trainer, off-GPU).
+compute" when the path never ran in float16 (accelerate, and so Trainer, off-GPU; Lightning's
+`16-mixed`, which it runs as `bf16-mixed` on CPU).
 """
 
 

@@ -2,17 +2,20 @@
 
 Computed once per window on a float64 copy of the audited model (``ModelSpec.build(dtype)`` then
 ``.to(float64)``: the same weights exactly).  Per microbatch ``k`` the float64 gradient ``g_k`` of
-its loss *sum* (shifted labels != -100) is kept, because the float32 bound of
-:mod:`wacc_ref.bounds` is a bound on summing exactly those; the truth is ``Σ_k g_k / N`` with
-``N = Σ_k n_k`` the true target count.
+its loss *sum* is kept, because the float32 bound of :mod:`wacc_ref.bounds` is a bound on summing
+exactly those; the truth is ``Σ_k g_k / N`` with ``N = Σ_k n_k`` the true target count.  The
+microbatch, the forward and the labels the loss counts are the model family's
+(:class:`wacc.audit.models.Family`): shifted labels != -100 for a causal LM, unshifted ones for a
+masked LM and for a seq2seq decoder (fed the labels shifted right); the family's prepared
+microbatch must count exactly the window's ``n_k`` (checked).
 
 float64-clean: a model that casts to float32 internally (e.g. an RMSNorm computed in float32)
 makes a float64 copy only float32-accurate.  Every torch function called in the float64 forward is
 watched (``torch.overrides.TorchFunctionMode``); one whose floating result is not float64 is listed:
 ``Truth.casts`` for the forward to the logits (the truth itself is then float32-accurate there),
-``Truth.loss_casts`` for the model's *own* loss (``model(input_ids, labels=...)``, what the loops
-call; e.g. ``transformers``' ``ForCausalLMLoss`` runs ``logits.float()``, which for float64 logits
-is a cast *down*).  The truth never uses the model's own loss: it applies a float64
+``Truth.loss_casts`` for the model's *own* loss (``model(**microbatch)`` with its labels, what the
+loops call; e.g. ``transformers``' ``ForCausalLMLoss`` runs ``logits.float()``, which for float64
+logits is a cast *down*).  The truth never uses the model's own loss: it applies a float64
 cross-entropy to the logits.
 """
 
@@ -28,7 +31,7 @@ from numpy.typing import NDArray
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from wacc.audit.models import ModelSpec, causal_lm_loss_sum, logits_of
+from wacc.audit.models import ModelSpec
 from wacc.audit.windows import Window
 
 __all__ = ["Truth", "compute_truth", "flatten"]
@@ -85,15 +88,18 @@ def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
     model: nn.Module = spec.build(dtype).to(torch.float64)
     model.train()
     names = tuple(n for n, _ in model.named_parameters())
+    family = spec.loss_family
     watcher = _CastWatcher()
     sums: list[NDArray[np.float64]] = []
-    for microbatch in window.microbatches:
+    prepared = [{k: v[None] for k, v in spec.prepare(mb).items()} for mb in window.microbatches]
+    counted = tuple(family.count(batch["labels"]) for batch in prepared)
+    if counted != window.targets:  # a family that changed the window's counts: a bug here
+        raise AssertionError(f"{spec.name}: {family.name} counts {counted}, not {window.targets}")
+    for batch in prepared:
         model.zero_grad(set_to_none=True)
-        ids = microbatch["input_ids"][None]
-        labels = microbatch["labels"][None]
         with watcher:
-            logits = logits_of(model(input_ids=ids))
-            loss_sum = causal_lm_loss_sum(logits, labels)
+            logits = family.logits(model, batch)
+            loss_sum = family.loss_sum(logits, batch["labels"])
         if not torch.isfinite(loss_sum):
             raise ArithmeticError(f"window {window.name}: the float64 loss is {loss_sum.item()}")
         loss_sum.backward()
@@ -102,8 +108,7 @@ def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
         sums.append(flatten(grads, names))
     own_loss = _CastWatcher()
     with own_loss, torch.no_grad():
-        first = window.microbatches[0]
-        model(input_ids=first["input_ids"][None], labels=first["labels"][None])
+        model(**prepared[0])
     total = window.total_targets
     # Four to a few dozen float64 additions: their error is ~2**-50 relative, far below any
     # float32/bf16/fp16 bound the truth is compared at.

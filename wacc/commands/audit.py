@@ -26,14 +26,22 @@ HELP = "audit training frameworks' gradient accumulation against the exact full-
 _BUILTIN = (
     "trainer-hub",
     "trainer-llama",
+    "trainer-qwen2",
+    "trainer-gpt_neox",
+    "trainer-opt",
+    "trainer-bert",
+    "trainer-t5",
     "trainer-plain",
     "accelerate",
     "accelerate-variable",
+    "lightning",
+    "lightning-manual",
     "timm",
+    "nanogpt",
     "plain",
     "wacc_torch-mean",
     "wacc_torch-sum",
-)  # fmt: skip  (kept in step with wacc.audit.adapters.ADAPTERS by a test; importing it is slow)
+)
 _WINDOWS = ("unequal", "equal", "zero", "longtail")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -44,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "frameworks",
         nargs="*",
         metavar="FRAMEWORK",
-        help=f"built-in loops: {', '.join(_BUILTIN)}; or a user loop as module:function "
+        help=f"built-in loops: {', '.join(_BUILTIN)}; or a user loop as module:function or "
+        "path/file.py:function"
         "(see wacc.audit.protocol). Default: every built-in loop",
     )
     parser.add_argument(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wacc.audit.adapters import ADAPTERS
-from wacc.audit.models import MODEL_KINDS, add_spike, logits_of
+from wacc.audit.models import MODEL_KINDS, add_spike
 from wacc.audit.protocol import user_adapter
 from wacc.audit.runner import Fp16Run, _fp16_fact, _Runner
 from wacc.audit.windows import SPIKE_MICROBATCH, SPIKE_TOKEN, build_fp16_window
@@ -28,8 +28,9 @@ def _kinds() -> list[str]:
 def test_spike_token_overflows_float16_and_nothing_else(kind: str) -> None:
     """Under float16 autocast the spiked model's logits are non-finite in the spike microbatch
     only; in float32 the same spiked model is finite everywhere; the clean twin never overflows;
-    the spike leaves the parameters as built."""
-    model = MODEL_KINDS[kind].build(torch.float32)
+    the spike leaves the parameters as built (every model family, on its own microbatches)."""
+    spec = MODEL_KINDS[kind]
+    model = spec.build(torch.float32)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     probe = add_spike(model)
     spiked, clean = build_fp16_window(spike=True), build_fp16_window(spike=False)
@@ -38,11 +39,11 @@ def test_spike_token_overflows_float16_and_nothing_else(kind: str) -> None:
     ]
     for window in (spiked, clean):
         for k, mb in enumerate(window.microbatches):
-            ids = mb["input_ids"][None]
+            batch = {name: value[None] for name, value in spec.prepare(mb).items()}
             with torch.no_grad():
                 with torch.autocast("cpu", dtype=torch.float16):
-                    half = logits_of(model(input_ids=ids))
-                full = logits_of(model(input_ids=ids))
+                    half = spec.loss_family.logits(model, batch)
+                full = spec.loss_family.logits(model, batch)
             overflow = window is spiked and k == SPIKE_MICROBATCH
             assert half.dtype == torch.float16
             assert bool(torch.isfinite(half).all()) is not overflow, (window.name, k)

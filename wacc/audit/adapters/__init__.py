@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wacc.audit.adapters import accelerate, plain, timm, trainer, wacc_torch
+from wacc.audit.adapters import accelerate, lightning, nanogpt, plain, timm, trainer, wacc_torch
 from wacc.audit.protocol import Adapter
 
 __all__ = ["ADAPTERS"]
@@ -12,10 +12,18 @@ ADAPTERS: dict[str, Adapter] = {
     for adapter in (
         trainer.HUB,
         trainer.LLAMA,
+        trainer.QWEN2,
+        trainer.GPT_NEOX,
+        trainer.OPT,
+        trainer.BERT,
+        trainer.T5,
         trainer.PLAIN,
         accelerate.ACCUMULATE,
         accelerate.VARIABLE,
+        lightning.AUTOMATIC,
+        lightning.MANUAL,
         timm.ADAPTER,
+        nanogpt.ADAPTER,
         plain.ADAPTER,
         wacc_torch.MEAN,
         wacc_torch.SUM,

@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers.Trainer`` with ``gradient_accumulation_steps = K``, two models:
+"""Hugging Face ``transformers.Trainer`` with ``gradient_accumulation_steps = K``, over model
+families built from tiny configs (:mod:`wacc.audit.models`):
 
 * ``trainer-hub``: ``GPT2LMHeadModel`` built from a tiny ``GPT2Config``.  Its ``forward`` takes
   ``**kwargs``, so ``Trainer`` prefetches the window (``get_batch_samples``), counts
@@ -6,6 +7,22 @@
 * ``trainer-llama``: the same with ``LlamaForCausalLM`` (its class name maps to
   ``ForCausalLMLoss`` in ``LOSS_MAPPING``, GPT-2's ``GPT2LMHeadModel`` does not: ``Trainer`` then
   counts *unshifted* labels while the model's loss, defaulting to ``ForCausalLMLoss``, shifts them).
+* ``trainer-qwen2``, ``trainer-gpt_neox``, ``trainer-opt``: three more causal LMs
+  (``Qwen2ForCausalLM``, ``GPTNeoXForCausalLM``, ``OPTForCausalLM``): each forward takes
+  ``**kwargs`` and hands ``num_items_in_batch`` to ``self.loss_function`` (``ForCausalLMLoss``, by
+  ``LOSS_MAPPING["ForCausalLM"]``), which divides the shifted loss sum by it.
+* ``trainer-bert``: ``BertForMaskedLM`` on the masked-LM family's microbatches (``input_ids``
+  with ``[MASK]``, ``attention_mask``, unshifted ``labels``).  Its forward takes ``**kwargs``, so
+  ``Trainer.__init__`` sets ``model_accepts_loss_kwargs``, counts ``num_items_in_batch`` (over the
+  unshifted labels: right for this family) and hands it over, and ``Trainer.training_step`` then
+  skips its ``loss / current_gradient_accumulation_steps``; but
+  ``BertForMaskedLM.forward`` computes ``CrossEntropyLoss()(prediction_scores, labels)``, the
+  microbatch's *mean*, and never reads ``num_items_in_batch``: the window gets ``Σ_k mean_k``.
+* ``trainer-t5``: ``T5ForConditionalGeneration`` on the seq2seq family's microbatches (encoder
+  ``input_ids`` + ``attention_mask``, decoder ``labels``; the model builds ``decoder_input_ids``
+  with ``_shift_right``).  The same path as BERT: ``**kwargs`` in ``forward``, the count handed
+  over, and ``T5ForConditionalGeneration.forward`` returns ``CrossEntropyLoss(ignore_index=-100)``
+  (a mean) without reading it.
 * ``trainer-plain``: a plain ``nn.Module`` whose ``forward(input_ids, labels)`` returns its own
   mean loss and takes no ``**kwargs``: ``Trainer`` then divides each microbatch's mean by
   ``current_gradient_accumulation_steps`` (equal weighting), silently.
@@ -37,7 +54,7 @@ import torch
 
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["HUB", "LLAMA", "PLAIN"]
+__all__ = ["BERT", "GPT_NEOX", "HUB", "LLAMA", "OPT", "PLAIN", "QWEN2", "T5"]
 
 
 def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool) -> Any:
@@ -126,6 +143,43 @@ LLAMA = Adapter(
     title="Trainer + LlamaForCausalLM (num_items_in_batch)",
     model="llama",
     code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    **_COMMON,  # type: ignore[arg-type]
+)
+_NUM_ITEMS = "Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)"
+QWEN2 = Adapter(
+    name="trainer-qwen2",
+    title="Trainer + Qwen2ForCausalLM (num_items_in_batch)",
+    model="qwen2",
+    code_path=_NUM_ITEMS + " -> ForCausalLMLoss",
+    **_COMMON,  # type: ignore[arg-type]
+)
+GPT_NEOX = Adapter(
+    name="trainer-gpt_neox",
+    title="Trainer + GPTNeoXForCausalLM (num_items_in_batch)",
+    model="gpt_neox",
+    code_path=_NUM_ITEMS + " -> ForCausalLMLoss",
+    **_COMMON,  # type: ignore[arg-type]
+)
+OPT = Adapter(
+    name="trainer-opt",
+    title="Trainer + OPTForCausalLM (num_items_in_batch)",
+    model="opt",
+    code_path=_NUM_ITEMS + " -> ForCausalLMLoss",
+    **_COMMON,  # type: ignore[arg-type]
+)
+BERT = Adapter(
+    name="trainer-bert",
+    title="Trainer + BertForMaskedLM (masked LM)",
+    model="bert",
+    code_path=_NUM_ITEMS + "; BertForMaskedLM.forward: CrossEntropyLoss() mean, count unread",
+    **_COMMON,  # type: ignore[arg-type]
+)
+T5 = Adapter(
+    name="trainer-t5",
+    title="Trainer + T5ForConditionalGeneration (seq2seq)",
+    model="t5",
+    code_path=_NUM_ITEMS
+    + "; T5ForConditionalGeneration.forward: CrossEntropyLoss(ignore_index=-100) mean, unread",
     **_COMMON,  # type: ignore[arg-type]
 )
 PLAIN = Adapter(

@@ -1,0 +1,28 @@
+"""A framework that is not installed is a "not installed" row, never a crash (checked with the
+framework hidden, so it holds whether or not the extra is installed here)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from wacc.audit.adapters import ADAPTERS
+from wacc.audit.runner import run_audit
+from wacc.audit.windows import build_window
+
+
+@pytest.mark.parametrize("loop", ["lightning", "lightning-manual"])
+def test_lightning_absent_is_a_not_installed_row(
+    monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """With `lightning` unimportable (None in sys.modules: ModuleNotFoundError), the adapter
+    reports "not installed" and the audit gives a row per window saying so, next to a loop that
+    runs."""
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    adapter = ADAPTERS[loop]
+    assert adapter.unavailable() == "not installed"
+    result = run_audit([adapter, ADAPTERS["nanogpt"]], [build_window("equal")])
+    assert [c.status for c in result.cells] == ["not installed", "ok"]
+    assert result.facts[0].status == "not installed"
