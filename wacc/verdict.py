@@ -150,14 +150,18 @@ def _ulps(expected: np.ndarray, actual: np.ndarray, dtype: str) -> float:
     return worst
 
 
-def _rel_error(actual: np.ndarray, exact: Sequence[Fraction], min_normal: float) -> float:
-    """Max |a - x| / |x| over the elements whose exact value x is in D's normal range,
-    ``|x| >= min_normal``. Below it D's spacing is fixed, so a relative error says nothing (one
-    subnormal spacing off a tiny x reads as 100 % or more next to a pass): the bound's absolute
-    term judges those elements, and an exact zero (a cancellation) alike."""
+def _rel_error(
+    actual: np.ndarray, exact: Sequence[Fraction], min_normal: float, bound: Sequence[float]
+) -> float:
+    """Max |a - x| / |x| over the elements where a relative error means something: the exact
+    value x is in D's normal range (``|x| >= min_normal``) and larger than its own error bound.
+    Below the normal range D's spacing is fixed, and where the bound is at least |x| (a
+    cancellation, or underflow in an intermediate) the bound's absolute part decides: there one
+    spacing off a tiny x reads as 100 % or more next to a pass, so the bound oracle judges
+    those elements, and an exact zero alike."""
     worst = 0.0
-    for a, x in zip(actual.reshape(-1).tolist(), exact, strict=True):
-        if abs(x) < min_normal:
+    for a, x, b in zip(actual.reshape(-1).tolist(), exact, bound, strict=True):
+        if abs(x) < min_normal or b >= abs(x):
             continue
         value = _exact(a)
         if value is None:
@@ -581,6 +585,7 @@ def judge(
                     array.reshape(-1)[finite],
                     [x for x, f in zip(exact, finite, strict=True) if f],
                     formats.get_format(scenario.work_dtype).min_normal,
+                    bound.reshape(-1)[finite].tolist(),
                 ),
             )
             step_ratio = error_ratio(

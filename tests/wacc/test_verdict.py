@@ -676,7 +676,7 @@ def test_relative_error_is_taken_over_the_nonzero_exact_values_only() -> None:
     tiny = 2.0**-1022  # float64's smallest normal: every nonzero x below is subnormal
 
     def rel_error(actual: np.ndarray, exact: list[Fraction]) -> float:
-        return wacc.verdict._rel_error(actual, exact, tiny)
+        return wacc.verdict._rel_error(actual, exact, tiny, [0.0] * len(exact))
 
     # x = 0 first (skipped), then |1.5 - 1| / 1 = 1/2 and |-3 + 4| / 4 = 1/4.
     assert rel_error(np.array([5.0, 1.5, -3.0]), [Fraction(0), Fraction(1), Fraction(-4)]) == 0.5
@@ -699,10 +699,24 @@ def test_relative_error_skips_the_exact_values_below_the_normal_range() -> None:
     relative error of 1."""
     rel_error = wacc.verdict._rel_error
     tiny = 2.0**-14
-    assert rel_error(np.array([0.0]), [Fraction(1, 2**20)], tiny) == 0.0
-    assert rel_error(np.array([0.0, 0.0]), [Fraction(1, 2**20), Fraction(1, 2**14)], tiny) == 1.0
-    assert rel_error(np.array([0.0]), [Fraction(-1, 2**14)], tiny) == 1.0
-    assert rel_error(np.array([math.nan]), [Fraction(1, 2**15)], tiny) == 0.0
+    assert rel_error(np.array([0.0]), [Fraction(1, 2**20)], tiny, [0.0]) == 0.0
+    both = [Fraction(1, 2**20), Fraction(1, 2**14)]
+    assert rel_error(np.array([0.0, 0.0]), both, tiny, [0.0, 0.0]) == 1.0
+    assert rel_error(np.array([0.0]), [Fraction(-1, 2**14)], tiny, [0.0]) == 1.0
+    assert rel_error(np.array([math.nan]), [Fraction(1, 2**15)], tiny, [0.0]) == 0.0
+
+
+def test_relative_error_skips_the_elements_whose_bound_reaches_their_value() -> None:
+    """Where the error bound is at least |x| (a cancellation: the exact value is far below the
+    terms summed), the bound's absolute part decides and the element is skipped: a 0 against
+    x = 2**-40 with bound 2**-40 counts nothing, with bound just below 2**-40 it is 1; a
+    well-conditioned element next to it still counts."""
+    rel_error = wacc.verdict._rel_error
+    tiny = 2.0**-1022
+    x = Fraction(1, 2**40)
+    assert rel_error(np.array([0.0]), [x], tiny, [2.0**-40]) == 0.0
+    assert rel_error(np.array([0.0]), [x], tiny, [2.0**-40 * (1 - 2.0**-53)]) == 1.0
+    assert rel_error(np.array([0.0, 1.5]), [x, Fraction(1)], tiny, [1.0, 0.0]) == 0.5
 
 
 def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
@@ -712,7 +726,7 @@ def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
     with pytest.raises(ValueError):
         verdict._ulps(np.array([1.0, 2.0]), np.array([1.0]), "float32")
     with pytest.raises(ValueError):
-        verdict._rel_error(np.array([1.0]), [Fraction(1), Fraction(2)], 2.0**-1022)
+        verdict._rel_error(np.array([1.0]), [Fraction(1), Fraction(2)], 2.0**-1022, [0.0, 0.0])
     scenario = _every_corruption()
     trace = run_reference(scenario)
     short = ScenarioTrace(outcomes=trace.outcomes[:-1], implementation=trace.implementation)

@@ -167,9 +167,11 @@ def write_index(
         "(emulation bit for bit, error within the derived bound, semantics). `max ulps` is the "
         "distance to the reproducible order's emulation in units of the work dtype (a fused mode "
         "may legitimately differ); `max rel. error (normal range)` is against the exact result "
-        "over the elements whose exact value is in the work dtype's normal range (below it the "
-        "dtype's spacing is fixed, so a relative error says nothing: the bound's absolute term "
-        "judges those); `max error/bound` <= 1 means the bound held.",
+        "over the elements where a relative error means something: the exact value in the work "
+        "dtype's normal range and above its own error bound (below the normal range the "
+        "dtype's spacing is fixed, and where the bound reaches the value, a cancellation or an "
+        "underflow in between, the bound's absolute part decides: the bound oracle judges "
+        "those elements); `max error/bound` <= 1 means the bound held.",
         "",
         headline_markdown(headline(rows)),
         "",
