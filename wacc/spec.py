@@ -22,7 +22,7 @@ from pathlib import Path
 
 from wacc.errors import UsageError
 
-__all__ = ["check_spec", "import_target"]
+__all__ = ["check_module", "check_spec", "import_target"]
 
 
 def check_spec(spec: str, *, what: str = "implementation") -> tuple[str, str]:
@@ -36,6 +36,23 @@ def check_spec(spec: str, *, what: str = "implementation") -> tuple[str, str]:
     if location.endswith(".py") and not Path(location).is_file():
         raise UsageError(f"{what} file {location!r} does not exist")
     return location, attr
+
+
+def check_module(spec: str, *, what: str = "implementation") -> None:
+    """:class:`UsageError` at once when the module of a ``module:attr`` spec cannot be found
+    (found as the import rule finds it, importing at most its parent packages); a file spec was
+    checked by :func:`check_spec`."""
+    location, _ = check_spec(spec, what=what)
+    if location.endswith(".py"):
+        return
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(location) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"cannot import module {location!r}: no such module ({what} {spec!r})")
 
 
 def _first_on_path(folder: str) -> None:

@@ -1676,3 +1676,36 @@ def test_the_verdict_keeps_the_traceback_of_each_raising_step() -> None:
         last = text.rstrip().splitlines()[-1]
         assert last.startswith("ValueError: refused with ValueError: "), text
         assert verdict.messages[index].startswith(last), (verdict.messages[index], last)
+
+
+def test_a_step_is_named_by_its_index_and_op_and_an_accumulate_by_its_weight() -> None:
+    """_step_title: every failure line starts with the step's index and op; an accumulate's
+    title adds its weight as Python writes the float64 (exact: repr round-trips)."""
+    title = wacc.verdict._step_title
+    assert title(3, Finish("mean")) == "step 3 (finish_mean)"
+    assert (
+        title(0, Accumulate.of("sum", 0.1, {"w": (1.0,)})) == "step 0 (accumulate_sum, weight 0.1)"
+    )
+    assert title(7, Accumulate.of("mean", 1e300, {})) == "step 7 (accumulate_mean, weight 1e+300)"
+
+
+def test_a_diverging_pending_entry_shows_the_gradient_entry_its_step_added() -> None:
+    """_with_inputs: for an accumulate step each pending-buffer line gains the input gradient at
+    the same flat position, shown in the work dtype; lines of another step kind, of a parameter
+    the step did not touch, or past the input's end are left as they are."""
+    with_inputs = wacc.verdict._with_inputs
+    step = Accumulate.of("sum", 1.0, {"w": (1.5, -2.0)})
+    lines = ["x pending['w'][flat 1]: expected 0.0, got 1.0", "no position here"]
+    assert with_inputs(lines, step, "w", "bfloat16") == [
+        "x pending['w'][flat 1]: expected 0.0, got 1.0; input grads['w'][flat 1] = -2.0 "
+        "(-0x1.00p+1)",
+        "no position here",
+    ]
+    assert with_inputs(lines, step, "other", "float32") == lines
+    assert with_inputs(lines, Finish("sums"), "w", "float32") == lines
+    beyond = ["x pending['w'][flat 2]: expected 0.0, got 1.0"]
+    assert with_inputs(beyond, step, "w", "float32") == beyond
+    first = ["x pending['w'][flat 0]: got 1.0"]
+    assert with_inputs(first, step, "w", "float32") == [
+        "x pending['w'][flat 0]: got 1.0; input grads['w'][flat 0] = 1.5 (0x1.800000p+0)"
+    ]

@@ -42,10 +42,10 @@ from wacc.choices import DEFAULT_IMPL, FEATURES
 from wacc.commands._common import check_device
 from wacc.errors import UsageError
 from wacc.gate.shards import Shard
-from wacc.spec import check_spec
+from wacc.spec import check_module, check_spec
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help)
-    from wacc.gate.measure import Metrics
+    from wacc.gate.metrics import Metrics
 
 __all__ = ["add_arguments", "run"]
 
@@ -171,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
     if args.update_baseline and shard.count > 1:
         raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
-    from hypothesis import __version__ as hypothesis_version
-    from tqdm import tqdm
+    # The baseline is read and judged (and the IMPL's module found) before the judge and torch
+    # are imported: a missing, corrupt or foreign baseline answers in well under a second.
+    from importlib import metadata
 
     from wacc.gate.baseline import (
         BASELINE_FORMAT,
@@ -181,21 +182,11 @@ def run(args: argparse.Namespace) -> int:
         read_gate_file,
         write_gate_file,
     )
-    from wacc.gate.compare import compare
-    from wacc.gate.groups import group_findings
-    from wacc.gate.measure import (
-        GATE_CORPUS,
-        GATE_CORPUS_SEED,
-        GATE_CORPUS_SIZE,
-        measure,
-        units,
-    )
-    from wacc.gate.outputs import failure_lines, table, write_junit, write_summary
-    from wacc.implementation import load_implementation
-    from wacc.report.corpus import build_corpus
-    from wacc.report.provenance import collect_provenance
+    from wacc.gate.metrics import GATE_CORPUS, GATE_CORPUS_SEED, GATE_CORPUS_SIZE
     from wacc_ref.strict_json import shown
 
+    if not args.merge:
+        check_module(args.impl)
     baseline = None
     if not args.update_baseline and shard.count == 1:
         # Read (and check) the baseline first: a missing or corrupt one answers in a second,
@@ -209,6 +200,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.merge:  # a merge learns its IMPL from the shards' results
             _check_implementation(baseline.implementation, args.impl, args.baseline,
                                   allowed=args.allow_other_impl)  # fmt: skip
+    from tqdm import tqdm
+
+    from wacc.gate.compare import compare
+    from wacc.gate.groups import group_findings
+    from wacc.gate.measure import measure, units
+    from wacc.gate.outputs import failure_lines, table, write_junit, write_summary
+    from wacc.implementation import load_implementation
+    from wacc.report.corpus import build_corpus
+    from wacc.report.provenance import collect_provenance
+
     if args.merge:
         implementation, metrics = _merge(args.merge)
         if baseline is not None:
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"baseline written: {args.baseline} ({len(metrics)} keys, {seconds:.1f} s)")
         return 0
     assert baseline is not None  # read above: not an update, not a shard
+    hypothesis_version = metadata.version("hypothesis")
     if baseline.hypothesis != hypothesis_version:
         # The gated corpus is frozen; only the check's examples (never compared) move with it.
         print(f"note: the baseline was recorded with hypothesis {baseline.hypothesis}, "

@@ -56,14 +56,14 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hypothesis import __version__ as hypothesis_version
-
+from wacc.choices import WORK_DTYPES
 from wacc.errors import UsageError
-from wacc.gate.measure import GATE_CORPUS, GateFinding, Metrics, Shard
-from wacc_ref import formats
+from wacc.gate.metrics import GATE_CORPUS, GateFinding, Metrics
+from wacc.gate.shards import Shard
 from wacc_ref.strict_json import (
     FieldError,
     check_free_json,
@@ -112,7 +112,7 @@ class GateFile:
         shard: str = "1/1",
         provenance: Mapping[str, Any] | None = None,
         corpus: Mapping[str, Any] | None = None,
-        hypothesis: str = hypothesis_version,
+        hypothesis: str | None = None,
     ) -> None:
         self.kind = kind
         self.implementation = implementation
@@ -120,7 +120,8 @@ class GateFile:
         self.shard = shard
         self.provenance = dict(provenance or {})
         self.corpus = dict(corpus or GATE_CORPUS)
-        self.hypothesis = hypothesis
+        # Read from the installed metadata: importing Hypothesis would slow the first answer.
+        self.hypothesis = metadata.version("hypothesis") if hypothesis is None else hypothesis
 
 
 def _metric(value: object, where: str, *, finite: bool) -> float:
@@ -220,7 +221,7 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
     for key, value in expect_object(top["entries"], "entries").items():
         where = item("entries", key)
         match = _KEY.fullmatch(key)
-        if match is None or match[1] not in formats.WORK_DTYPES:
+        if match is None or match[1] not in WORK_DTYPES:
             raise FieldError(where, "not a <work dtype>/<family>/corpus|check key")
         entries[key] = _entry(value, where, key=key, kind=kind)
     return GateFile(
