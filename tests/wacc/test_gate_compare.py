@@ -131,7 +131,11 @@ def test_max_ulps_has_no_headroom_in_a_comparison() -> None:
     assert compare(one_ulp, ratio_base).passed  # a ratio has its one rounding of headroom
 
 
-@pytest.mark.parametrize("text", ["3/2", "x" * 500, "١/٢", "+1/2", "1/" + "9" * 80])
+@pytest.mark.parametrize(
+    "text",
+    ["3/2", "x" * 500, "\u0661/\u0662", "+1/2", "1/" + "9" * 80],
+    ids=["k-above-n", "long-text", "arabic-indic-digits", "plus-sign", "long-count"],
+)
 def test_a_shard_is_shown_like_every_other_field(text: str) -> None:
     """The shard parser, kept free of the reference for a fast command line, shows a bad value
     exactly as wacc_ref.strict_json does for every other field."""

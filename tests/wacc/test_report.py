@@ -221,12 +221,12 @@ def test_an_implementation_without_records_runs_the_corpus_without_checkpoints(
 ) -> None:
     """pixparse_loop has no records: its interruption scenarios run without their checkpoints
     and restores (the missing feature is listed once, not a semantics failure per scenario):
-    each failing row's replay file is that twin, holding no checkpoint step."""
+    each failing row's replay file is that twin (or a scenario that had none), holding no
+    checkpoint step."""
     with (report / "divergence.csv").open(encoding="utf-8") as handle:
         rows = [r for r in csv.DictReader(handle) if r["implementation"] == "pixparse_loop"
                 and r["family"] == "interruptions" and r["verdict"] != "pass"]  # fmt: skip
-    assert rows
-    for row in rows:
-        assert row["replay"].endswith("-no-records.json"), row["replay"]
+    assert any(row["replay"].endswith("-no-records.json") for row in rows), rows
+    for row in rows:  # the twin, or a scenario the generator gave no interruption
         steps = (report / row["replay"]).read_text(encoding="utf-8")
-        assert '"checkpoint"' not in steps and '"restore' not in steps
+        assert '"checkpoint"' not in steps and '"restore' not in steps, row["replay"]
