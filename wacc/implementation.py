@@ -204,8 +204,14 @@ def load_implementation(spec: str) -> Implementation:
     try:
         probe = factory(torch.float32, 1.0)
     except Exception as exc:
+        from wacc.runner import implementation_frame, shown_path  # (it imports this module)
+
+        frame = implementation_frame(exc)
+        where = (
+            f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
+        )
         raise UsageError(
-            f"factory {spec!r} raised for (torch.float32, 1.0): {type(exc).__name__}: {exc}"
+            f"factory {spec!r} raised for (torch.float32, 1.0): {type(exc).__name__}: {exc}{where}"
         ) from None
     lacking = [name for name in CORE_METHODS if not callable(getattr(probe, name, None))]
     if lacking:

@@ -261,8 +261,17 @@ def _settings(config: pytest.Config) -> WaccSettings | None:
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal's header: a usage error is one line
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Check the options before collection: a bad one is ``ERROR: <line>``, exit 4."""
-    session.config.stash[_SETTINGS] = _settings(session.config)
+    """Check the options before collection: a bad one is ``ERROR: <line>``, exit 4. An IMPL
+    that names a missing attribute, does not import (a syntax error) or whose factory raises is
+    a usage error too, as for ``wacc check`` (exit 2 there): it is loaded here, once, unless
+    only collecting (``--collect-only`` lists the items without importing torch)."""
+    settings = _settings(session.config)
+    session.config.stash[_SETTINGS] = settings
+    if settings is not None and not session.config.option.collectonly:
+        try:
+            _implementation(settings.load)
+        except UsageError as exc:
+            raise pytest.UsageError(f"--wacc-impl {settings.spec}: {exc}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

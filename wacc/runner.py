@@ -354,7 +354,9 @@ class ImplementationRun:
             error = spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"
             frame = implementation_frame(exc)
             where = (
-                f" (at {_shown(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
+                f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})"
+                if frame
+                else ""
             )
             self.messages[index] = f"{type(exc).__name__}: {exc}{where}"
             self.tracebacks[index] = "".join(traceback.format_exception(exc))
@@ -400,7 +402,7 @@ _NOT_THE_IMPLEMENTATION = tuple(
 )
 
 
-def _shown(filename: str) -> str:
+def shown_path(filename: str) -> str:
     """A file as a user finds it: relative to the working directory when it lies below it."""
     path = Path(filename).resolve()
     try:

@@ -30,4 +30,8 @@ def line_signature(line: str) -> str:
 def signature(verdict: ScenarioVerdict) -> str:
     """The oracles that failed and the shape of the first failure line."""
     lines = verdict.describe(limit=1)
-    return f"[{', '.join(verdict.failed_oracles)}] " + line_signature(lines[0] if lines else "")
+    first = line_signature(lines[0] if lines else "")
+    oracles = f"[{', '.join(verdict.failed_oracles)}]"
+    if first.startswith(oracles):  # a step's line carries its oracles already
+        return first
+    return f"{oracles} {first}"

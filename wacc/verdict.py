@@ -174,10 +174,13 @@ def _rel_error(
     return worst
 
 
-def _worst_element(array: np.ndarray, exact: Sequence[Fraction], bound: np.ndarray) -> str:
+def _worst_element(
+    array: np.ndarray, exact: Sequence[Fraction], bound: np.ndarray, spacing: float = 0.0
+) -> str:
     """The bound oracle's line: the element whose error is the largest part of its bound, with
-    its value, the exact value and the bound; a bound of 0 (the exact value must come out, as
-    the semantics make it representable) is said so rather than as a ratio of inf."""
+    its value, the exact value and the bound; a bound below ``spacing`` (D's smallest spacing:
+    0 or a few float64 subnormals, so the exact value must come out, as the semantics make it
+    representable) is said so rather than as a ratio of inf or of 10**300."""
     worst: tuple[Fraction | float, int] | None = None
     values = array.reshape(-1).tolist()
     limits = bound.reshape(-1).tolist()
@@ -198,6 +201,11 @@ def _worst_element(array: np.ndarray, exact: Sequence[Fraction], bound: np.ndarr
     shown = f"[flat {position}] = {values[position]!r}, exact {_as_float(truth)!r}"
     if limits[position] == 0:
         return f"error/bound = inf: {shown}, bound 0 (the exact value must come out)"
+    if limits[position] < spacing:
+        return (
+            f"error > bound: {shown}, bound {limits[position]:.3g}, below one spacing of D (the "
+            "exact value must come out)"
+        )
     return f"error/bound = {_as_float(ratio):.3g} > 1: {shown}, bound {limits[position]:.3g}"
 
 
@@ -593,7 +601,8 @@ def judge(
             )
             ratio = max(ratio, step_ratio)
             if step_ratio > 1.0 and "bound" in applied:
-                lines.append(f"{what}: {name!r} {_worst_element(array, exact, bound)}")
+                spacing = formats.get_format(scenario.work_dtype).min_subnormal
+                lines.append(f"{what}: {name!r} {_worst_element(array, exact, bound, spacing)}")
                 if "bound" not in failed:
                     failed.append("bound")
         verdicts.append(

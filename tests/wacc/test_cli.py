@@ -121,6 +121,7 @@ print("EXIT", code, "LOADED", *heavy)
         (["gate", "--impl", "wacc.baselines:scale_times_weight"], 2),
         (["gate", "--out", "README.md"], 2),
         (["gate", "--shard", "1/2", "--update-baseline"], 2),
+        (["gate", "--shard", "1/2", "--summary-md", "gate.md"], 2),
         (["report", "--out", "README.md"], 2),
         (["report", "--impl", "nocolon"], 2),
         (["report", "--impl", "a:b", "--impl", "a:b"], 2),

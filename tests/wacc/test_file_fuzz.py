@@ -216,6 +216,7 @@ GATE_KINDS: dict[tuple[str, ...], str] = {
     ("entries", "*", "findings", "#", "signature"): "str",
     ("entries", "*", "findings", "#", "message"): "str",
     ("entries", "*", "findings", "#", "replay"): "str",
+    ("entries", "*", "findings", "#", "steps"): "int",
 }
 ENUMS = {
     "work_dtype": ("float64", "float32", "float16", "bfloat16"),
@@ -739,7 +740,7 @@ def test_failing_scenarios_are_refused_in_a_baseline_only(
     """``failing > 0`` in a baseline is exit 2 naming it (a baseline records a passing run); in
     results it is a shard's hard failure, merged and reported (exit 1)."""
     paths = gate_folder(folder, f"failing-{name}")
-    finding = {"signature": "[bound] x", "message": "[bound] x", "replay": None}
+    finding = {"signature": "[bound] x", "message": "[bound] x", "replay": None, "steps": 2}
     edit_json(paths[name], lambda d: d["entries"][CORPUS_KEY].update(failing=1, findings=[finding]))
     result = run_wacc(*gate_argv(paths))
     if outcome == 2:
@@ -801,7 +802,9 @@ def _failing_shard(document: dict[str, Any], findings: list[object]) -> None:
     entry.update(failing=1, findings=findings)
 
 
-GOOD_FINDING = {"signature": "[bound] #", "message": "[bound] 1", "replay": "out/gate-00001.json"}
+GOOD_FINDING = {
+    "signature": "[bound] #", "message": "[bound] 1", "replay": "out/gate-00001.json", "steps": 3,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -810,11 +813,20 @@ GOOD_FINDING = {"signature": "[bound] #", "message": "[bound] 1", "replay": "out
         ([GOOD_FINDING, GOOD_FINDING], ""),
         (["[bound] 1"], "[0]"),
         ([{**GOOD_FINDING, "replay": 3}], "[0].replay"),
-        ([{"signature": "s", "message": "m"}], "[0].replay"),
+        ([{"signature": "s", "message": "m", "steps": 1}], "[0].replay"),
+        ([{**GOOD_FINDING, "steps": -1}], "[0].steps"),
         ([{**GOOD_FINDING, "extra": 1}], "[0]['extra']"),
         ([{**GOOD_FINDING, "message": None}], "[0].message"),
     ],
-    ids=["more-than-failing", "a-string", "replay-number", "replay-missing", "unknown", "message"],
+    ids=[
+        "more-than-failing",
+        "a-string",
+        "replay-number",
+        "replay-missing",
+        "negative-steps",
+        "unknown",
+        "message",
+    ],  # fmt: skip
 )
 def test_a_results_file_holds_at_most_one_well_formed_finding_per_failing_scenario(
     folder: Path, findings: list[object], where: str

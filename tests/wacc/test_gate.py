@@ -187,3 +187,44 @@ def test_an_output_path_that_is_a_directory_is_exit_2_before_the_run(tmp_path: P
         assert result.returncode == 2, result.stderr
         assert option in result.stderr and "is a directory" in result.stderr
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_file_impl_is_one_implementation_however_its_path_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A baseline names a file IMPL by its path relative to the baseline's folder: acc.py,
+    ./acc.py, the absolute path and ../acc.py from a subfolder are one implementation (accepted
+    against it); another file, or a module spec, is another one (refused without
+    --allow-other-impl)."""
+    from wacc.commands.gate import _check_implementation, implementation_identity
+    from wacc.errors import UsageError
+
+    (tmp_path / "acc.py").write_text("", encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    baseline = tmp_path / "numerics" / "b.json"
+    monkeypatch.chdir(tmp_path)
+    recorded = implementation_identity("acc.py:make", Path("numerics/b.json"))
+    assert recorded == "../acc.py:make"
+    for spec in ("acc.py:make", "./acc.py:make", f"{tmp_path / 'acc.py'}:make"):
+        _check_implementation(recorded, spec, Path("numerics/b.json"), allowed=False)
+    monkeypatch.chdir(tmp_path / "sub")
+    _check_implementation(recorded, "../acc.py:make", Path("../numerics/b.json"), allowed=False)
+    assert implementation_identity("pkg.mod:make", baseline) == "pkg.mod:make"
+    for other in ("../other.py:make", "acc:make"):
+        with pytest.raises(UsageError, match="recorded for '../acc.py:make'"):
+            _check_implementation(recorded, other, Path("../numerics/b.json"), allowed=False)
+
+
+def test_a_run_clears_only_its_own_shards_old_replay_files(tmp_path: Path) -> None:
+    """Before a run, the replay files an earlier run of the same shard left in --out are
+    removed (positions this shard runs), so the folder holds this run's failures; another
+    shard's files (shards may share the folder) and other files stay."""
+    from wacc.commands.gate import _clear_replays
+    from wacc.gate.shards import Shard
+
+    names = ["gate-00000-a.json", "gate-00001-b.json", "gate-00002-c.json", "notes.json"]
+    for name in names:
+        (tmp_path / name).write_text("{}", encoding="utf-8")
+    _clear_replays(tmp_path, Shard(1, 2))  # positions 0, 2, 4, ...
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate-00001-b.json", "notes.json"]
+    _clear_replays(tmp_path / "absent", Shard(1, 1))  # no folder yet: nothing to do

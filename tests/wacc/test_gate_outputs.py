@@ -146,3 +146,20 @@ def test_junit_cases_carry_their_measured_times(tmp_path: Path) -> None:
     assert cases["a/w/corpus"].find("failure") is None
     failure = cases["b/w/check"].find("failure")
     assert failure is not None and "b/w/check: 1 failing scenario(s)" in (failure.text or "")
+    assert "replay: wacc replay out/gate-00001.json --impl i" in (failure.text or "")
+
+
+def test_a_group_shows_its_shortest_replayable_scenario() -> None:
+    """Of a group's findings the example shown (and replayed) is the shortest one that has a
+    replay file: a 28-step check scenario found first gives way to a 3-step corpus one; a
+    finding without a file never replaces one with a file."""
+    long = GateFinding(DIVISION, "long", "out/gate-00022.json", steps=28)
+    short = GateFinding(DIVISION, "short", "out/gate-00038.json", steps=3)
+    bare = GateFinding(DIVISION, "bare", None, steps=1)
+    run = {
+        "bfloat16/dynamic_scaling/check": Metrics(scenarios=1, failing=1, findings=[long]),
+        "float64/windows/corpus": Metrics(scenarios=2, failing=2, findings=[bare, short]),
+    }
+    (group,) = group_findings(run)
+    assert group.first is short and group.first_key == "float64/windows/corpus"
+    assert group.count == 3

@@ -211,14 +211,27 @@ def test_a_bad_ini_key_is_a_usage_error_too(tmp_path: Path, line: str, message: 
     assert not _torch_imported(tmp_path)
 
 
-def test_an_attribute_the_module_lacks_fails_the_items_in_one_line(tmp_path: Path) -> None:
-    """An IMPL whose module exists but lacks the attribute is found out when the module is
-    imported, as the first item runs (checking it earlier would import torch): each item fails
-    with the one line saying so, without a traceback."""
-    result = _user_pytest(tmp_path, "--wacc-impl", "tests.wacc.impls:nosuch", "-k", "windows")
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "4 failed" in result.stdout and "Traceback" not in result.stdout
-    assert "'tests.wacc.impls' has no attribute 'nosuch'" in result.stdout
+@pytest.mark.parametrize(
+    ("impl", "message"),
+    [
+        ("tests.wacc.impls:nosuch", "'tests.wacc.impls' has no attribute 'nosuch'"),
+        ("tests.wacc.impls:factory_raises", "raised for (torch.float32, 1.0)"),
+        ("broken.py:make", "importing 'broken.py' failed: SyntaxError"),
+    ],
+    ids=["missing-attribute", "factory-raises", "syntax-error"],
+)
+def test_an_impl_that_does_not_load_is_a_usage_error_before_collection(
+    tmp_path: Path, impl: str, message: str
+) -> None:
+    """An IMPL whose module lacks the attribute, whose file does not compile or whose factory
+    raises is loaded at session start (as `wacc check` does) and is pytest's usage error: exit
+    4, one ERROR line naming it, nothing collected (it was a failure per item)."""
+    (tmp_path / "broken.py").write_text("def make(:\n", encoding="utf-8")
+    result = _user_pytest(tmp_path, "--wacc-impl", impl)
+    assert result.returncode == 4, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "collected" not in result.stdout and "Traceback" not in result.stdout + result.stderr
 
 
 def test_collection_counts_exactly_the_items_that_run(tmp_path: Path) -> None:

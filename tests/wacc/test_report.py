@@ -157,8 +157,9 @@ def test_the_previous_reports_headline_stands_next_to_the_new_one(run: tuple[Pat
 
 
 def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) -> None:
-    """--compare-to reads a CSV with only the row columns (an older wacc's); a missing column, a
-    bad number or a bad verdict is one UsageError naming the file, line, column and value."""
+    """--compare-to reads a CSV with only the row columns (an older wacc's, its relative error
+    column under its old name too); a missing column, a bad number or a bad verdict is one
+    UsageError naming the file, line, column and value."""
     lines = (PREVIOUS / "divergence.csv").read_text(encoding="utf-8").splitlines()
     header = lines[0].split(",")
     keep = [header.index(column) for column in ROW_COLUMNS]
@@ -169,6 +170,13 @@ def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) ->
         csv.writer(handle).writerows([[row[i] for i in keep] for row in rows])
     assert len(read_rows(older)) == 3
     text = (older / "divergence.csv").read_text(encoding="utf-8").splitlines()
+    legacy = tmp_path / "legacy"  # wacc 0.1 named the relative error's column max_rel_error
+    legacy.mkdir()
+    (legacy / "divergence.csv").write_text(
+        "\n".join([text[0].replace("max_rel_error_normal", "max_rel_error"), *text[1:]]) + "\n",
+        encoding="utf-8",
+    )
+    assert read_rows(legacy) == read_rows(older)
     for edit, fragment in (
         (lambda cells: cells[:-1], "line 1: missing column(s) replay"),
         (lambda cells: [*cells[:9], "lots", *cells[10:]], "line 1: missing column(s) max_ulps"),

@@ -108,3 +108,43 @@ def test_import_errors_name_the_spec(tmp_path: Path, monkeypatch: pytest.MonkeyP
         import_target("no_such_module_xyz:make")
     with pytest.raises(UsageError, match="'wacc.spec' has no attribute 'nothing'"):
         import_target("wacc.spec:nothing")
+
+
+def test_two_files_each_get_their_own_sibling_of_the_same_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1/acc.py and v2/acc.py both `import parts` from their own folders: loaded one after the
+    other in one process (two --impl of one report), each gets its own `parts`, never the
+    first one's from sys.modules."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "parts", raising=False)  # restored (absent) afterwards
+    for version in ("v1", "v2"):
+        folder = tmp_path / version
+        folder.mkdir()
+        (folder / "parts.py").write_text(f"MARK = {version!r}\n", encoding="utf-8")
+        (folder / "acc.py").write_text("from parts import MARK\n", encoding="utf-8")
+    first = import_target(f"{tmp_path / 'v1' / 'acc.py'}:MARK")
+    second = import_target(f"{tmp_path / 'v2' / 'acc.py'}:MARK")
+    again = import_target(f"{tmp_path / 'v1' / 'acc.py'}:MARK")
+    sys.modules.pop("parts", None)
+    assert (first, second, again) == ("v1", "v2", "v1")
+
+
+def test_a_user_files_failure_names_its_own_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An import that fails inside the user's file, and a factory that raises, are one
+    UsageError naming the user's file and line (not wacc's)."""
+    from wacc.implementation import load_implementation
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "imports.py").write_text("\nimport no_such_sibling_xyz\n", encoding="utf-8")
+    (tmp_path / "raises.py").write_text(
+        "def make(dtype, scale):\n    raise ValueError('no such dtype here')\n", encoding="utf-8"
+    )
+    with pytest.raises(
+        UsageError, match=r"No module named 'no_such_sibling_xyz' \(at imports.py:2\)"
+    ):
+        import_target(f"{tmp_path / 'imports.py'}:make")
+    with pytest.raises(UsageError, match=r"no such dtype here \(at .*raises.py:2, in make\)"):
+        load_implementation(f"{tmp_path / 'raises.py'}:make")

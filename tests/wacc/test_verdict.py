@@ -983,7 +983,7 @@ def test_every_parameter_of_a_finished_result_is_judged(oracles: str) -> None:
         ), finish.lines
     else:
         assert finish.lines[0] == missing, finish.lines
-    assert finish.lines[-1].startswith("step 1 (finish_sums): 'd' error/bound = ")
+    assert finish.lines[-1].startswith("step 1 (finish_sums): 'd' error > bound: ")
 
 
 @pytest.mark.parametrize("oracles", ["strict", "bound"])
@@ -1396,7 +1396,7 @@ def test_buffers_of_unknown_names_or_shapes_are_reported_and_the_rest_bounded() 
         "step 0 (accumulate_sum, weight 1.0) pending['b'][flat 1]: expected 4.0 (0x1.000000p+2), "
         "got -4.0 (-0x1.000000p+2); input grads['b'][flat 1] = 4.0 (0x1.000000p+2)",
     ), step.lines
-    assert step.lines[4].startswith("step 0 (accumulate_sum, weight 1.0): 'b' error/bound = ")
+    assert step.lines[4].startswith("step 0 (accumulate_sum, weight 1.0): 'b' error > bound: ")
     assert len(step.lines) == 5 and step.max_ratio == math.inf
 
 
@@ -1709,3 +1709,19 @@ def test_a_diverging_pending_entry_shows_the_gradient_entry_its_step_added() -> 
     assert with_inputs(first, step, "w", "float32") == [
         "x pending['w'][flat 0]: got 1.0; input grads['w'][flat 0] = 1.5 (0x1.800000p+0)"
     ]
+
+
+def test_a_bound_below_one_spacing_of_d_says_the_exact_value_must_come_out() -> None:
+    """A bound smaller than D's smallest spacing (a few float64 subnormals: the absolute term of
+    an exact sum) is named as such, not as a ratio of inf or 1e300; a bound of one spacing or
+    more keeps its ratio."""
+    line = wacc.verdict._worst_element(
+        np.array([-1.0]), [Fraction(-2)], np.array([2.47e-323]), 2.0**-149
+    )
+    assert line == (
+        "error > bound: [flat 0] = -1.0, exact -2.0, bound 2.47e-323, below one spacing of D "
+        "(the exact value must come out)"
+    )
+    line = wacc.verdict._worst_element(np.array([-1.0]), [Fraction(-2)], np.array([2.0**-149]),
+                                       2.0**-149)  # fmt: skip
+    assert line.startswith("error/bound = 7.14e+44 > 1: [flat 0] = -1.0, exact -2.0"), line

@@ -11,12 +11,19 @@ from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES, ORACLE_SET_NAMES
 from wacc.errors import UsageError
-from wacc.spec import check_spec
+from wacc.spec import check_module
 
 if TYPE_CHECKING:
     from wacc.implementation import Implementation
+    from wacc.verdict import ScenarioVerdict
 
-__all__ = ["add_impl_arguments", "check_device", "implementation_from", "oracles_from"]
+__all__ = [
+    "add_impl_arguments",
+    "check_device",
+    "implementation_from",
+    "oracles_from",
+    "raised_line",
+]
 
 
 def add_impl_arguments(parser: argparse.ArgumentParser, *, positional: bool) -> None:
@@ -59,7 +66,7 @@ def check_device(device: str) -> str:
 
 def implementation_from(args: argparse.Namespace) -> Implementation:
     """Load ``args.impl`` (its spec and path were checked first: see :func:`check_spec`)."""
-    check_spec(args.impl)
+    check_module(args.impl)  # a module that does not exist answers before torch is imported
     from wacc.implementation import load_implementation
 
     return load_implementation(args.impl)
@@ -70,3 +77,13 @@ def oracles_from(args: argparse.Namespace) -> tuple[str, ...]:
     from wacc.verdict import ORACLE_SETS
 
     return ORACLE_SETS[args.oracle]
+
+
+def raised_line(verdict: ScenarioVerdict, index: int, message: str) -> str:
+    """``step N raised <message>``, marked when the reference raises the same error class there
+    (the implementation was right to raise: the line is context, not a finding)."""
+    step = next((s for s in verdict.steps if s.index == index), None)
+    expected = step is not None and step.expected_error is not None
+    if expected and step is not None and step.expected_error == step.actual_error:
+        return f"step {index} raised {message} (expected: the reference raises it too)"
+    return f"step {index} raised {message}"

@@ -41,6 +41,7 @@ from wacc.commands._common import (
     check_device,
     implementation_from,
     oracles_from,
+    raised_line,
 )
 from wacc.errors import UsageError
 
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         for line in verdict.describe(limit=6):
             print(f"  {line}")
         for index, message in sorted(verdict.messages.items()):
-            print(f"  step {index} raised {message}")
+            print(f"  {raised_line(verdict, index, message)}")
             if args.traceback and index in verdict.tracebacks:
                 print(textwrap.indent(verdict.tracebacks[index].rstrip(), "    "))
         if finding.path is not None:

@@ -33,6 +33,7 @@ environment error (missing, corrupt or foreign baseline, a baseline of another I
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("wacc-gate"), metavar="DIR",
         help="where every failing scenario is written as a replay file (default: ./wacc-gate; "
-        "created only when something fails)",
+        "created only when something fails; a run first removes the replay files an earlier run "
+        "of the same shard left there)",
     )  # fmt: skip
     parser.add_argument(
         "--allow-other-impl", action="store_true",
@@ -86,17 +88,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def implementation_identity(spec: str, baseline: Path) -> str:
+    """How a baseline names an IMPL: a file spec by the file's path relative to the baseline's
+    folder (so ``acc.py:make``, ``./acc.py:make`` and ``../acc.py:make`` from a subfolder are
+    one implementation, and a committed baseline keeps naming it on another machine); a module
+    spec as written."""
+    location, _, attr = spec.rpartition(":")
+    if not location.endswith(".py"):  # a module spec, or a name a results file holds
+        return spec
+    relative = os.path.relpath(Path(location).resolve(), baseline.resolve().parent)
+    return f"{Path(relative).as_posix()}:{attr}"
+
+
 def _check_implementation(recorded: str, judged: str, baseline: Path, *, allowed: bool) -> None:
-    """A baseline made for one IMPL is not silently used for another."""
-    if recorded == judged:
+    """A baseline made for one IMPL is not silently used for another (a baseline of wacc 0.2
+    before identities were recorded names the spec as typed: that is accepted too)."""
+    identity = implementation_identity(judged, baseline)
+    if recorded in (identity, judged):
         return
     if not allowed:
         raise UsageError(
             f"{str(baseline)!r}: implementation: recorded for {recorded!r}, this run judges "
-            f"{judged!r} (record a baseline for it with --update-baseline, or pass "
+            f"{identity!r} (record a baseline for it with --update-baseline, or pass "
             "--allow-other-impl)"
         )
-    print(f"note: the baseline was recorded for {recorded}; judging {judged} (--allow-other-impl)")
+    print(
+        f"note: the baseline was recorded for {recorded}; judging {identity} (--allow-other-impl)"
+    )
+
+
+def _clear_replays(out: Path, shard: Shard) -> None:
+    """Remove the replay files an earlier run of this shard left in ``out`` (``gate-NNNNN-*``
+    with a position this shard runs), so that the folder holds this run's failures only;
+    another shard's files, writing into the same folder, are left alone."""
+    for path in out.glob("gate-*.json") if out.is_dir() else ():
+        position = path.name.split("-", 2)[1]
+        if position.isdigit() and shard.takes(int(position)):
+            path.unlink(missing_ok=True)
 
 
 def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
@@ -167,10 +195,18 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder for replay files")
+    for folder in args.merge or ():
+        if not folder.is_dir():
+            raise UsageError(f"--merge: {str(folder)!r} is not a folder of shard results")
     if args.merge and (shard.count > 1 or args.results):
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
     if args.update_baseline and shard.count > 1:
         raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
+    if shard.count > 1 and (args.junit_xml or args.summary_md):
+        raise UsageError(
+            "--junit-xml and --summary-md are written by the verdict: by --merge of the shards' "
+            "results (or a run of the whole gate), not by one shard"
+        )
     # The baseline is read and judged (and the IMPL's module found) before the judge and torch
     # are imported: a missing, corrupt or foreign baseline answers in well under a second.
     from importlib import metadata
@@ -232,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_description(key)
 
+            _clear_replays(args.out, shard)
             metrics = measure(loaded, shard=shard, corpus=corpus, out=args.out, progress=progress)
     seconds = time.perf_counter() - started
     provenance = collect_provenance(
@@ -265,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"not updating the baseline: {failing} scenario(s) fail an oracle")
             return 1
         write_gate_file(
-            GateFile(kind=BASELINE_FORMAT, implementation=implementation, entries=metrics,
+            GateFile(kind=BASELINE_FORMAT, entries=metrics,
+                     implementation=implementation_identity(implementation, args.baseline),
                      provenance=provenance),
             args.baseline,
         )  # fmt: skip
@@ -284,10 +322,17 @@ def run(args: argparse.Namespace) -> int:
     print(table(comparison))
     for line in failure_lines(groups, implementation=implementation):
         print(line)
-    for title, items in (("REGRESSION", comparison.regressions),
-                         ("improvement", comparison.improvements)):  # fmt: skip
-        for item in items:
-            print(f"{title}: {item}")
+    # A key that fails a scenario is already a FAILURE above: its metrics' regressions are
+    # counted, not listed (they restate the same bug once per metric).
+    failing_keys = {key for key, m in metrics.items() if m.failing}
+    regressions = [r for r in comparison.regressions if r.split(":", 1)[0] not in failing_keys]
+    for item in regressions:
+        print(f"REGRESSION: {item}")
+    if len(regressions) < len(comparison.regressions):
+        print(f"({len(comparison.regressions) - len(regressions)} regression(s) of keys that "
+              "fail already: in the table and the JUnit XML)")  # fmt: skip
+    for item in comparison.improvements:
+        print(f"improvement: {item}")
     verdict = "passed" if comparison.passed else "FAILED"
     print(f"wacc gate {verdict}: {implementation} against {args.baseline} ({seconds:.1f} s)")
     artifacts = []

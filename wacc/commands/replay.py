@@ -30,6 +30,7 @@ from wacc.commands._common import (
     check_device,
     implementation_from,
     oracles_from,
+    raised_line,
 )
 from wacc.errors import UsageError
 from wacc.spec import check_spec
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     for line in verdict.describe(limit=20):
         print(line)
     for index, message in sorted(verdict.messages.items()):
-        print(f"step {index} raised {message}")
+        print(raised_line(verdict, index, message))
         if args.traceback and index in verdict.tracebacks:
             print(textwrap.indent(verdict.tracebacks[index].rstrip(), "    "))
     for step in verdict.steps:

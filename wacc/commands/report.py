@@ -35,7 +35,7 @@ from pathlib import Path
 
 from wacc.choices import WORK_DTYPES
 from wacc.errors import UsageError
-from wacc.spec import check_spec
+from wacc.spec import check_module
 
 __all__ = ["add_arguments", "run"]
 
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} exists and is not a folder")
-    for spec in args.impl:  # a typo answers before the judge is imported
-        check_spec(spec)
+    for spec in args.impl:  # a typo or a missing module answers before the judge is imported
+        check_module(spec)
     if len(set(args.impl)) != len(args.impl):
         raise UsageError(f"--impl: {sorted(s for s in args.impl if args.impl.count(s) > 1)[0]!r} "
                          "given twice")  # fmt: skip

@@ -8,7 +8,7 @@ Both are JSON objects with exactly these fields::
      "entries": {"<dtype>/<family>/<source>": {
          "scenarios": int, "failing": int, "max_ulps": "<float.hex>", "max_ratio": "<float.hex>",
          "milliseconds": int,
-         "findings": [{"signature": str, "message": str, "replay": str | null}]}}}
+         "findings": [{"signature": str, "message": str, "replay": str | null, "steps": int}]}}}
 
 Version 2 (wacc 0.2) added ``milliseconds`` (the measured time of the key: the JUnit time) and
 made a finding an object (its signature groups failures; ``replay`` is the scenario file
@@ -37,7 +37,8 @@ whatever :func:`write_gate_file` writes it reads back, and it checks that before
   its ``failing`` is 0 everywhere (``--update-baseline`` refuses a failing run; a hand-edited
   count is refused, not ignored).
 * ``findings``: one object per failing scenario of the key (so at most ``failing`` of them, none
-  in a baseline), each exactly ``{"signature": str, "message": str, "replay": str or null}``.
+  in a baseline), each exactly ``{"signature": str, "message": str, "replay": str or null,
+  "steps": int}`` (``steps``: the scenario's length, so a group shows its shortest).
 * ``shard``: ``K/N`` in ASCII digits without sign, space or leading zero (``int()`` would take
   ``"+1"``, ``" 1"`` and ``"١"``), ``1 <= K <= N``; ``1/1`` in a baseline. ``--shard`` on the
   command line follows the same rule, and results files record the shard in that spelling.
@@ -95,7 +96,7 @@ _MAX_COUNT = 2**63 - 1  # a count of scenarios; sums of a few stay printable (in
 _TOP_FIELDS = ("format", "version", "implementation", "corpus", "profile", "hypothesis", "shard",
                "provenance", "entries")  # fmt: skip
 _ENTRY_FIELDS = ("scenarios", "failing", "max_ulps", "max_ratio", "milliseconds", "findings")
-_FINDING_FIELDS = ("signature", "message", "replay")
+_FINDING_FIELDS = ("signature", "message", "replay", "steps")
 _KEY = re.compile(r"([a-z0-9]+)/([a-z0-9_]+)/(?:corpus|check)")
 
 
@@ -179,6 +180,7 @@ def _finding(value: object, where: str) -> GateFinding:
         signature=expect_str(finding["signature"], field(where, "signature")),
         message=expect_str(finding["message"], field(where, "message")),
         replay=None if replay is None else expect_str(replay, field(where, "replay")),
+        steps=expect_int(finding["steps"], field(where, "steps"), minimum=0, maximum=_MAX_COUNT),
     )
 
 
@@ -274,7 +276,12 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
                 "max_ratio": m.max_ratio.hex(),
                 "milliseconds": m.milliseconds,
                 "findings": [
-                    {"signature": f.signature, "message": f.message, "replay": f.replay}
+                    {
+                        "signature": f.signature,
+                        "message": f.message,
+                        "replay": f.replay,
+                        "steps": f.steps,
+                    }  # fmt: skip
                     for f in m.findings
                 ],
             }

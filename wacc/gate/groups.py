@@ -29,7 +29,7 @@ class FailureGroup:
 
     signature: str
     first_key: str
-    first: GateFinding
+    first: GateFinding  # the example shown: the shortest replayable scenario of the group
     keys: dict[str, int] = field(default_factory=dict)  # key -> scenarios, first seen first
     replays: list[str] = field(default_factory=list)  # every replay file written for the group
 
@@ -39,9 +39,18 @@ class FailureGroup:
         return sum(self.keys.values())
 
 
+def _shorter(finding: GateFinding, shown: GateFinding) -> bool:
+    """Whether ``finding`` is a better example than ``shown``: replayable first, then fewer
+    steps (the first one found among equals)."""
+    if (finding.replay is None) != (shown.replay is None):
+        return shown.replay is None
+    return finding.steps < shown.steps
+
+
 def group_findings(run: Mapping[str, Metrics]) -> list[FailureGroup]:
     """The findings of ``run`` grouped by signature: the largest group first, then in key order
-    (a finding's own order within a key)."""
+    (a finding's own order within a key); each group's example is its shortest replayable
+    scenario."""
     groups: dict[str, FailureGroup] = {}
     for key in sorted(run):
         metrics = run[key]
@@ -55,4 +64,6 @@ def group_findings(run: Mapping[str, Metrics]) -> list[FailureGroup]:
             group.keys[key] = group.keys.get(key, 0) + 1
             if finding.replay is not None:
                 group.replays.append(finding.replay)
+            if _shorter(finding, group.first):  # the group shows its shortest replayable one
+                group.first_key, group.first = key, finding
     return sorted(groups.values(), key=lambda group: -group.count)

@@ -123,6 +123,7 @@ def measure(
                     signature=signature(verdict),
                     message="; ".join(verdict.describe(limit=2)),
                     replay=replay,
+                    steps=len(verdict.scenario.steps),
                 )
             )
         metrics.milliseconds += round((time.perf_counter() - started) * 1000)

@@ -20,11 +20,13 @@ GATE_CORPUS: dict[str, int | str] = {"seed": GATE_CORPUS_SEED, "size": GATE_CORP
 @dataclass(frozen=True)
 class GateFinding:
     """One failing scenario: what makes it one with others (:mod:`wacc.signature`), its first
-    failure lines, and the replay file written for it (``None`` without ``--out``)."""
+    failure lines, the replay file written for it (``None`` without ``--out``) and its number of
+    steps."""
 
     signature: str
     message: str
     replay: str | None = None
+    steps: int = 0  # the scenario's length: a group shows its shortest
 
 
 @dataclass

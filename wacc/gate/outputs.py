@@ -148,7 +148,8 @@ def write_summary(
 
 def write_junit(comparison: Comparison, path: Path, *, implementation: str) -> Path:
     """JUnit XML: one test case per key, its measured time, failed for a hard failure or a
-    regression (the failure text: the key's failure and regression lines)."""
+    regression (the failure text: the key's failure and regression lines, and the replay
+    command of its first failing scenarios)."""
     suite = TestSuite(f"wacc gate {implementation}")
     for key, now, _, status in comparison.rows:
         case = TestCase(key, classname="wacc.gate", time=now.milliseconds / 1000)
@@ -156,6 +157,11 @@ def write_junit(comparison: Comparison, path: Path, *, implementation: str) -> P
             line
             for line in comparison.failures + comparison.regressions
             if line.startswith(f"{key}:")
+        ]
+        problems += [
+            f"replay: {replay_command(finding.replay, implementation)}"
+            for finding in now.findings[:3]
+            if finding.replay is not None
         ]
         if problems:
             failure = Failure(problems[0][:200], type_=status)  # CI viewers show the message

@@ -45,7 +45,8 @@ class Shard:
         match = _SHARD.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             raise ValueError(
-                f"must be K/N (decimal digits, no sign, space or leading zero), got {shown(text)}"
+                "must be K/N with 1 <= K <= N (decimal digits, no sign, space or leading zero), "
+                f"got {shown(text)}"
             )
         index, count = int(match[1]), int(match[2])
         if not index <= count:

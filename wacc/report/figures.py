@@ -210,13 +210,17 @@ def overflow_map_figure(maps: Mapping[str, OverflowMap], path: Path) -> Path:
 def double_rounding_figure(sweeps: Sequence[DoubleRounding], path: Path) -> Path:
     """Share of values near a D midpoint where PyTorch's float64 -> D differs from round_D."""
     figure, axis = plt.subplots(figsize=(9, 5))
-    for sweep, marker in zip(sweeps, ("o", "s"), strict=False):
+    # The two curves coincide: the first drawn wide with large hollow markers, the second
+    # dashed with small filled ones on top, so both stay visible.
+    styles = (("-", "o", 11, 3.0, "none"), ("--", "s", 5, 1.5, None))
+    for sweep, (line, marker, size, width, face) in zip(sweeps, styles, strict=False):
         axis.plot(
             [math.log2(o) for o in sweep.offsets], [100 * f for f in sweep.fraction_differing],
-            marker=marker, label=f"float64 → {sweep.work_dtype}",
+            line, marker=marker, markersize=size, linewidth=width, markerfacecolor=face,
+            label=f"float64 → {sweep.work_dtype}",
         )  # fmt: skip
     axis.axvline(-1, color="gray", linestyle=":", linewidth=1)
-    axis.text(-0.8, 52, "half a float32 ulp", fontsize=9, color="gray")
+    axis.text(-1.3, 52, "half a float32 ulp", fontsize=9, color="gray", ha="right")
     axis.set_xlabel("log2 distance of x from a midpoint of D, in float32 ulps")
     axis.set_ylabel("conv_D(x) ≠ round_D(x)  [% of samples]")
     axis.set_ylim(-3, 60)

@@ -2,10 +2,11 @@
 
 The previous report is read from its ``divergence.csv`` (the rows the headline is made of), so
 any report this tool wrote can be compared with, including one from an older version whose CSV
-lacks the oracle and provenance columns (only :data:`~wacc.report.writer.ROW_COLUMNS` are
-read). Reading is strict: a file that is not such a CSV, a missing column, or a field that does
-not parse is a :class:`~wacc.errors.UsageError` of one line naming the file, the line, the column
-and the value (exit 2), never a traceback or a silently wrong comparison.
+lacks the oracle and provenance columns and names ``max_rel_error`` so (only the row's own
+columns, :data:`~wacc.report.writer.ROW_COLUMNS`, are read). Reading is strict: a file that
+is not such a CSV, a missing column, or a field that does not parse is a
+:class:`~wacc.errors.UsageError` of one line naming the file, the line, the column and the
+value (exit 2), never a traceback or a silently wrong comparison.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from wacc.errors import UsageError
 from wacc.report.rows import Row
-from wacc.report.writer import ROW_COLUMNS, Headline, headline
+from wacc.report.writer import CSV_NAMES, ROW_FIELDS, Headline, headline
 from wacc.tables import format_metric
 from wacc.verdict import ORACLES
 from wacc_ref import formats
@@ -65,7 +66,7 @@ def _verdict(text: str) -> str:
 
 def _row(record: dict[str, str]) -> Row:
     values: dict[str, object] = {}
-    for column in ROW_COLUMNS:
+    for column in ROW_FIELDS:
         text = record[column]
         try:
             if column in _FLOATS:
@@ -113,19 +114,25 @@ def read_rows(folder: Path) -> list[Row]:
     repeated = sorted({column for column in header if header.count(column) > 1})
     if repeated:
         raise UsageError(f"{name!r}: line 1: column {repeated[0]!r} appears twice")
-    missing = [column for column in ROW_COLUMNS if column not in header]
+    # A field's CSV name (or, from a wacc before 0.2, the field's own name) -> the field.
+    by_column = {CSV_NAMES.get(field, field): field for field in ROW_FIELDS}
+    by_column.update({field: field for field in CSV_NAMES if CSV_NAMES[field] not in header})
+    present = {by_column[column] for column in header if column in by_column}
+    missing = [CSV_NAMES.get(field, field) for field in ROW_FIELDS if field not in present]
     if missing:
         raise UsageError(
             f"{name!r}: line 1: missing column(s) {', '.join(missing)} (not a report's CSV)"
         )
     rows: list[Row] = []
-    for number, fields in enumerate(lines[1:], start=2):
-        if len(fields) != len(header):
+    for number, cells in enumerate(lines[1:], start=2):
+        if len(cells) != len(header):
             raise UsageError(
-                f"{name!r}: line {number}: {len(fields)} fields, the header has {len(header)}"
+                f"{name!r}: line {number}: {len(cells)} fields, the header has {len(header)}"
             )
         try:
-            rows.append(_row(dict(zip(header, fields, strict=True))))
+            record = {by_column[column]: text for column, text in zip(header, cells, strict=True)
+                      if column in by_column}  # fmt: skip
+            rows.append(_row(record))
         except _BadField as exc:
             raise UsageError(f"{name!r}: line {number}: {exc}") from None
     if not rows:

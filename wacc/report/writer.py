@@ -20,9 +20,11 @@ from wacc_ref.scenario import to_json
 
 __all__ = [
     "CSV_COLUMNS",
+    "CSV_NAMES",
     "ORACLE_COLUMNS",
     "PROVENANCE_COLUMNS",
     "ROW_COLUMNS",
+    "ROW_FIELDS",
     "Headline",
     "headline",
     "write_csv",
@@ -32,7 +34,10 @@ __all__ = [
 
 # A row's own fields, then one column per oracle ("pass"/"fail": no string to unpack), then the
 # report's provenance on every row (rows of several reports concatenated stay attributable).
-ROW_COLUMNS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Row))
+ROW_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Row))
+# The CSV names a field by what it measures where the field's name alone would not say it.
+CSV_NAMES: dict[str, str] = {"max_rel_error": "max_rel_error_normal"}
+ROW_COLUMNS: tuple[str, ...] = tuple(CSV_NAMES.get(name, name) for name in ROW_FIELDS)
 ORACLE_COLUMNS: tuple[str, ...] = ORACLES
 PROVENANCE_COLUMNS: tuple[str, ...] = (
     "wacc_version", "torch_version", "commit", "corpus_seed", "corpus_size", "date",
@@ -123,7 +128,7 @@ def write_csv(rows: Sequence[Row], path: Path, *, provenance: Provenance) -> Pat
         for row in rows:
             failed = set(row.verdict.removeprefix("fail: ").split(",")) if row.failed else set()
             writer.writerow(
-                [getattr(row, column) for column in ROW_COLUMNS]
+                [getattr(row, name) for name in ROW_FIELDS]
                 + ["fail" if oracle in failed else "pass" for oracle in ORACLE_COLUMNS]
                 + stamp
             )
