@@ -7,6 +7,8 @@ Examples::
     python -m benchmarks --quick --out /tmp/perf  # tiny sizes, no gate run (the smoke test)
     python -m benchmarks --device cuda --suite large --out "$OUT/perf"
     python -m benchmarks --readme README.md      # and update the README's targets table
+    python -m benchmarks --suite shapes --suite decoder   # real layer sets, realistic tokens
+    python -m benchmarks --suite shapes --shape-scale 0.25  # a quarter of the layers and rows
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SUITES = {
     "overhead": "benchmarks.overhead",
     "large": "benchmarks.large",
     "memory": "benchmarks.memory_suite",
+    "shapes": "benchmarks.shapes",
+    "decoder": "benchmarks.decoder",
     "reference": "benchmarks.reference",
 }
 # The reference model and the gate never run on a GPU: they run once, whatever --device says.
@@ -80,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also write the targets table into this file, between its perf-targets markers",
     )
     parser.add_argument(
+        "--shape-scale",
+        type=_fraction,
+        default=1.0,
+        help="the shapes suite: keep this fraction of each model's layers and vocabulary rows "
+        "(default 1: the whole layer sets)",
+    )
+    parser.add_argument(
         "--repeats", type=_positive, default=None, help="samples per mode (default: per suite)"
     )
     return parser
@@ -89,6 +100,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
@@ -106,6 +124,7 @@ def run_suites(
         devices=(torch.device("cpu"),),
         repeats=settings.repeats,
         out=settings.out,
+        shape_scale=settings.shape_scale,
     )
     for name in names:
         start = time.perf_counter()
@@ -118,7 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     names = list(dict.fromkeys(args.suite or SUITES))
     devices = _devices(args.device)
-    settings = Settings(quick=args.quick, devices=devices, repeats=args.repeats, out=args.out)
+    settings = Settings(
+        quick=args.quick,
+        devices=devices,
+        repeats=args.repeats,
+        out=args.out,
+        shape_scale=args.shape_scale,
+    )
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""What a run was asked for: sizes (``--quick``), devices, repeats, output folder."""
+"""What a run was asked for: sizes (``--quick``, ``--shape-scale``), devices, repeats, output
+folder."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Settings:
     devices: tuple[torch.device, ...]
     repeats: int | None
     out: Path
+    shape_scale: float = 1.0  # the ``shapes`` suite's --shape-scale
 
     def repeats_or(self, default: int) -> int:
         """``--repeats`` if given, else the suite's default (3 with ``--quick``)."""

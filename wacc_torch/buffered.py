@@ -23,6 +23,7 @@ from wacc_torch import _commit
 from wacc_torch._arena import Arena, concatenated
 from wacc_torch._binding import Binding, Parameters
 from wacc_torch._gradients import GradientCheck, GradientMapping
+from wacc_torch._ownership import taken_gradient
 from wacc_torch._weights import read_weight
 from wacc_torch._window import Window, WindowMode
 from wacc_torch._work import Scratch, chunk_numel, pieces
@@ -35,20 +36,26 @@ __all__ = ["BufferedMode", "add_into", "memory_span"]
 
 @dataclass(frozen=True)
 class _Steps:
-    """A positive-weight batch, prepared: buffers and arenas to adopt, (buffer, gradient) pairs
-    to add in order, and the work tensors the additions need."""
+    """A positive-weight batch, prepared: buffers and arenas to adopt, (buffer, gradient,
+    owned) triples to add in order (owned: the gradient is the accumulator's to overwrite), and
+    the work tensors the additions need."""
 
     new_buffers: dict[str, torch.Tensor]
     new_arenas: dict[torch.device, Arena]
-    adds: list[tuple[torch.Tensor, torch.Tensor]]
+    adds: list[tuple[torch.Tensor, torch.Tensor, bool]]
     work: Scratch
 
 
-def needs_work(grad: torch.Tensor, *, dtype: torch.dtype, mean: bool, fused: bool) -> bool:
+def needs_work(
+    grad: torch.Tensor, *, dtype: torch.dtype, mean: bool, fused: bool, owned: bool = False
+) -> bool:
     """Whether adding ``grad`` needs a work tensor: convert first (conv_D), then operate in D
     (``buffer.add_(grad of another dtype)`` would be one rounding in the promoted type); the
-    reproducible mean's product ``round_D(c * w_D)`` is a tensor of its own too."""
-    return grad.dtype != dtype or (mean and not fused)
+    reproducible mean's product ``round_D(c * w_D)`` is a tensor of its own too, unless the
+    gradient is in D and ``owned`` (the accumulator's to overwrite: the product goes into it)."""
+    if grad.dtype != dtype:
+        return True
+    return mean and not fused and not owned
 
 
 def add_into(
@@ -59,13 +66,19 @@ def add_into(
     mean: bool,
     fused: bool,
     work: Scratch | None,
+    owned: bool = False,
 ) -> None:
     """One §5/§6 step, ``buffer`` (D) += ``grad`` (times ``weight`` = w_D for a mean), with
     in-place kernels only (a commit step); ``work`` holds a piece-sized work tensor when
-    :func:`needs_work` says so."""
+    :func:`needs_work` says so. ``owned``: ``grad`` is the accumulator's to overwrite
+    (:mod:`wacc_torch._ownership`)."""
     dtype = buffer.dtype
-    if not needs_work(grad, dtype=dtype, mean=mean, fused=fused):
-        if mean:  # fused, gradient already in D
+    if not needs_work(grad, dtype=dtype, mean=mean, fused=fused, owned=owned):
+        if mean and not fused:
+            # Owned and in D: t = round_D(g * w_D) in place (the kernel of the pieces below,
+            # so the same bits), then one add: two passes over memory, no work tensor.
+            buffer.add_(grad.mul_(weight))
+        elif mean:  # fused, gradient already in D
             buffer.add_(grad, alpha=weight)
         else:
             buffer.add_(grad)
@@ -133,7 +146,11 @@ class BufferedMode(WindowMode):
         self._refuse_aliases(parameters, gradients)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller=caller)
-        steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
+        steps = (
+            self._prepare_steps(binding, parameters, gradients, mean=mean, taken=grads is None)
+            if positive
+            else None
+        )
 
         with _commit.COMMIT, torch.no_grad():
             window.snapshots.await_copies()
@@ -144,9 +161,15 @@ class BufferedMode(WindowMode):
                 self.arenas.update(steps.new_arenas)
                 self.kept_work = steps.work  # for the next call (CPU: see Scratch.reusing)
                 scale = float(counted)
-                for buffer, grad in steps.adds:
+                for buffer, grad, owned in steps.adds:
                     add_into(
-                        buffer, grad, weight=scale, mean=mean, fused=window.fused, work=steps.work
+                        buffer,
+                        grad,
+                        weight=scale,
+                        mean=mean,
+                        fused=window.fused,
+                        work=steps.work,
+                        owned=owned,
                     )
             if grads is None:
                 for _, parameter in parameters:
@@ -183,6 +206,7 @@ class BufferedMode(WindowMode):
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
+        taken: bool,
     ) -> _Steps:
         """Allocate the new buffers and the work tensors of a positive-weight batch and line up
         its additions (may raise; changes nothing).
@@ -190,12 +214,16 @@ class BufferedMode(WindowMode):
         Small tensors are added as one: when every small parameter of a device has a gradient
         of one dtype, their gradients are concatenated (here, into a tensor of their own) and
         added to the device's arena in a single step; the per-element operations are the same,
-        so are the bits, without a kernel launch per tensor.
+        so are the bits, without a kernel launch per tensor. That concatenation is the
+        accumulator's own, and so is a ``.grad`` it takes (``taken``) that nothing else holds
+        (:func:`wacc_torch._ownership.taken_gradient`): a reproducible mean multiplies them in
+        place instead of into a work tensor.
         """
         window = self.window
         new_buffers: dict[str, torch.Tensor] = {}
         new_arenas: dict[torch.device, Arena] = {}
-        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        adds: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        owns = mean and not window.fused
         covered: set[int] = set()
         pending = window.pending
         # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
@@ -219,7 +247,7 @@ class BufferedMode(WindowMode):
                     small, arena=arena, dtype=self.gradients.common_dtype(indices, small)
                 )
                 if flat is not None:
-                    adds.append((arena.storage, flat))
+                    adds.append((arena.storage, flat, True))
                     covered.update(indices)
             rest = (
                 binding.large
@@ -227,6 +255,8 @@ class BufferedMode(WindowMode):
                 else [i for i in range(len(parameters)) if i not in covered]
             )
             for index in rest:
+                # Before this frame holds a reference of its own to the gradient.
+                owned = owns and taken and taken_gradient(gradients, index, window.dtype)
                 grad = gradients[index]
                 if grad is None:
                     continue
@@ -237,13 +267,15 @@ class BufferedMode(WindowMode):
                         parameter.shape, dtype=window.dtype, device=parameter.device
                     )
                     new_buffers[name] = buffer
-                adds.append((buffer, grad))
+                adds.append((buffer, grad, owned))
             work = Scratch.reusing(
                 self.kept_work,
                 (
                     (grad.device, window.dtype, chunk_numel(grad.shape))
-                    for _, grad in adds
-                    if needs_work(grad, dtype=window.dtype, mean=mean, fused=window.fused)
+                    for _, grad, owned in adds
+                    if needs_work(
+                        grad, dtype=window.dtype, mean=mean, fused=window.fused, owned=owned
+                    )
                 ),
             )
         return _Steps(new_buffers=new_buffers, new_arenas=new_arenas, adds=adds, work=work)

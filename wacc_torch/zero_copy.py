@@ -67,11 +67,12 @@ from torch import nn
 from wacc_torch import _commit
 from wacc_torch._binding import Binding, Parameters
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._ownership import calibrate, hooked_gradient
 from wacc_torch._structure import ModuleStructure
 from wacc_torch._weights import read_weight
 from wacc_torch._window import Window, WindowMode
 from wacc_torch._work import Scratch, chunk_numel, pieces
-from wacc_torch.buffered import add_into
+from wacc_torch.buffered import add_into, needs_work
 from wacc_torch.errors import (
     BrokenWindowError,
     ParameterMismatchError,
@@ -269,27 +270,19 @@ class ZeroCopyMode(WindowMode):
         self.check_owned(parameters)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller="microbatch")
-        work = None
         if positive and mean and not window.fused:
-            with _commit.ordinary_tensors():
-                work = Scratch.reusing(
-                    self.kept_work,
-                    ((device, window.dtype, numel) for device, numel in binding.pieces.items()),
-                )
+            calibrate()  # outside the backward: the ownership probe runs one of its own
         return _Plan(
             binding=binding,
             parameters=parameters,
             structure=structure,
             weight=float(counted) if positive else None,
             new_total=new_total,
-            work=work,
         )
 
     def commit_block(self, plan: _Plan) -> None:
         """Leaving a block whose every gradient arrived intact: count it."""
         with _commit.COMMIT:
-            if plan.work is not None:
-                self.kept_work = plan.work
             self.fsdp_checked = plan.structure  # a cache of a check that passed
             positive = plan.weight is not None
             self.window.count(plan.binding, positive=positive, new_total=plan.new_total)
@@ -302,20 +295,28 @@ class ZeroCopyMode(WindowMode):
         *,
         weight: float,
         mean: bool,
-        work: Scratch | None,
+        owned: bool,
     ) -> None:
-        """Inside a block's backward: add one parameter's microbatch gradient into ``.grad``."""
+        """Inside a block's backward: add one parameter's microbatch gradient into ``.grad``.
+        ``owned``: autograd's gradient is the accumulator's to overwrite, so a reproducible mean
+        multiplies it in place; otherwise the product goes through a piece-sized work tensor."""
         window = self.window
         buffer = window.pending.get(name)
         if buffer is None:
             self.first_gradient(name, parameter, grad, weight=weight, mean=mean)
             return
-        if work is not None and buffer.device.type != "cpu":
-            # The hooks' kernels may run on different streams (one per producing op), where one
-            # shared work tensor could be written by two at once: a fresh piece-sized one each
-            # time, from the stream-ordered caching allocator.
-            work = Scratch([(buffer.device, window.dtype, chunk_numel(buffer.shape))])
-        add_into(buffer, grad, weight=weight, mean=mean, fused=window.fused, work=work)
+        work = None
+        if needs_work(grad, dtype=window.dtype, mean=mean, fused=window.fused, owned=owned):
+            need = [(buffer.device, window.dtype, chunk_numel(buffer.shape))]
+            if buffer.device.type == "cpu":
+                # Made when a gradient first needs it (an owned one never does) and kept.
+                work = self.kept_work = Scratch.reusing(self.kept_work, need)
+            else:
+                # The hooks' kernels may run on different streams (one per producing op), where
+                # one shared work tensor could be written by two at once: a fresh piece-sized one
+                # each time, from the stream-ordered caching allocator.
+                work = Scratch(need)
+        add_into(buffer, grad, weight=weight, mean=mean, fused=window.fused, work=work, owned=owned)
         self.versions[name] = buffer._version
 
     def first_gradient(
@@ -382,10 +383,9 @@ class ZeroCopyMode(WindowMode):
 
 class _Plan:
     """A validated block: its binding and parameters, the structure found free of FSDP, the
-    weight its hooks apply (None: a zero-weight batch, nothing is added), the new W and the
-    work tensors of a reproducible mean."""
+    weight its hooks apply (None: a zero-weight batch, nothing is added) and the new W."""
 
-    __slots__ = ("binding", "new_total", "parameters", "structure", "weight", "work")
+    __slots__ = ("binding", "new_total", "parameters", "structure", "weight")
 
     def __init__(
         self,
@@ -395,14 +395,12 @@ class _Plan:
         structure: ModuleStructure | None,
         weight: float | None,
         new_total: float,
-        work: Scratch | None,
     ) -> None:
         self.binding = binding
         self.parameters = parameters
         self.structure = structure
         self.weight = weight
         self.new_total = new_total
-        self.work = work
 
 
 class Microbatch:
@@ -429,6 +427,7 @@ class Microbatch:
         self._arrived: set[str] = set()  # parameters whose gradient arrived
         self._added: list[str] = []  # those whose buffer it was added to
         self._refused: WeightedAccumulationError | None = None  # a hook's refusal spoils the block
+        self._owns = False  # whether the hooks look for gradients they may overwrite
 
     def __enter__(self) -> Microbatch:
         if self._entered:
@@ -461,6 +460,7 @@ class Microbatch:
                 handle.remove()
             raise
         self._entered = True
+        self._owns = plan.weight is not None and self._kind == "mean" and not mode.window.fused
         self._plan = plan
         self._nodes = nodes
         self._handles = handles
@@ -470,10 +470,14 @@ class Microbatch:
     def _hook_for(
         self, name: str, parameter: nn.Parameter, shape: torch.Size, device: torch.device
     ) -> Callable[[tuple[torch.Tensor | None, ...]], tuple[None]]:
+        dtype = self._mode.window.dtype
+
         def hook(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
+            # Before this frame holds a reference of its own to the gradient.
+            owned = self._owns and grads[0] is not None and hooked_gradient(grads, 0, dtype)
             grad = grads[0]
             if grad is not None:
-                self._arrive(name, parameter, grad, shape, device)
+                self._arrive(name, parameter, grad, shape, device, owned=owned)
             # Nothing for AccumulateGrad to add: the gradient is in the buffer already.
             return (None,)
 
@@ -486,6 +490,8 @@ class Microbatch:
         grad: torch.Tensor,
         shape: torch.Size,
         device: torch.device,
+        *,
+        owned: bool,
     ) -> None:
         # Checks first: a refusal here has changed nothing for this parameter.
         plan = self._plan
@@ -504,7 +510,7 @@ class Microbatch:
             grad,
             weight=plan.weight,
             mean=self._kind == "mean",
-            work=plan.work,
+            owned=owned,
         )
         self._added.append(name)
 

@@ -34,7 +34,15 @@ def test_quick_run_writes_csv_and_report(tmp_path: Path) -> None:
     header = (out / "results.csv").read_text(encoding="utf-8").splitlines()[0]
     assert header.split(",") == list(COLUMNS)
     rows = read_csv(out / "results.csv")
-    assert {row["suite"] for row in rows} == {"step", "overhead", "large", "memory", "reference"}
+    assert {row["suite"] for row in rows} == {
+        "step",
+        "overhead",
+        "large",
+        "memory",
+        "reference",
+        "shapes",
+        "decoder",
+    }
     targets = [row for row in rows if row["target"]]
     assert len(targets) >= 10
     for row in targets:

@@ -389,10 +389,11 @@ def test_a_scratch_view_is_made_once_per_shape_and_reused() -> None:
 
 def test_work_tensors_exist_only_for_two_rounding_steps_and_are_kept_on_the_cpu() -> None:
     """The buffered mode prepares a work tensor only for a step that rounds twice (a gradient of
-    another dtype converted first, or the non-fused mean's product round_D(c * w_D)): a sum of
-    gradients already in D and a fused mean of them need none. A CPU work tensor is kept and
-    reused by the next call it is large enough for (the kept_work memory cache)."""
-    module = _module([(3,), (4,), (2, 5)], nested=False)
+    another dtype converted first, or the non-fused mean's product round_D(c * w_D) of a gradient
+    the accumulator does not own, here a large one handed in by grads=): a sum of gradients
+    already in D and a fused mean of them need none. A CPU work tensor is kept and reused by the
+    next call it is large enough for (the kept_work memory cache)."""
+    module = _module([(3,), (4,), (130, 130)], nested=False)
     in_d = {name: torch.ones(p.shape) for name, p in module.named_parameters()}
     other = {name: grad.to(torch.bfloat16) for name, grad in in_d.items()}
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
