@@ -9,6 +9,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,8 +44,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _entries(path: Path) -> dict[str, object]:
+def _entries(path: Path) -> dict[str, dict[str, Any]]:
     return json.loads(path.read_text(encoding="utf-8"))["entries"]
+
+
+def _measured(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The entries without their wall-clock time: two runs of one key take different times."""
+    return {key: {k: v for k, v in e.items() if k != "milliseconds"} for key, e in entries.items()}
 
 
 @pytest.mark.slow  # one whole gate run and two shards (~2 x 40 s on 2 cores)
@@ -54,7 +60,14 @@ def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
         "--merge", str(runs / "shards"), "--update-baseline", "--baseline", str(runs / "m.json")
     )
     assert merged.returncode == 0, merged.stdout + merged.stderr
-    assert _entries(runs / "m.json") == _entries(runs / "baseline.json")
+    merged_entries = _entries(runs / "m.json")
+    assert _measured(merged_entries) == _measured(_entries(runs / "baseline.json"))
+    # A key's scenarios are split between the shards: the merge records the sum of their times.
+    shard_times: dict[str, int] = {}
+    for shard in sorted((runs / "shards").glob("*.json")):
+        for key, entry in _entries(shard).items():
+            shard_times[key] = shard_times.get(key, 0) + entry["milliseconds"]
+    assert {key: e["milliseconds"] for key, e in merged_entries.items()} == shard_times
     verdict = gate(
         "--merge", str(runs / "shards"), "--baseline", str(runs / "baseline.json"),
         "--junit-xml", str(runs / "gate.xml"), "--summary-md", str(runs / "gate.md"),
