@@ -72,7 +72,10 @@ Readings (choices where the semantics are silent; each marked ``READING n`` wher
    unchanged or broken.
 4. A ``.grad`` that the window does not own, on a parameter without a buffer: ``state_dict`` and
    ``finish_*`` refuse it (``ZeroCopyError``) only when ``issued > 0``; the parameters looked at
-   there are the ones the window last bound (the accumulator has no module argument then).
+   there are those of the module the window last bound, under the bound names, as the module
+   holds them now (the accumulator has no module argument then): a parameter re-registered as a
+   new tensor is looked at as that tensor, and when the module's trainable names changed nothing
+   is looked at (the next block's entry names the change).
 5. Where two conditions hold at once (say a broken window and an invalid weight), either class is
    accepted: the semantics order the checks of one call, not Z's own conditions against them.
 6. The accumulator's calls inside a block (``state_dict``, ``finish_sums``, ``discard``, a nested
@@ -516,22 +519,25 @@ def _record_fits(record: Mapping[str, Any], net: nn.Module) -> bool:
 
 
 def _apply_edit(net: nn.Module, op: str, target: str | None) -> bool:
-    """A ``.grad`` edit a training loop makes; returns whether it touched a ``.grad``."""
+    """A ``.grad`` edit a training loop makes; returns whether it touched the ``.grad`` of a
+    trainable parameter. A frozen parameter's ``.grad`` (a foreign tensor put there) is edited
+    too, but it is nothing a window tracks (semantics §3): editing it is no touch."""
     parameter = dict(net.named_parameters()).get(target) if target else None
+    tracked = [p for p in net.parameters() if p.requires_grad]
     if op in ("zero_none", "zero_inplace"):
-        touched = any(p.grad is not None for p in net.parameters())
+        touched = any(p.grad is not None for p in tracked)
         net.zero_grad(set_to_none=op == "zero_none")
         return touched
     if op == "clip":
         with_grad = [p for p in net.parameters() if p.grad is not None]
         if with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, max_norm=1.0)
-        return bool(with_grad)
+        return any(p.grad is not None for p in tracked)
     if parameter is None:
         return False
     if op == "foreign":
         parameter.grad = torch.full_like(parameter, 0.25)
-        return True
+        return parameter.requires_grad
     if parameter.grad is None:
         return False
     if op == "mul2":
@@ -541,7 +547,7 @@ def _apply_edit(net: nn.Module, op: str, target: str | None) -> bool:
     else:
         assert op == "none", op
         parameter.grad = None
-    return True
+    return parameter.requires_grad
 
 
 @dataclass
@@ -637,9 +643,18 @@ class TrainingLoopMachine(RuleBasedStateMachine):
             if any(p.grad is not None and n not in self.zbuf for n, p in trainable.items()):
                 faults.add(ZeroCopyError)  # a stale or foreign .grad
         elif self.acc_z.state.issued > 0:  # READING 4
-            if any(p.grad is not None and n not in self.zbuf for n, p in self.z_bound.items()):
+            looked_at = self.z_bound_now()
+            if any(p.grad is not None and n not in self.zbuf for n, p in looked_at.items()):
                 faults.add(ZeroCopyError)
         return faults
+
+    def z_bound_now(self) -> dict[str, nn.Parameter]:
+        """READING 4: the bound names' parameters as the module holds them now (a re-registered
+        parameter is looked at as its new tensor); none when the trainable names changed."""
+        if not self.z_bound:
+            return {}
+        trainable = _trainable(self.net_z)
+        return trainable if trainable.keys() == self.z_bound.keys() else {}
 
     def z_snapshot(self) -> _ZSnapshot:
         parameters = dict(self.net_z.named_parameters())
@@ -1696,3 +1711,32 @@ TrainingLoopMachine.TestCase.settings = settings(
     stateful_step_count=STEPS,
 )
 TestTrainingLoopMachine = TrainingLoopMachine.TestCase
+
+
+def test_zeroing_a_frozen_parameters_foreign_grad_inside_a_block_is_no_touch() -> None:
+    """A block whose edit only clears the ``.grad`` of a frozen parameter (a foreign tensor a
+    loop put there) is counted: the window tracks trainable parameters only (semantics §3).
+
+    The machine's model once counted that edit as a touch and expected BrokenWindowError; the
+    sequence that found it (a random seed of the nightly profile) is replayed here."""
+    machine = TrainingLoopMachine()
+    plain = Micro(
+        weight=0, kind="sum", tokens=1, seed=0, branch=False, ckpt=None, shared_outside=False,
+        thread=False, twist=None, edit_op=None, edit_target=None,
+    )  # fmt: skip
+    try:
+        machine.start(dtype=torch.float32, scale=16.0, seed=0)
+        machine.modes_agree()
+        machine.change_model(
+            after="revert", kind="requires_grad", micro=plain, param="emb", recover="load"
+        )
+        machine.modes_agree()
+        assert not dict(machine.net_z.named_parameters())["emb"].requires_grad
+        machine.edit_grads(op="foreign", param="emb")
+        machine.modes_agree()
+        zero = replace(plain, twist="edit_before", edit_op="zero_none", edit_target="lin.weight")
+        machine.microbatch_with_a_twist(micro=zero, recover="load")
+        machine.modes_agree()
+        assert machine.acc_z.state.issued == 1 and not machine.z_broken
+    finally:
+        machine.teardown()
