@@ -50,6 +50,7 @@ MIB = 2**20
 # The issue's targets (issue 21): the two-pass limit of a reproducible mean is about 1.63x.
 TARGETS = {
     "accumulate_mean (.grad)": 1.7,
+    "accumulate_mean (grads=)": 1.7,
     "accumulate_mean fused (grads=)": 1.05,
     "accumulate_sum (grads=)": 1.05,
 }
@@ -60,15 +61,17 @@ NOTES = (
     "count; `--shape-scale` scales both down). Accumulate rows: median seconds per call of a "
     "window under way; ratio = mode / one `torch._foreach_add_(bufs, grads, alpha=w)` over the "
     "same tensors in the same run. `(grads=)` hands in tensors the caller keeps (the product of "
-    "a reproducible mean goes through a piece-sized work tensor); `(.grad)` lets the accumulator "
-    "take each `.grad` (set, untimed, before each call), which it may overwrite: the product is "
-    "rounded in place, then added (two passes). `finish_mean` is timed alone after a window was "
-    "filled. Zero-copy rows: median seconds of a backward handing each parameter its gradient "
-    "(`p * 1.0`, graph built untimed) inside a `microbatch` block, ratio = mode / the same "
-    "backward accumulating into `.grad`. Memory rows: peak gradient memory of a two-microbatch "
-    "window (the `memory` suite's definition), ratio = mode / that plain backward. `piece size` "
-    "rows: `accumulate_mean (grads=)` on one 4096 x 4096 matrix with the work tensor's pieces "
-    "set to 2**k elements (the shipped size is 2**20), beside the in-place `(.grad)` path."
+    "a reproducible mean goes through a piece-sized work tensor); `(.grad)` lets the accumulator"
+    " take each `.grad` (set, untimed, before each call), which it may overwrite: the product is"
+    " rounded in place and added piece by piece (`accumulate_sum (.grad)` takes the gradients "
+    "the same way: the cost of taking and freeing them). `finish_mean` is timed alone after a "
+    "window was filled. Zero-copy rows: median seconds of a backward handing each parameter its "
+    "gradient (`p * 1.0`, graph built untimed) inside a `microbatch` block, ratio = mode / the "
+    "same backward accumulating into `.grad`. Memory rows: peak gradient memory of a two-"
+    "microbatch window (the `memory` suite's definition), ratio = mode / that plain backward. "
+    "`piece size` rows: `accumulate_mean` on one 4096 x 4096 matrix with its pieces set to 2**k "
+    "elements (the shipped size is 2**20), through the work tensor `(grads=)` and in place "
+    "`(.grad)`; 2**24 is the whole matrix at once."
 )
 
 
@@ -267,9 +270,14 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
         for parameter, grad in zip(parameters, grad_list, strict=True):
             parameter.grad = grad.clone()
 
-    taking, finishing = accumulator(), accumulator()
+    taking, taking_sum, finishing = accumulator(), accumulator(), accumulator()
     second: dict[str, Timed] = {
         FLOOR: floor,
+        # The sum takes .grad too: its ratio is what taking (and freeing) the gradients costs,
+        # so the mean's minus it is the product's own cost.
+        "accumulate_sum (.grad)": Timed(
+            lambda: taking_sum.accumulate_sum(model, WEIGHT), setup=set_grads
+        ),
         "accumulate_mean (.grad)": Timed(
             lambda: taking.accumulate_mean(model, WEIGHT), setup=set_grads
         ),
@@ -400,9 +408,10 @@ def _with_piece(elements: int, call: Callable[[], object]) -> Callable[[], objec
 
 
 def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
-    """The piece size of a reproducible mean the accumulator does not own: ``accumulate_mean``
-    with ``grads=`` on one 4096 x 4096 matrix (a Llama-7B projection) with pieces of 2**14 to
-    2**24 elements, beside the in-place two passes (``.grad`` taken) and the floor."""
+    """The piece size of a reproducible mean: ``accumulate_mean`` on one 4096 x 4096 matrix (a
+    Llama-7B projection) with pieces of 2**14 to 2**24 elements (the whole matrix), with
+    ``grads=`` (the product goes through a work tensor) and on the ``.grad`` it takes (the
+    product is written into the gradient), beside the floor."""
     rows_, columns = (64, 64) if quick else (4096, 4096)
     layer_set = LayerSet("piece size", (("w", (rows_, columns)),), f"{rows_} x {columns}")
     model = ShapeModel(layer_set, real=False)
@@ -419,14 +428,16 @@ def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
         modes[f"accumulate_mean (grads=), pieces of 2**{exponent}"] = Timed(
             _with_piece(2**exponent, call)
         )
-    taking = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
 
     def set_grad() -> None:
         parameter.grad = grad_list[0].clone()
 
-    modes["accumulate_mean (.grad)"] = Timed(
-        lambda: taking.accumulate_mean(model, WEIGHT), setup=set_grad
-    )
+    for exponent in (10, 12) if quick else (18, 20, 22, 24):
+        taking = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+        call = partial(taking.accumulate_mean, model, WEIGHT)
+        modes[f"accumulate_mean (.grad), pieces of 2**{exponent}"] = Timed(
+            _with_piece(2**exponent, call), setup=set_grad
+        )
     medians = interleaved_medians(modes, device="cpu", repeats=repeats)
     return [
         _row(layer_set.case, mode, seconds, medians[FLOOR], floor=FLOOR)

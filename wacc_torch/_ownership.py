@@ -1,12 +1,13 @@
 """Whether an incoming gradient is the accumulator's to overwrite (semantics §6 Reading).
 
-A reproducible mean needs ``t = round_D(g * w_D)`` in a tensor of its own before ``buf + t``.
-When nothing but the accumulator can see ``g`` — a ``.grad`` it takes out of the module, a
-gradient autograd hands a zero-copy hook — ``g.mul_(w_D)`` is that tensor: two passes over memory
-and no work tensor. "Nothing else can see it" is checked, not assumed: a dense, writable,
-contiguous, ordinary tensor of D whose Python object, tensor and storage are referenced no more
-often than a probe's that nothing else holds (a reference kept by the caller, a view of it, the
-same tensor as another parameter's ``.grad``, memory shared with numpy or a buffer all count).
+A reproducible mean needs ``t = round_D(g * w_D)`` in a tensor of its own before ``buf + t``. When
+nothing but the accumulator can see ``g`` — a ``.grad`` it takes out of the module, a gradient
+autograd hands a zero-copy hook — ``g.mul_(w_D)`` is that tensor: no work tensor, and each piece's
+product is added while it is still in cache. "Nothing else can see it" is checked, not assumed: a
+dense, writable, contiguous, ordinary tensor of D whose Python object, tensor and storage are
+referenced no more often than a probe's that nothing else holds (a reference kept by the caller, a
+view of it, the same tensor as another parameter's ``.grad``, memory shared with numpy or a buffer
+all count).
 """
 
 from __future__ import annotations

@@ -76,8 +76,11 @@ def add_into(
     if not needs_work(grad, dtype=dtype, mean=mean, fused=fused, owned=owned):
         if mean and not fused:
             # Owned and in D: t = round_D(g * w_D) in place (the kernel of the pieces below,
-            # so the same bits), then one add: two passes over memory, no work tensor.
-            buffer.add_(grad.mul_(weight))
+            # so the same bits), then the add, piece by piece: each product is added while it
+            # is still in cache (the whole tensor at once is two full passes, slower on large
+            # tensors: the `shapes` suite's piece-size rows), and no work tensor is needed.
+            for buffer_piece, grad_piece in pieces(buffer, grad):
+                buffer_piece.add_(grad_piece.mul_(weight))
         elif mean:  # fused, gradient already in D
             buffer.add_(grad, alpha=weight)
         else:

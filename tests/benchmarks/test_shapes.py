@@ -27,15 +27,19 @@ def test_the_layer_sets_have_the_published_parameter_counts() -> None:
 
 
 def test_quick_shapes_rows_cover_every_case_and_mode() -> None:
-    """A quick run gives, per layer set, the floor and the five buffered modes, the plain
-    backward and two zero-copy blocks, and four memory rows; the zero-copy memory of a mean is
-    the plain backward's (no work tensor when autograd's gradient is owned)."""
+    """A quick run gives, per layer set, the floor and the six buffered modes, the plain
+    backward and two zero-copy blocks, and four memory rows, then the piece sizes of both mean
+    paths; the zero-copy memory of a mean is the plain backward's (no work tensor when
+    autograd's gradient is owned)."""
     rows = shapes.run(QUICK)
-    assert len(rows) == 3 * (6 + 3 + 4) + 4
+    assert len(rows) == 3 * (7 + 3 + 4) + 5
     pieces = [row for row in rows if row.case.startswith("piece size")]
-    assert [row.mode for row in pieces[1:3]] == [
+    assert [row.mode for row in pieces] == [
+        shapes.FLOOR,
         "accumulate_mean (grads=), pieces of 2**10",
         "accumulate_mean (grads=), pieces of 2**12",
+        "accumulate_mean (.grad), pieces of 2**10",
+        "accumulate_mean (.grad), pieces of 2**12",
     ]
     modes = {row.mode for row in rows}
     assert {
@@ -43,6 +47,7 @@ def test_quick_shapes_rows_cover_every_case_and_mode() -> None:
         "accumulate_sum (grads=)",
         "accumulate_mean (grads=)",
         "accumulate_mean fused (grads=)",
+        "accumulate_sum (.grad)",
         "accumulate_mean (.grad)",
         "finish_mean",
         shapes.PLAIN,

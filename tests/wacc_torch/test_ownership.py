@@ -29,12 +29,12 @@ from wacc_ref.arith import add_rounded, conv_array, mul_rounded
 from wacc_ref.formats import conv_to
 from wacc_torch import WeightedGradientsAccumulator
 from wacc_torch._ownership import taken_gradient
-from wacc_torch._work import CHUNK_ELEMENTS
+from wacc_torch._work import CHUNK_ELEMENTS, piece_count
 from wacc_torch.buffered import BufferedMode
 from wacc_torch.zero_copy import ZeroCopyMode
 
 WEIGHTS = (3.0, 1001.0, 0.1)
-# More than CHUNK_ELEMENTS elements: the pieces' path cuts it, the owned path does not.
+# More than CHUNK_ELEMENTS elements: both paths (a work tensor, or in place) cut it in pieces.
 LARGE = (CHUNK_ELEMENTS // 1000 + 3, 1000)
 
 
@@ -188,8 +188,9 @@ def test_a_grad_someone_else_can_see_is_never_changed() -> None:
 
 
 def test_an_unheld_grad_is_multiplied_in_place_and_no_work_tensor_is_made() -> None:
-    """Nothing else holding the ``.grad``: the accumulator writes round_D(g * w_D) into it (seen
-    through a weak reference's target before it is dropped) and makes no work tensor."""
+    """Nothing else holding the ``.grad``: the accumulator writes round_D(g * w_D) into it, piece
+    by piece (each piece seen when it is added, before the tensor is dropped), and makes no work
+    tensor."""
     module = One(LARGE, torch.float32)
     grad = torch.randn(LARGE, generator=torch.Generator().manual_seed(3))
     expected = torch.mul(grad, 3.0)
@@ -210,8 +211,9 @@ def test_an_unheld_grad_is_multiplied_in_place_and_no_work_tensor_is_made() -> N
         accumulator.accumulate_mean(module, 3.0)
     finally:
         torch.Tensor.add_ = real_add  # type: ignore[method-assign]
-    assert len(seen) == 1
-    assert_bitwise_equal(seen[0], expected, "the product written into the taken .grad")
+    # Piece by piece (LARGE is more than one piece): each product is added from the .grad.
+    assert len(seen) == piece_count(torch.Size(LARGE)) > 1
+    assert_bitwise_equal(torch.cat(seen), expected, "the product written into the taken .grad")
     mode = accumulator._mode
     assert isinstance(mode, BufferedMode) and mode.kept_work is not None
     assert mode.kept_work._sizes == {}
