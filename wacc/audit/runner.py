@@ -283,12 +283,15 @@ def run_audit(
     *,
     dtype: str = "float32",
     progress: Callable[[int], Callable[[], None]] | None = None,
+    isolate: bool = False,
 ) -> AuditResult:
-    """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring)."""
+    """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring); with
+    ``isolate``, each loop in a process of its own (:mod:`wacc.audit.isolation`: a built-in
+    loop or a ``module:function`` spec, which the worker imports again)."""
     torch_dtype = DTYPES[dtype]
     runnable = [a for a in adapters if a.unavailable() is None]
     total = sum(
-        3 * len(windows) + 1 + (a.checkpoint is None) + a.loss_scale + 2 * (a.fp16 is None)
+        3 * len(windows) + (a.checkpoint is None) + a.loss_scale + 2 * (a.fp16 is None)
         for a in runnable
     )
     tick = progress(total) if progress else (lambda: None)
@@ -303,6 +306,14 @@ def run_audit(
             if missing is not None:
                 fact.status = missing
                 cells.extend(Cell(adapter.name, w.name, status=missing) for w in windows)
+                continue
+            if isolate:
+                from wacc.audit.isolation import run_isolated
+
+                isolated = run_isolated(adapter, windows, dtype=dtype, tick=tick)
+                for name, value in isolated.facts.items():
+                    setattr(fact, name, value)
+                cells.extend(isolated.cells)
                 continue
             for index, window in enumerate(windows):
                 cell = Cell(adapter.name, window.name, true_count=window.total_targets)

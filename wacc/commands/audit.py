@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for audit.md, audit.csv, audit.png (default: ./wacc-audit)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--in-process", action="store_true",
+        help="run every loop in this process (default: each in a fresh Python process, since "
+        "frameworks leave global state behind; in-process is faster, for debugging a loop)",
+    )  # fmt: skip
 
 
 def _progress(quiet: bool) -> Callable[[int], Callable[[], None]]:
@@ -121,7 +126,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     windows = [build_window(w) for w in dict.fromkeys(args.windows)]
-    result = run_audit(adapters, windows, dtype=args.dtype, progress=_progress(args.quiet))
+    result = run_audit(
+        adapters, windows, dtype=args.dtype, progress=_progress(args.quiet),
+        isolate=not args.in_process,
+    )  # fmt: skip
     print(render_table(result))
     write_markdown(result, args.out / "audit.md")
     write_csv(result, args.out / "audit.csv")

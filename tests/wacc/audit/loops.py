@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from wacc.audit.protocol import LoopRun, LoopTask
@@ -50,3 +52,28 @@ def fp16_no_scaler(task: LoopTask) -> LoopRun:
 
 
 fp16_no_scaler.fp16 = True  # type: ignore[attr-defined]
+
+
+LEAK = "WACC_TEST_LEAKED_BY_A_LOOP"
+
+
+def leaves_state(task: LoopTask) -> LoopRun:
+    """``equal_weighting``, leaving global state behind as frameworks do (an environment
+    variable and torch's default dtype)."""
+    run = equal_weighting(task)
+    os.environ[LEAK] = "1"
+    torch.set_default_dtype(torch.float64)
+    return run
+
+
+def needs_clean_state(task: LoopTask) -> LoopRun:
+    """``equal_weighting``, refusing to run after a loop left its state in this process."""
+    if LEAK in os.environ or torch.get_default_dtype() != torch.float32:
+        raise RuntimeError("another loop's state is in this process")
+    return equal_weighting(task)
+
+
+def dies(task: LoopTask) -> LoopRun:
+    """A loop that takes its process down (a native crash, a launcher's exit)."""
+    print("the framework gave up here", flush=True)
+    os._exit(3)
