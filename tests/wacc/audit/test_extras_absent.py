@@ -26,3 +26,13 @@ def test_lightning_absent_is_a_not_installed_row(
     result = run_audit([adapter, ADAPTERS["nanogpt"]], [build_window("equal")])
     assert [c.status for c in result.cells] == ["not installed", "ok"]
     assert result.facts[0].status == "not installed"
+
+
+def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `keras` unimportable (None in sys.modules: its spec is not found), the Keras adapter
+    reports "not installed" without trying an import, and the audit gives the row."""
+    monkeypatch.setitem(sys.modules, "keras", None)
+    adapter = ADAPTERS["keras"]
+    assert adapter.unavailable() == "not installed"
+    result = run_audit([adapter], [build_window("equal")])
+    assert [c.status for c in result.cells] == ["not installed"]
