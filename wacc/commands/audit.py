@@ -36,6 +36,7 @@ _BUILTIN = (
     "accelerate-variable",
     "lightning",
     "lightning-manual",
+    "deepspeed",
     "timm",
     "nanogpt",
     "plain",

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from wacc.audit.adapters import accelerate, lightning, nanogpt, plain, timm, trainer, wacc_torch
+from wacc.audit.adapters import (
+    accelerate,
+    deepspeed,
+    lightning,
+    nanogpt,
+    plain,
+    timm,
+    trainer,
+    wacc_torch,
+)
 from wacc.audit.protocol import Adapter
 
 __all__ = ["ADAPTERS"]
@@ -22,6 +31,7 @@ ADAPTERS: dict[str, Adapter] = {
         accelerate.VARIABLE,
         lightning.AUTOMATIC,
         lightning.MANUAL,
+        deepspeed.ADAPTER,
         timm.ADAPTER,
         nanogpt.ADAPTER,
         plain.ADAPTER,
