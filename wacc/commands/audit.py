@@ -37,6 +37,7 @@ _BUILTIN = (
     "lightning",
     "lightning-manual",
     "keras",
+    "deepspeed",
     "timm",
     "nanogpt",
     "plain",

@@ -3,6 +3,7 @@ framework hidden, so it holds whether or not the extra is installed here)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -36,3 +37,20 @@ def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch) ->
     assert adapter.unavailable() == "not installed"
     result = run_audit([adapter], [build_window("equal")])
     assert [c.status for c in result.cells] == ["not installed"]
+
+
+def test_deepspeed_absent_is_a_quiet_not_installed_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With `deepspeed` unimportable, its adapter (whose import check runs on DeepSpeed's CPU
+    accelerator) reports "not installed", prints nothing, leaves DS_ACCELERATOR as it was, and
+    the audit gives a row per window saying so."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    adapter = ADAPTERS["deepspeed"]
+    assert adapter.unavailable() == "not installed"
+    assert "DS_ACCELERATOR" not in os.environ
+    result = run_audit([adapter, ADAPTERS["nanogpt"]], [build_window("equal")])
+    assert [c.status for c in result.cells] == ["not installed", "ok"]
+    assert result.facts[0].status == "not installed"
+    assert capsys.readouterr() == ("", "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from wacc.audit.adapters import (
     accelerate,
+    deepspeed,
     keras,
     lightning,
     nanogpt,
@@ -32,6 +33,7 @@ ADAPTERS: dict[str, Adapter] = {
         lightning.AUTOMATIC,
         lightning.MANUAL,
         keras.ADAPTER,
+        deepspeed.ADAPTER,
         timm.ADAPTER,
         nanogpt.ADAPTER,
         plain.ADAPTER,
