@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from wacc.audit.adapters import accelerate, lightning, nanogpt, plain, timm, trainer, wacc_torch
+from wacc.audit.adapters import (
+    accelerate,
+    lightning,
+    nanogpt,
+    peft_lora,
+    plain,
+    pytorch_native,
+    timm,
+    trainer,
+    trl_sft,
+    wacc_torch,
+)
 from wacc.audit.protocol import Adapter
 
 __all__ = ["ADAPTERS"]
@@ -22,6 +33,13 @@ ADAPTERS: dict[str, Adapter] = {
         accelerate.VARIABLE,
         lightning.AUTOMATIC,
         lightning.MANUAL,
+        peft_lora.LORA_GPT2,
+        peft_lora.LORA_LLAMA,
+        trl_sft.PADDING,
+        trl_sft.PADDING_FP32,
+        trl_sft.PACKING,
+        pytorch_native.TORCHTUNE,
+        pytorch_native.TORCHTITAN,
         timm.ADAPTER,
         nanogpt.ADAPTER,
         plain.ADAPTER,
