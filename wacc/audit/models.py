@@ -1,6 +1,7 @@
 """The tiny models the audit trains: hub-style model classes built from configs (``transformers``'
 GPT-2, Llama, Qwen2, GPT-NeoX and OPT causal LMs, a BERT masked LM and a T5 seq2seq model, a few
-thousand parameters each) and a plain ``nn.Module`` causal LM.
+thousand parameters each), two of them with PEFT LoRA adapters (``lora-gpt2``, ``lora-llama``) and
+a plain ``nn.Module`` causal LM.
 
 Each model belongs to a *family* (:class:`Family`) that says what a microbatch of the window is for
 it, how its logits are computed and which labels its loss counts, so that every family gets its
@@ -18,6 +19,15 @@ own float64 truth (:mod:`wacc.audit.truth`) on the same target counts:
   as pad, which is what ``T5ForConditionalGeneration`` builds from ``labels`` itself.
 
 Every family keeps the window's per-microbatch target counts exactly (the truth checks it).
+
+A LoRA model (``peft.get_peft_model``) is its base model's exact weights (a copy of the
+``gpt2`` / ``llama`` model) with rank-``LORA_RANK`` adapters on PEFT's default target modules for
+that architecture, every base weight frozen: only the adapters train, and the truth is the gradient
+of exactly those (:mod:`wacc.audit.truth` differentiates the trainable parameters).  The adapters
+are built with ``init_lora_weights=False``: PEFT's default zeroes ``B``, so ``A``'s gradient
+(``B^T``-weighted) would be exactly zero at the audited point and half of the adapters' gradient
+would compare zero with zero; with both factors at ``nn.Linear``'s default init every adapter
+parameter has a nonzero gradient.  ``lora_dropout=0`` (dropout is off everywhere).
 
 Every model is created in float32 from a fixed seed, then converted to the audited dtype; the truth
 uses a float64 copy of *that* converted model (exact: every narrower float is a float64), so the
@@ -40,6 +50,7 @@ encoder have the same length in the audit's windows).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,6 +300,27 @@ def _t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
+LORA_RANK = 4
+
+
+def _lora(base: str) -> Callable[[], nn.Module]:
+    """A factory for ``base``'s model with LoRA adapters (module docstring; needs ``peft``)."""
+
+    def build() -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            task_type="CAUSAL_LM", r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+            init_lora_weights=False, fan_in_fan_out=base == "gpt2",  # GPT-2's Conv1D layers
+        )  # fmt: skip
+        with warnings.catch_warnings():  # PEFT's own deprecation notices, not the caller's
+            warnings.simplefilter("ignore")
+            model: nn.Module = get_peft_model(copy.deepcopy(_base(base)), config)
+        return model
+
+    return build
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A named model: ``build(dtype)`` gives a fresh copy, identical weights on every call."""
@@ -330,6 +362,8 @@ MODEL_KINDS: dict[str, ModelSpec] = {
     "opt": ModelSpec("opt", _opt),  # OPTForCausalLM, hidden 16, 1 layer (transformers)
     "bert": ModelSpec("bert", _bert, "masked"),  # BertForMaskedLM, hidden 16 (transformers)
     "t5": ModelSpec("t5", _t5, "seq2seq"),  # T5ForConditionalGeneration, d_model 16 (transformers)
+    "lora-gpt2": ModelSpec("lora-gpt2", _lora("gpt2")),  # gpt2 + LoRA on c_attn (needs peft)
+    "lora-llama": ModelSpec("lora-llama", _lora("llama")),  # llama + LoRA on q/v_proj (peft)
     "plain": ModelSpec("plain", TinyCausalLM),
 }
 """Models by name."""

@@ -130,7 +130,8 @@ class LoopTask:
                 self.fetched_at_first_backward = len(set(self.fetch_log))
 
         for parameter in model.parameters():
-            parameter.register_hook(note)  # observes only: returns None, the gradient is unchanged
+            if parameter.requires_grad:  # a frozen one (a LoRA model's base) takes no hook
+                parameter.register_hook(note)  # observes only: returns None, unchanged gradient
         return model
 
     def record_gradients(self, model: nn.Module) -> None:
@@ -172,9 +173,13 @@ class Adapter:
     checkpoint: str | None  # None: offers a mid-window checkpoint call; else why not
     run: Callable[[LoopTask], LoopRun]
     fp16: str | None = "no float16 mode"  # None: runs its float16 path when task.fp16; else why not
+    unsupported: str | None = None  # why this loop is never run here (its rows say so)
 
     def unavailable(self) -> str | None:
-        """None when every required module imports; else "not installed" / "not importable: …"."""
+        """None when every required module imports; else "not run: …" (``unsupported``), "not
+        installed" or "not importable: …"."""
+        if self.unsupported is not None:
+            return f"not run: {self.unsupported}"
         for module in self.requires:
             try:
                 importlib.import_module(module)

@@ -9,6 +9,11 @@ microbatch, the forward and the labels the loss counts are the model family's
 masked LM and for a seq2seq decoder (fed the labels shifted right); the family's prepared
 microbatch must count exactly the window's ``n_k`` (checked).
 
+The gradient is that of the model's *trainable* parameters (``requires_grad``), in
+``named_parameters`` order: every parameter for a model trained whole, only the adapters for a
+LoRA model (whose frozen base weights get no gradient from any loop; the runner compares the
+loops' gradients on exactly these names).
+
 float64-clean: a model that casts to float32 internally (e.g. an RMSNorm computed in float32)
 makes a float64 copy only float32-accurate.  Every torch function called in the float64 forward is
 watched (``torch.overrides.TorchFunctionMode``); one whose floating result is not float64 is listed:
@@ -87,7 +92,7 @@ def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
     """The truth for ``window`` on ``spec``'s model converted to ``dtype``, then float64."""
     model: nn.Module = spec.build(dtype).to(torch.float64)
     model.train()
-    names = tuple(n for n, _ in model.named_parameters())
+    names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
     family = spec.loss_family
     watcher = _CastWatcher()
     sums: list[NDArray[np.float64]] = []
@@ -104,7 +109,7 @@ def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
             raise ArithmeticError(f"window {window.name}: the float64 loss is {loss_sum.item()}")
         loss_sum.backward()
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-                 for n, p in model.named_parameters()}  # fmt: skip
+                 for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
         sums.append(flatten(grads, names))
     own_loss = _CastWatcher()
     with own_loss, torch.no_grad():

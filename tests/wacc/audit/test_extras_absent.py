@@ -54,3 +54,29 @@ def test_deepspeed_absent_is_a_quiet_not_installed_row(
     assert [c.status for c in result.cells] == ["not installed", "ok"]
     assert result.facts[0].status == "not installed"
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("loop", ["peft-lora-gpt2", "trl-sft", "trl-sft-packing"])
+def test_hf_extras_absent_are_not_installed_rows(
+    monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """With `peft` / `trl` unimportable, the PEFT and TRL adapters report "not installed"."""
+    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setitem(sys.modules, "trl", None)
+    assert ADAPTERS[loop].unavailable() == "not installed"
+
+
+@pytest.mark.parametrize(
+    ("loop", "reason"),
+    [("torchtune", "torchao.dtypes.nf4tensor"), ("torchtitan", "datasets<4.8")],
+)
+def test_torchtune_and_torchtitan_are_rows_saying_why_not(loop: str, reason: str) -> None:
+    """torchtune and torchtitan are never run: each gives a row per window whose status says
+    why (the import that fails, the pin that would downgrade the extras), whether or not the
+    package is installed, next to a loop that runs."""
+    adapter = ADAPTERS[loop]
+    status = adapter.unavailable()
+    assert status is not None and status.startswith("not run: ") and reason in status
+    result = run_audit([adapter, ADAPTERS["nanogpt"]], [build_window("equal")])
+    assert [c.status for c in result.cells] == [status, "ok"]
+    assert result.facts[0].status == status
