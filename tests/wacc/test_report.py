@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.wacc.test_report_audit import make_audit_folder
 from wacc.errors import UsageError
 from wacc.report.previous import read_rows
 from wacc.report.rows import IMPLEMENTATIONS
@@ -32,13 +33,19 @@ FIGURES = (
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def audit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``wacc audit`` folder (a failing loop and one that raises) for the report's section."""
+    return make_audit_folder(tmp_path_factory.mktemp("audit") / "wacc-audit")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, audit: Path) -> tuple[Path, str]:
     """A quick report written by the real command, with a user's implementation that diverges
-    (so the command exits 1) and compared with the committed report."""
+    (so the command exits 1), compared with the committed report, with an audit's section."""
     out = tmp_path_factory.mktemp("report") / "wacc-report"
     result = subprocess.run(
         [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out), "--impl", USER,
-         "--compare-to", str(PREVIOUS)],
+         "--compare-to", str(PREVIOUS), "--audit", str(audit)],
         cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr  # the user's rows fail
@@ -61,6 +68,20 @@ def test_index_has_provenance_the_headline_table_and_every_figure(report: Path) 
             assert f"| {dtype} | `{name}` | cpu |" in index
     for figure in FIGURES:
         assert f"(figures/{figure})" in index
+
+
+def test_index_has_the_audits_section_and_figure(report: Path, audit: Path) -> None:
+    """The audit folder's table is a section of index.md (its loops, its provenance) and its
+    figure is copied beside the report's own, byte for byte."""
+    index = (report / "index.md").read_text(encoding="utf-8")
+    section = index.split("## Training frameworks (`wacc audit`)", 1)[1].split("\n## ", 1)[0]
+    with (audit / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        records = list(csv.DictReader(handle))
+    for loop in {r["loop"] for r in records}:
+        assert f"| {loop} |" in section
+    assert f"commit `{records[0]['wacc_commit']}`" in section
+    assert "(figures/audit.png)" in section
+    assert (report / "figures" / "audit.png").read_bytes() == (audit / "audit.png").read_bytes()
 
 
 def test_index_lists_what_each_implementation_lacks(report: Path) -> None:

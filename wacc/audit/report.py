@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import csv
 import math
-import platform
 from pathlib import Path
 
-import torch
-
+from wacc.audit.provenance import PROVENANCE_COLUMNS, AuditProvenance
 from wacc.audit.runner import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
 
-__all__ = ["cell_rows", "fact_rows", "render_table", "write_csv", "write_markdown"]
+__all__ = ["CSV_COLUMNS", "cell_rows", "fact_rows", "render_table", "write_csv", "write_markdown"]
 
 CELL_COLUMNS = (
     "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
@@ -164,8 +162,8 @@ compute" when the path never ran in float16 (accelerate, and so Trainer, off-GPU
 """
 
 
-def write_markdown(result: AuditResult, path: Path) -> None:
-    """``audit.md``: environment, windows, both tables, how to read them, notes."""
+def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance) -> None:
+    """``audit.md``: provenance, windows, both tables, how to read them, notes."""
     notes = [f"- `{f.adapter.name}`: {n}" for f in result.facts for n in dict.fromkeys(f.notes)]
     paths = [
         f"- `{f.adapter.name}` — {f.adapter.title} (checked: {f.adapter.checked or 'n/a'}): "
@@ -175,8 +173,7 @@ def write_markdown(result: AuditResult, path: Path) -> None:
     text = "\n\n".join(
         [
             "# wacc audit",
-            f"dtype **{result.dtype}**, torch {torch.__version__}, Python "
-            f"{platform.python_version()}, {platform.machine()}.",
+            f"dtype **{result.dtype}**; {provenance.line()}",
             "Windows (target tokens per microbatch): "
             + "; ".join(f"`{w.describe()}`" for w in result.windows),
             "## Per loop and window",
@@ -191,18 +188,23 @@ def write_markdown(result: AuditResult, path: Path) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
-def write_csv(result: AuditResult, path: Path) -> None:
-    """``audit.csv``: one row per loop × window, full precision, the loop's facts repeated."""
+CSV_COLUMNS = (
+    "loop", "window", "status", "verdict", "version", "model", "dtype", "rel_l2",
+    "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
+    "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
+    "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
+    "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts",
+    *PROVENANCE_COLUMNS,
+)  # fmt: skip
+"""``audit.csv``'s columns, the run's provenance on every row."""
+
+
+def write_csv(result: AuditResult, path: Path, provenance: AuditProvenance) -> None:
+    """``audit.csv``: one row per loop × window, full precision, the loop's facts and the run's
+    provenance repeated."""
     facts = {f.adapter.name: f for f in result.facts}
-    fields = [
-        "loop", "window", "status", "verdict", "version", "model", "dtype", "rel_l2",
-        "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
-        "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
-        "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
-        "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts",
-    ]  # fmt: skip
     with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for c in result.cells:
             f = facts[c.adapter]
@@ -224,5 +226,6 @@ def write_csv(result: AuditResult, path: Path) -> None:
                     "fixed_loss_scale": f.loss_scale, "fp16_overflow": f.fp16,
                     "truth_casts": ";".join(f.truth_casts),
                     "loss_casts": ";".join(f.loss_casts),
+                    **provenance.columns(),
                 }
             )  # fmt: skip

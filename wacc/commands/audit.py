@@ -1,8 +1,9 @@
 """Audit training loops: does the gradient a real framework hands its optimizer equal the exact
 full-batch gradient on unequal microbatches?
 
-Runs each loop's real public code path (transformers.Trainer, accelerate, the pixparse/timm loop,
-plain PyTorch, wacc_torch, or your own as module:function) on the same windows and compares the
+Runs each loop's real public code path (transformers.Trainer, accelerate, Lightning, Keras,
+DeepSpeed, PEFT, TRL, nanoGPT, the pixparse/timm loop, plain PyTorch, wacc_torch, or your own as
+module:function), each in a fresh Python process, on the same windows and compares the
 gradient captured right before the optimizer step with the float64 truth.  Writes a table to
 stdout and audit.md, audit.csv and audit.png to --out; progress goes to stderr.  A framework that
 is not installed is a row saying so.  Exit 0 when every loop that ran passes, 1 when one fails
@@ -15,7 +16,9 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from wacc.errors import UsageError
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: {exc.strerror}") from None
 
     from wacc.audit.plot import plot_errors
+    from wacc.audit.provenance import collect_provenance
     from wacc.audit.report import render_table, write_csv, write_markdown
     from wacc.audit.runner import run_audit
     from wacc.audit.windows import build_window
@@ -135,13 +139,16 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     windows = [build_window(w) for w in dict.fromkeys(args.windows)]
+    provenance = collect_provenance()
+    started = time.perf_counter()
     result = run_audit(
         adapters, windows, dtype=args.dtype, progress=_progress(args.quiet),
         isolate=not args.in_process,
     )  # fmt: skip
     print(render_table(result))
-    write_markdown(result, args.out / "audit.md")
-    write_csv(result, args.out / "audit.csv")
+    provenance = replace(provenance, wall_seconds=time.perf_counter() - started)
+    write_markdown(result, args.out / "audit.md", provenance)
+    write_csv(result, args.out / "audit.csv", provenance)
     plot_errors(result, args.out / "audit.png")
     print(f"\nwrote {args.out / 'audit.md'}, audit.csv, audit.png", file=sys.stderr)
     failed = [

@@ -12,12 +12,15 @@ Your own implementation: --impl IMPL (repeatable; module:attr or path/to/file.py
 `wacc check`) judges it on the same corpus next to wacc_torch, in the headline, the CSV, the
 replay files and the figures that sweep (error/bound by window length, relative error vs skew,
 the overflow map: a marker wherever it loses the mean that wacc_torch keeps). --compare-to DIR
-puts a previous report's headline (from DIR/divergence.csv) next to this one's.
+puts a previous report's headline (from DIR/divergence.csv) next to this one's. --audit DIR makes
+a `wacc audit --out` folder (its audit.csv and audit.png) the report's section on training
+frameworks.
 
 examples:
   wacc report                          # ./wacc-report/index.md, default corpus, CPU
   wacc report --quick --out /tmp/r     # every plot, about a minute on 2 cores
   wacc report --impl mypkg.acc:make --compare-to last-report/
+  wacc report --audit reports/audit    # with the committed `wacc audit` run as a section
   wacc report --device all --full      # nightly size, CPU and CUDA
 
 exit codes: 0 = report written (divergences of the baselines are findings, not failures),
@@ -67,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-to", type=Path, metavar="DIR",
         help="a previous report's folder: its headline next to this one's",
     )  # fmt: skip
+    parser.add_argument(
+        "--audit", type=Path, metavar="DIR",
+        help="a `wacc audit --out` folder: its table and figure become the report's section on "
+        "training frameworks (the repository's committed run: reports/audit)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -95,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
             f"--compare-to: no divergence.csv in {str(args.compare_to)!r} (a folder `wacc "
             "report` wrote)"
         )
+    audit = None
+    if args.audit is not None:
+        from wacc.report.audit_section import read_audit
+
+        audit = read_audit(args.audit)
     devices = _devices(args.device)
     from tqdm import tqdm
 
@@ -234,9 +247,15 @@ def run(args: argparse.Namespace) -> int:
     if previous is not None:
         changes = compare_headlines(rows, previous)
         compared = (str(args.compare_to), COMPARISON_HEADER, comparison_rows(changes))
+    audit_lines = None
+    if audit is not None:
+        from wacc.report.audit_section import audit_markdown, copy_figure
+
+        figure = copy_figure(audit, out / "figures")
+        audit_lines = audit_markdown(audit, figure.relative_to(out).as_posix())
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
-        replay_files=replay_files, compared=compared,
+        replay_files=replay_files, compared=compared, audit=audit_lines,
         unsupported={name: [i.unsupported(f) for f in i.missing] for name, i in loaded.items()},
     )  # fmt: skip
     table = [

@@ -160,10 +160,11 @@ def write_index(
     replay_files: int,
     unsupported: Mapping[str, Sequence[str]] | None = None,
     compared: tuple[str, Sequence[str], Sequence[Sequence[str]]] | None = None,
+    audit: Sequence[str] | None = None,
 ) -> Path:
     """``index.md``: provenance, the headline table (and, with ``compared`` = (the previous
     report's folder, a header, rows), the same lines next to the previous report's), each
-    figure with what it shows."""
+    figure with what it shows, and ``audit``'s lines (the training-frameworks section)."""
     parts = ["# wacc report", "", *provenance.lines(), ""]
     parts += [
         "## Headline",
@@ -238,6 +239,7 @@ def write_index(
                     shown = ", ".join(f"{label}: {n}" for label, n in sorted(counts.items()))
                     parts.append(f"| {device} | {dtype} | {shown} |")
         parts.append("")
+    parts += list(audit or ())
     parts += [
         "## Files",
         "",

@@ -1,0 +1,171 @@
+"""``wacc report --audit DIR``: a ``wacc audit`` folder read back strictly into the report's section
+on training frameworks (``wacc.report.audit_section``); the section inside a real report is
+checked by ``test_report.py``."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wacc.audit.plot import plot_errors
+from wacc.audit.protocol import user_adapter
+from wacc.audit.provenance import collect_provenance
+from wacc.audit.report import CSV_COLUMNS, write_csv, write_markdown
+from wacc.audit.runner import run_audit
+from wacc.audit.windows import build_window
+from wacc.errors import UsageError
+from wacc.report.audit_section import COLUMNS, audit_markdown, read_audit
+
+REPO = Path(__file__).resolve().parents[2]
+LOOPS = REPO / "tests" / "wacc" / "audit" / "loops.py"
+
+
+def make_audit_folder(folder: Path) -> Path:
+    """What ``wacc audit --out folder`` writes, for a failing loop (equal weighting) and one that
+    does not run, on two windows (the command's own writers, in this process)."""
+    adapters = [user_adapter(f"{LOOPS}:equal_weighting"), user_adapter(f"{LOOPS}:raises")]
+    result = run_audit(adapters, [build_window("unequal"), build_window("equal")])
+    folder.mkdir(parents=True, exist_ok=True)
+    provenance = collect_provenance()
+    write_markdown(result, folder / "audit.md", provenance)
+    write_csv(result, folder / "audit.csv", provenance)
+    plot_errors(result, folder / "audit.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def audit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_audit_folder(tmp_path_factory.mktemp("audit") / "wacc-audit")
+
+
+def _records(folder: Path) -> list[dict[str, str]]:
+    with (folder / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_section_reads_only_columns_the_audit_writes() -> None:
+    """Every column the section reads is one ``wacc audit`` writes."""
+    assert set(COLUMNS) <= set(CSV_COLUMNS)
+
+
+def test_the_section_shows_each_loop_and_window_as_the_csv_has_it(audit: Path) -> None:
+    """One table row per loop; a failing window shows FAIL with the float64 run's relative L2
+    error from the CSV, a loop that raised shows its status; the provenance is stated."""
+    run = read_audit(audit)
+    records = _records(audit)
+    text = "\n".join(audit_markdown(run, "figures/audit.png"))
+    failing = next(r for r in records if r["verdict"] == "FAIL")
+    assert failing["window"] == "unequal"
+    expected = f"**FAIL** {float(failing['f64_rel_l2']):.3g}"
+    loop = failing["loop"]
+    row = next(line for line in text.splitlines() if line.startswith(f"| {loop} |"))
+    assert row.split(" | ")[2:4] == [expected, "pass"]  # unequal fails, the equal control passes
+    raised = next(line for line in text.splitlines() if line.startswith(f"| {LOOPS}:raises |"))
+    assert raised.split(" | ")[2:4] == ["error", "error"]
+    assert f"commit `{records[0]['wacc_commit']}`" in text
+    assert "1 of 2 loops fail a window" in text
+    assert "![wacc audit](figures/audit.png)" in text
+
+
+def _corrupt(audit: Path, tmp_path: Path, line: int, column: str, value: str) -> Path:
+    folder = tmp_path / "corrupt"
+    shutil.copytree(audit, folder)
+    records = _records(audit)
+    records[line - 2][column] = value
+    with (folder / "audit.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("line", "column", "value", "why"),
+    [
+        (2, "f64_rel_l2", "large", "is not a number"),
+        (3, "f64_rel_l2", "-1.0", "is negative"),
+        (2, "tokens_counted", "many", "is not a number"),
+        (2, "tokens_true", "-3", "is not a count"),
+        (2, "tokens_true", "2.5", "is not a count"),
+        (3, "dtype", "float8", "differs from line 2's"),
+        (2, "dtype", "float8", "is not one of"),
+        (2, "verdict", " ", "is empty"),
+        (2, "loop", "", "is empty"),
+        (4, "wacc_commit", "abc", "differs from line 2's"),
+        (3, "wall_seconds", "soon", "differs from line 2's"),
+    ],
+)
+def test_every_field_the_section_reads_is_checked(
+    audit: Path, tmp_path: Path, line: int, column: str, value: str, why: str
+) -> None:
+    """A bad field is a UsageError naming the file, the line, the column and the value."""
+    folder = _corrupt(audit, tmp_path, line, column, value)
+    with pytest.raises(UsageError) as raised:
+        read_audit(folder)
+    message = str(raised.value)
+    assert f"line {line}, column {column}: {value!r} {why}" in message
+    assert str(folder / "audit.csv") in message
+
+
+def test_a_provenance_field_that_is_bad_on_every_row_is_refused(
+    audit: Path, tmp_path: Path
+) -> None:
+    """A field the same on every row (the run's provenance) is checked too, not only compared."""
+    folder = tmp_path / "bad"
+    shutil.copytree(audit, folder)
+    records = _records(audit)
+    for record in records:
+        record["wall_seconds"] = "soon"
+        record["dtype"] = "float8"
+    with (folder / "audit.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    with pytest.raises(UsageError, match="column dtype: 'float8' is not one of"):
+        read_audit(folder)
+
+
+@pytest.mark.parametrize("damage", ["no png", "no column", "no rows", "short row", "binary"])
+def test_a_folder_that_is_not_an_audit_is_refused(audit: Path, tmp_path: Path, damage: str) -> None:
+    """A missing figure or CSV, a missing column, no rows, a short row or undecodable bytes: one
+    UsageError each, never a traceback."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(audit, folder)
+    table = folder / "audit.csv"
+    lines = table.read_text(encoding="utf-8").splitlines()
+    if damage == "no png":
+        (folder / "audit.png").unlink()
+    elif damage == "no column":
+        header = lines[0].split(",")
+        lines[0] = ",".join(["wacc_commitment" if h == "wacc_commit" else h for h in header])
+        table.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    elif damage == "no rows":
+        table.write_text(lines[0] + "\n", encoding="utf-8")
+    elif damage == "short row":
+        table.write_text("\n".join([lines[0], "loop,window"]) + "\n", encoding="utf-8")
+    else:
+        table.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(UsageError, match="^--audit: "):
+        read_audit(folder)
+
+
+def test_a_bad_audit_folder_is_answered_at_once_by_the_command(tmp_path: Path) -> None:
+    """``wacc report --audit`` with a folder that holds no audit: exit 2, one line, before the
+    corpus runs."""
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(tmp_path / "r"),
+         "--audit", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and "holds no audit.csv and audit.png" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "r").exists()
+    assert time.perf_counter() - started < 60  # no corpus was judged (a quick one takes minutes)

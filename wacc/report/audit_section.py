@@ -1,0 +1,194 @@
+"""The report's section on training frameworks: a ``wacc audit --out`` folder read back.
+
+``wacc report --audit DIR`` puts that audit's table and figure into ``index.md`` (the repository
+keeps its committed run in ``reports/audit/``). ``DIR/audit.csv`` is read strictly — every field
+the section shows, and the run's provenance, each checked: a bad one is a
+:class:`~wacc.errors.UsageError` naming the file, the line, the column and the value — and
+``DIR/audit.png`` is copied next to the report's figures. Light: csv and pathlib only, so a bad
+folder is answered before the judge is imported."""
+
+from __future__ import annotations
+
+import csv
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from wacc.errors import UsageError
+
+__all__ = ["AuditRun", "AuditRow", "audit_markdown", "copy_figure", "read_audit"]
+
+# What the section reads of audit.csv (wacc.audit.report.CSV_COLUMNS has them all: tested).
+COLUMNS = (
+    "loop", "window", "verdict", "version", "dtype", "f64_rel_l2", "tokens_counted",
+    "tokens_true", "mid_window_resume", "wacc_version", "wacc_commit", "date", "machine",
+    "torch", "python", "wall_seconds",
+)  # fmt: skip
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One loop on one window, as the section shows it."""
+
+    loop: str
+    window: str
+    verdict: str  # pass | FAIL | the status of a loop that did not run
+    version: str
+    f64_rel_l2: float
+    tokens_counted: float | None
+    tokens_true: int
+    mid_window_resume: str
+
+
+@dataclass(frozen=True)
+class AuditRun:
+    """A ``wacc audit`` folder's rows and the run's provenance."""
+
+    folder: Path
+    rows: tuple[AuditRow, ...]
+    dtype: str
+    provenance: dict[str, str]
+
+
+def _fail(path: Path, line: int, column: str, value: str, why: str) -> UsageError:
+    return UsageError(f"--audit: {path} line {line}, column {column}: {value!r} {why}")
+
+
+def _number(path: Path, line: int, column: str, value: str, *, empty: bool = False) -> float:
+    if empty and value == "":
+        return math.nan
+    try:
+        number = float(value)
+    except ValueError:
+        raise _fail(path, line, column, value, "is not a number") from None
+    if number < 0 and not math.isnan(number):
+        raise _fail(path, line, column, value, "is negative")
+    return number
+
+
+def _text(path: Path, line: int, column: str, value: str) -> str:
+    if not value.strip():
+        raise _fail(path, line, column, value, "is empty")
+    return value
+
+
+def read_audit(folder: Path) -> AuditRun:
+    """``folder/audit.csv`` checked field by field (module docstring); ``folder/audit.png``
+    must exist. Raises :class:`UsageError` naming what is wrong."""
+    path = folder / "audit.csv"
+    if not path.is_file() or not (folder / "audit.png").is_file():
+        raise UsageError(
+            f"--audit: {str(folder)!r} holds no audit.csv and audit.png (a folder `wacc audit "
+            f"--out` wrote)"
+        )
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+            if missing:
+                raise UsageError(
+                    f"--audit: {path} has no column {missing[0]!r} (written by a wacc before "
+                    f"0.2, or not by `wacc audit`: run the audit again)"
+                )
+            records = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise UsageError(f"--audit: {path}: {exc}") from None
+    if not records:
+        raise UsageError(f"--audit: {path} has no rows")
+    rows = []
+    first = records[0]
+    for line, record in enumerate(records, start=2):
+        if None in record or any(v is None for v in record.values()):
+            raise UsageError(f"--audit: {path} line {line}: not as many fields as columns")
+        for column in ("dtype", *COLUMNS[9:]):
+            if record[column] != first[column]:
+                raise _fail(path, line, column, record[column], f"differs from line 2's "
+                            f"{first[column]!r}: one audit per folder")  # fmt: skip
+        if record["dtype"] not in _DTYPES:
+            raise _fail(path, line, "dtype", record["dtype"], f"is not one of {_DTYPES}")
+        counted = _number(path, line, "tokens_counted", record["tokens_counted"], empty=True)
+        true = record["tokens_true"]
+        if not true.isdigit():
+            raise _fail(path, line, "tokens_true", true, "is not a count")
+        rows.append(
+            AuditRow(
+                loop=_text(path, line, "loop", record["loop"]),
+                window=_text(path, line, "window", record["window"]),
+                verdict=_text(path, line, "verdict", record["verdict"]),
+                version=record["version"],
+                f64_rel_l2=_number(path, line, "f64_rel_l2", record["f64_rel_l2"]),
+                tokens_counted=None if math.isnan(counted) else counted,
+                tokens_true=int(true),
+                mid_window_resume=record["mid_window_resume"],
+            )
+        )
+    for column in COLUMNS[9:]:
+        _text(path, 2, column, first[column])
+    _number(path, 2, "wall_seconds", first["wall_seconds"])
+    return AuditRun(
+        folder=folder,
+        rows=tuple(rows),
+        dtype=first["dtype"],
+        provenance={column: first[column] for column in COLUMNS[9:]},
+    )
+
+
+def _cell(row: AuditRow) -> str:
+    if row.verdict == "pass":
+        return "pass"
+    if row.verdict == "FAIL":
+        return f"**FAIL** {row.f64_rel_l2:.3g}"
+    return row.verdict.split(":")[0]  # not installed, not run, error
+
+
+def audit_markdown(run: AuditRun, figure: str) -> list[str]:
+    """The section's lines: provenance, one row per loop, the figure."""
+    windows = list(dict.fromkeys(row.window for row in run.rows))
+    loops = list(dict.fromkeys(row.loop for row in run.rows))
+    by = {(row.loop, row.window): row for row in run.rows}
+    first_window = windows[0]
+    p = run.provenance
+    failing = sorted({row.loop for row in run.rows if row.verdict == "FAIL"})
+    lines = [
+        "## Training frameworks (`wacc audit`)",
+        "",
+        f"From `{run.folder.as_posix()}`: wacc {p['wacc_version']} at commit `{p['wacc_commit']}`, "
+        f"{p['date']}, {p['machine']}, torch {p['torch']}, Python {p['python']}, dtype "
+        f"{run.dtype}; wall time {float(p['wall_seconds']):.0f} s. Each loop's real code path "
+        "hands its optimizer a gradient, compared with the exact float64 gradient of the mean "
+        "token loss over the whole window; a window's cell is the verdict with the relative L2 "
+        "error of the loop's float64 run (what the loop computes, free of rounding). "
+        f"`tokens` is what the loop divided by on the `{first_window}` window against the true "
+        f"count. {len(failing)} of {len(loops)} loops fail a window. The audit's own "
+        "`audit.md` has every column and the cause of each failure.",
+        "",
+        "| loop | version | " + " | ".join(windows) + " | tokens | mid-window resume |",
+        "|" + "---|" * (len(windows) + 4),
+    ]
+    for loop in loops:
+        rows = [by.get((loop, w)) for w in windows]
+        head = next(r for r in rows if r is not None)
+        first = by.get((loop, first_window))
+        tokens = "-"
+        if first is not None and first.verdict in ("pass", "FAIL"):
+            tokens = (
+                "per-microbatch mean"
+                if first.tokens_counted is None
+                else f"{first.tokens_counted:g}/{first.tokens_true}"
+            )
+        resume = head.mid_window_resume.replace("|", "\\|") or "-"
+        cells = [_cell(r) if r is not None else "-" for r in rows]
+        lines.append(
+            f"| {loop} | {head.version or '-'} | " + " | ".join(cells) + f" | {tokens} | {resume} |"
+        )
+    lines += ["", f"![wacc audit]({figure})", ""]
+    return lines
+
+
+def copy_figure(run: AuditRun, figures: Path) -> Path:
+    """``audit.png`` into the report's figure folder."""
+    target = figures / "audit.png"
+    shutil.copyfile(run.folder / "audit.png", target)
+    return target
