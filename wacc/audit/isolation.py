@@ -50,15 +50,23 @@ def _resolve(name: str) -> Adapter:
 
 
 def run_isolated(
-    adapter: Adapter, windows: Sequence[Window], *, dtype: str, tick: Callable[[], None]
+    adapter: Adapter,
+    windows: Sequence[Window],
+    *,
+    dtype: str,
+    tick: Callable[[], None],
+    threads: int | None = None,
 ) -> Isolated:
-    """Audit ``adapter`` on ``windows`` in a worker process (module docstring); the worker's
-    failure to report is an error cell per window, never an exception here."""
+    """Audit ``adapter`` on ``windows`` in a worker process (module docstring), with ``threads``
+    torch threads (None: torch's default); the worker's failure to report is an error cell per
+    window, never an exception here."""
     with tempfile.TemporaryDirectory(prefix="wacc-audit-worker-") as tmp:
         folder = Path(tmp)
         request, result, log = folder / "request.pickle", folder / "result.pickle", folder / "log"
         with request.open("wb") as stream:
-            pickle.dump({"adapter": adapter.name, "windows": list(windows), "dtype": dtype}, stream)
+            request_data = {"adapter": adapter.name, "windows": list(windows), "dtype": dtype,
+                            "threads": threads}  # fmt: skip
+            pickle.dump(request_data, stream)
         read, write = os.pipe()
         try:
             with log.open("wb") as output:
@@ -100,6 +108,10 @@ def _worker(request_path: Path, result_path: Path, tick_fd: int) -> None:
 
     with request_path.open("rb") as source:
         request = pickle.load(source)
+    if request["threads"] is not None:
+        import torch
+
+        torch.set_num_threads(request["threads"])
     adapter = _resolve(request["adapter"])
     with os.fdopen(tick_fd, "wb", buffering=0) as out:
 

@@ -284,10 +284,14 @@ def run_audit(
     dtype: str = "float32",
     progress: Callable[[int], Callable[[], None]] | None = None,
     isolate: bool = False,
+    jobs: int = 1,
 ) -> AuditResult:
     """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring); with
     ``isolate``, each loop in a process of its own (:mod:`wacc.audit.isolation`: a built-in
-    loop or a ``module:function`` spec, which the worker imports again)."""
+    loop or a ``module:function`` spec, which the worker imports again), ``jobs`` of them at a
+    time (each with the machine's cores shared out: torch threads = cores // jobs)."""
+    if jobs < 1 or (jobs > 1 and not isolate):
+        raise ValueError(f"jobs must be 1, or >= 1 with isolate=True; got {jobs}")
     torch_dtype = DTYPES[dtype]
     runnable = [a for a in adapters if a.unavailable() is None]
     total = sum(
@@ -297,6 +301,8 @@ def run_audit(
     tick = progress(total) if progress else (lambda: None)
     facts: list[LoopFacts] = []
     cells: list[Cell] = []
+    if isolate:
+        return _isolated(adapters, windows, dtype=dtype, tick=tick, jobs=jobs)
     with tempfile.TemporaryDirectory(prefix="wacc-audit-") as tmp:
         runner = _Runner(torch_dtype, Path(tmp), tick)
         for adapter in adapters:
@@ -306,14 +312,6 @@ def run_audit(
             if missing is not None:
                 fact.status = missing
                 cells.extend(Cell(adapter.name, w.name, status=missing) for w in windows)
-                continue
-            if isolate:
-                from wacc.audit.isolation import run_isolated
-
-                isolated = run_isolated(adapter, windows, dtype=dtype, tick=tick)
-                for name, value in isolated.facts.items():
-                    setattr(fact, name, value)
-                cells.extend(isolated.cells)
                 continue
             for index, window in enumerate(windows):
                 cell = Cell(adapter.name, window.name, true_count=window.total_targets)
@@ -325,6 +323,46 @@ def run_audit(
                     if index == 0:
                         fact.notes.append(f"{window.name}: {cell.status}")
             fact.fp16 = _fp16_fact(runner, adapter)
+    return AuditResult(dtype=dtype, windows=list(windows), facts=facts, cells=cells)
+
+
+def _isolated(
+    adapters: Sequence[Adapter],
+    windows: Sequence[Window],
+    *,
+    dtype: str,
+    tick: Callable[[], None],
+    jobs: int,
+) -> AuditResult:
+    """:func:`run_audit` with each loop in a worker process, ``jobs`` at a time, the results in
+    the order of ``adapters``."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wacc.audit.isolation import Isolated, run_isolated
+
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    facts = [LoopFacts(adapter=a, version=a.version(), model=a.model) for a in adapters]
+    outcomes: list[Isolated | None] = [None] * len(adapters)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {}
+        for index, adapter in enumerate(adapters):
+            missing = adapter.unavailable()
+            if missing is not None:
+                absent = [Cell(adapter.name, w.name, status=missing) for w in windows]
+                outcomes[index] = Isolated(facts={"status": missing}, cells=absent)
+                continue
+            futures[index] = pool.submit(
+                run_isolated, adapter, windows, dtype=dtype, tick=tick, threads=threads
+            )
+        for index, future in futures.items():
+            outcomes[index] = future.result()
+    cells: list[Cell] = []
+    for fact, outcome in zip(facts, outcomes, strict=True):
+        assert outcome is not None
+        for name, value in outcome.facts.items():
+            setattr(fact, name, value)
+        cells.extend(outcome.cells)
     return AuditResult(dtype=dtype, windows=list(windows), facts=facts, cells=cells)
 
 

@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
+        "--jobs", type=int, default=1, metavar="N",
+        help="loops run at a time, each in its own process with the cores shared out (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--in-process", action="store_true",
         help="run every loop in this process (default: each in a fresh Python process, since "
         "frameworks leave global state behind; in-process is faster, for debugging a loop)",
@@ -104,6 +108,11 @@ def _progress(quiet: bool) -> Callable[[int], Callable[[], None]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the audit; see the module docstring for the exit codes."""
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: must be at least 1")
+    if args.jobs > 1 and args.in_process:
+        raise UsageError(f"--jobs {args.jobs} runs loops in processes of their own: not with "
+                         "--in-process")  # fmt: skip
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a directory")
     # Imported here: torch and the frameworks are slow to import and only this command needs them.
@@ -143,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = run_audit(
         adapters, windows, dtype=args.dtype, progress=_progress(args.quiet),
-        isolate=not args.in_process,
+        isolate=not args.in_process, jobs=args.jobs,
     )  # fmt: skip
     print(render_table(result))
     provenance = replace(provenance, wall_seconds=time.perf_counter() - started)

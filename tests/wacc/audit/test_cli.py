@@ -63,10 +63,14 @@ def test_a_failing_user_loop_exits_1(tmp_path: Path) -> None:
         ["--dtype", "float8"],
         ["nocolon:"],
         ["no_such_module_xyz:run"],
+        ["plain", "--jobs", "0"],
+        ["plain", "--jobs", "two"],
+        ["plain", "--jobs", "2", "--in-process"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
-    """Unknown framework, window or dtype, and a bad module:function: one line, exit 2."""
+    """Unknown framework, window or dtype, a bad module:function, a number of jobs below one or
+    not a number, or jobs with --in-process: one line, exit 2."""
     done = _wacc(*args, "--out", str(tmp_path))
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and "error" in done.stderr

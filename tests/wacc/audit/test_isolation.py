@@ -76,9 +76,11 @@ def test_in_one_process_the_same_loops_interfere(restored: None) -> None:
 
 def test_a_loop_that_kills_its_process_is_a_row_and_the_audit_goes_on() -> None:
     """A process that exits without a result gives each of its windows an error naming the exit
-    code and the last line it printed; the loops after it still run."""
+    code and the last line it printed; the loops beside it still run (two at a time here: the
+    results in the order the loops were given)."""
     windows = [build_window("unequal"), build_window("equal")]
-    result = run_audit([loop("dies"), loop("equal_weighting")], windows, isolate=True)
+    result = run_audit([loop("dies"), loop("equal_weighting")], windows, isolate=True, jobs=2)
+    assert [f.adapter.name for f in result.facts] == [f"{LOOPS}:dies", f"{LOOPS}:equal_weighting"]
     died = [c for c in result.cells if c.adapter.endswith(":dies")]
     expected = "error: the loop's process exited with code 3: the framework gave up here"
     assert [c.status for c in died] == [expected, expected]
@@ -100,6 +102,14 @@ def _facts(result: AuditResult) -> list[dict[str, object]]:
         )
         for facts in result.facts
     ]
+
+
+def test_jobs_need_processes_of_their_own() -> None:
+    """More than one job at a time only with isolate (loops in one process cannot overlap)."""
+    with pytest.raises(ValueError, match="jobs"):
+        run_audit([loop("equal_weighting")], [build_window("equal")], jobs=2)
+    with pytest.raises(ValueError, match="jobs"):
+        run_audit([loop("equal_weighting")], [build_window("equal")], isolate=True, jobs=0)
 
 
 def test_a_loop_in_its_own_process_reports_what_it_reports_in_this_one(restored: None) -> None:
