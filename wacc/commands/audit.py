@@ -49,6 +49,7 @@ _BUILTIN = (
     "torchtune",
     "torchtitan",
     "timm",
+    "pixparse",
     "nanogpt",
     "plain",
     "wacc_torch-mean",

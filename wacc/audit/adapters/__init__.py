@@ -45,6 +45,7 @@ ADAPTERS: dict[str, Adapter] = {
         pytorch_native.TORCHTUNE,
         pytorch_native.TORCHTITAN,
         timm.ADAPTER,
+        timm.PIXPARSE,
         nanogpt.ADAPTER,
         plain.ADAPTER,
         wacc_torch.MEAN,

@@ -9,7 +9,11 @@ defaults (initial scale 2**16) and takes no scale argument.  Checkpoint: the mod
 ``NativeScaler.state_dict()``.  Written against timm 1.0.31 but NOT run here: timm imports
 torchvision, which must be a build matching the installed torch (the registry's torchvision for
 torch 2.13 is CUDA-only and fails to import on a CPU torch: the audit then reports timm "not
-importable").  Float16 (``task.fp16``): pixparse's ``amp`` path — the forward under
+importable").  The ``pixparse`` loop is its stand-in here: the same loop with
+:class:`NativeScaler`, ``timm.utils.NativeScaler`` (``timm/utils/cuda.py``, timm 1.0.x) restated
+on ``torch.amp.GradScaler`` without its gradient clipping (pixparse's ``clip_grad_value`` is off by
+default), so that the loop the project started from runs without torchvision.  Float16
+(``task.fp16``): pixparse's ``amp`` path — the forward under
 ``torch.autocast("cpu", dtype=torch.float16)``, the same ``NativeScaler`` call (its
 ``GradScaler.step`` skips the update on NaN/inf and backs off), ``SGD(lr=task.learning_rate)``;
 the scale before/after is ``NativeScaler._scaler.get_scale()``.  Not run here either.
@@ -17,25 +21,63 @@ the scale before/after is ``NativeScaler._scaler.get_scale()``.  Not run here ei
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from wacc.audit.models import logits_of
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["ADAPTER"]
+__all__ = ["ADAPTER", "PIXPARSE", "NativeScaler"]
 
 
-def run(task: LoopTask) -> LoopRun:
-    """The pixparse loop of the module docstring."""
-    from timm.utils import NativeScaler
+class NativeScaler:
+    """``timm.utils.NativeScaler`` as timm 1.0.x writes it, without the clipping branch: a
+    ``torch.amp.GradScaler`` that scales each loss for its backward and, when ``need_update``,
+    steps the optimizer (which unscales first, and skips the step on NaN/inf) and updates."""
+
+    state_dict_key = "amp_scaler"
+
+    def __init__(self, device: str = "cuda") -> None:
+        self._scaler = torch.amp.GradScaler(device=device)
+
+    def __call__(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        parameters: object = None,
+        create_graph: bool = False,
+        need_update: bool = True,
+    ) -> None:
+        self._scaler.scale(loss).backward(create_graph=create_graph)
+        if need_update:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+
+    def state_dict(self) -> dict[str, object]:
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self._scaler.load_state_dict(state_dict)
+
+
+def _timm_scaler() -> NativeScaler:
+    from timm.utils import NativeScaler as TimmScaler
+
+    scaler: NativeScaler = TimmScaler(device="cpu")
+    return scaler
+
+
+def run(task: LoopTask, make_scaler: Callable[[], NativeScaler] = _timm_scaler) -> LoopRun:
+    """The pixparse loop of the module docstring, with timm's ``NativeScaler`` (or the
+    stand-in's, ``make_scaler``)."""
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, NativeScaler]:
         model = task.build_model()
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
         task.hook_optimizer(optimizer, model)
-        scaler = NativeScaler(device="cpu")
-        return model, optimizer, scaler
+        return model, optimizer, make_scaler()
 
     model, optimizer, scaler = fresh()
     before = float(scaler._scaler.get_scale()) if task.fp16 else 0.0  # the wrapped GradScaler
@@ -43,7 +85,7 @@ def run(task: LoopTask) -> LoopRun:
     accum_steps = task.num_microbatches
     for index in range(len(data)):
         if task.checkpoint_after == index:
-            path = task.workdir / "timm_checkpoint.pt"
+            path = task.workdir / "pixparse_checkpoint.pt"
             torch.save({"model": model.state_dict(), "scaler": scaler.state_dict()}, path)
             model, optimizer, scaler = fresh()
             state = torch.load(path, weights_only=True)
@@ -73,5 +115,23 @@ ADAPTER = Adapter(
     loss_scale=False,
     checkpoint=None,
     run=run,
+    fp16=None,
+)
+
+
+def _pixparse(task: LoopTask) -> LoopRun:
+    return run(task, lambda: NativeScaler(device="cpu"))
+
+
+PIXPARSE = Adapter(
+    name="pixparse",
+    title="pixparse loss /= accum_steps + NativeScaler (timm's, restated: no torchvision)",
+    requires=("torch",),
+    model="plain",
+    code_path="loss /= accum_steps; NativeScaler(..., need_update=last) as timm.utils writes it",
+    checked="torch 2.13.0 (timm.utils.NativeScaler of timm 1.0.x restated)",
+    loss_scale=False,
+    checkpoint=None,
+    run=_pixparse,
     fp16=None,
 )
