@@ -168,19 +168,21 @@ def _header(
     )
     if fact is not None:
         row = (
-            f"the mid-window resume of {adapter.name} (window {window.name}): resumed rel L2 "
-            f"{fact.resume_rel_l2:.12g} (run in {dtype}, as here)."
+            f"Reproduces the mid-window resume of {adapter.name} in `wacc audit --dtype {dtype}` "
+            f"(window {window.name}): resumed rel L2 {fact.resume_rel_l2:.12g} (run in {dtype}, "
+            "as here)."
         )
     else:
         assert cell is not None
         row = (
-            f"row {adapter.name} / {window.name}: f64 rel L2 {cell.semantic_rel_l2:.12g} "
-            f"(printed here), {dtype} run {cell.rel_l2:.6g}."
+            f"Reproduces the `wacc audit --dtype {dtype}` row {adapter.name} / {window.name}: "
+            f"f64 rel L2 {cell.semantic_rel_l2:.12g} (printed here), {dtype} run "
+            f"{cell.rel_l2:.6g}."
         )
     paragraphs = [
         what,
         f"Code path: {adapter.code_path}.",
-        f"Reproduces `wacc audit --dtype {dtype}`: {row}",
+        row,
         f"Generated with Python {platform.python_version()}, {_versions(template)}.",
     ]
     return '"""' + "\n".join(textwrap.fill(p, width=96) for p in paragraphs) + '\n"""'
@@ -247,7 +249,7 @@ def _model(spec: ModelSpec, dtype: str) -> tuple[list[str], str]:
         arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         imports = [f"from transformers import {kind.__name__}, {type(base).__name__}"]
         source = "\nconfig = " + kind.__name__ + "(\n    "
-        source += "\n    ".join(textwrap.wrap(arguments, width=92)) + "\n)\n"
+        source += "\n    ".join(textwrap.wrap(arguments + ",", width=92)) + "\n)\n"
         make = f"{type(base).__name__}(config)"
     source += f"""
 
