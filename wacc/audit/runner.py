@@ -102,6 +102,7 @@ class LoopFacts:
     needs_total: str = ""
     resume: str = ""
     resume_rel_l2: float = math.nan
+    resume_after: int | None = None  # microbatches run before the mid-window checkpoint
     loss_scale: str = ""
     fp16: str = ""  # what its float16 path does with a window in which one microbatch overflows
     notes: list[str] = field(default_factory=list)
@@ -397,9 +398,10 @@ def _audit_cell(
     if adapter.checkpoint is not None:
         fact.resume = f"n/a: {adapter.checkpoint}"
     else:
+        fact.resume_after = k // 2
         try:
             _, resumed_run, resumed = runner.once(
-                adapter, window, dtype=runner.dtype, checkpoint_after=k // 2
+                adapter, window, dtype=runner.dtype, checkpoint_after=fact.resume_after
             )
             fact.resume_rel_l2 = relative_l2(resumed, truth.gradient)
             same = gradient_hash(resumed) == cell.digest

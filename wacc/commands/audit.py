@@ -6,8 +6,9 @@ DeepSpeed, PEFT, TRL, nanoGPT, the pixparse/timm loop, plain PyTorch, wacc_torch
 module:function), each in a fresh Python process, on the same windows and compares the
 gradient captured right before the optimizer step with the float64 truth.  Writes a table to
 stdout and audit.md, audit.csv and audit.png to --out; progress goes to stderr.  A framework that
-is not installed is a row saying so.  Exit 0 when every loop that ran passes, 1 when one fails
-(a verdict FAIL, a run that raised, or two runs that differ), 2 on bad usage.
+is not installed is a row saying so.  With --repro DIR, also one standalone script per failure
+(wacc.audit.repro).  Exit 0 when every loop that ran passes, 1 when one fails (a verdict FAIL, a
+run that raised, or two runs that differ), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("wacc-audit"), metavar="DIR",
         help="directory for audit.md, audit.csv, audit.png (default: ./wacc-audit)",
     )  # fmt: skip
+    parser.add_argument(
+        "--repro", type=Path, metavar="DIR",
+        help="also write DIR/<loop>-<window>.py per FAIL row (and <loop>-<window>-resume.py per "
+        "lost mid-window resume): a standalone script (torch and the framework, no wacc) that "
+        "prints the framework's gradient error against the exact float64 gradient",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--jobs", type=int, default=1, metavar="N",
@@ -114,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs > 1 and args.in_process:
         raise UsageError(f"--jobs {args.jobs} runs loops in processes of their own: not with "
                          "--in-process")  # fmt: skip
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    directories = [("--out", args.out)] + ([("--repro", args.repro)] if args.repro else [])
+    for option, directory in directories:
+        if directory.exists() and not directory.is_dir():
+            raise UsageError(f"{option} {directory}: exists and is not a directory")
     # Imported here: torch and the frameworks are slow to import and only this command needs them.
     from wacc.audit.adapters import ADAPTERS
     from wacc.audit.protocol import Adapter, user_adapter
@@ -133,10 +142,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"unknown framework {name!r}; built-in: {', '.join(ADAPTERS)}, or module:function"
             )
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out}: {exc.strerror}") from None
+    for option, directory in directories:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"{option} {directory}: {exc.strerror}") from None
 
     from wacc.audit.plot import plot_errors
     from wacc.audit.provenance import collect_provenance
@@ -161,6 +171,14 @@ def run(args: argparse.Namespace) -> int:
     write_csv(result, args.out / "audit.csv", provenance)
     plot_errors(result, args.out / "audit.png")
     print(f"\nwrote {args.out / 'audit.md'}, audit.csv, audit.png", file=sys.stderr)
+    if args.repro:
+        from wacc.audit.repro import write_reproducers
+
+        written, notes = write_reproducers(result, args.repro)
+        for note in notes:
+            print(f"no reproducer: {note}", file=sys.stderr)
+        plural = "" if len(written) == 1 else "s"
+        print(f"wrote {len(written)} reproducer{plural} to {args.repro}", file=sys.stderr)
     failed = [
         c for c in result.cells
         if c.status.startswith("error") or c.verdict == "FAIL" or c.deterministic is False

@@ -1,0 +1,260 @@
+"""Reproducers: per failing audit row, one standalone script that shows the failure outside wacc.
+
+``wacc audit --repro DIR`` writes ``DIR/<loop>-<window>.py`` for every FAIL cell and
+``DIR/<loop>-<window>-resume.py`` for every loop whose mid-window resume lost the pending gradient
+(measured on the audit's first window).  A script imports torch, the framework and the standard
+library only: it holds the window's token ids as literals, builds the model from its config (the
+audit's plain causal LM written out) with wacc's model seed, computes the exact gradient (the
+float64 gradient of the window's mean token loss on a float64 copy of the model) and runs the
+framework's accumulation the framework's way (:mod:`wacc.audit.repro_templates`), then prints the
+relative L2 error of the gradient the framework hands its optimizer, and the token counts.
+
+Which number it reproduces, and why it can match: the model has the audit's weights (same class,
+config and seed; the weights rounded to the audit's dtype first, as the audit does) and the
+window's data, so a cell's script runs the framework in float64 (``DTYPE``) and prints the row's
+float64-run error (``f64_rel_l2`` in ``audit.csv``), the error of the loop's weighting alone: the
+same float64 operations as the audit's float64 run, its exact side differing from the audit's
+truth only in the order of K float64 additions.  Setting ``DTYPE = torch.float32`` gives the
+float32 run (the table's ``rel L2``), which adds rounding.  A resume script runs in the audit's
+dtype, as the audit's resumed run did, and prints the ``resumed rel L2``.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wacc.audit.models import MASK_TOKEN, MODEL_KINDS, MODEL_SEED, PAD_TOKEN, POSITIONS, ModelSpec
+from wacc.audit.protocol import Adapter
+from wacc.audit.repro_templates import LOOPS, LoopTemplate
+from wacc.audit.repro_templates.common import EXACT, FAMILIES, GRADIENT, PLAIN_MODEL, RESULT
+from wacc.audit.runner import AuditResult, Cell, LoopFacts
+from wacc.audit.windows import IGNORE_INDEX, Window
+
+__all__ = ["LOST", "Reproducer", "write_reproducers"]
+
+_STDLIB = frozenset(sys.stdlib_module_names)
+LOST = "pending gradient lost"  # the runner's resume fact that gets a reproducer
+
+
+@dataclass(frozen=True)
+class Reproducer:
+    """One script written, and the audit's number it prints."""
+
+    path: Path
+    loop: str
+    window: str
+    resume: bool  # a mid-window resume fact (else a FAIL cell)
+    dtype: str  # what the script computes in
+    expected: float  # the row's number: f64_rel_l2, or resumed rel L2
+
+
+def write_reproducers(result: AuditResult, directory: Path) -> tuple[list[Reproducer], list[str]]:
+    """Write the reproducers of ``result`` into ``directory`` (module docstring); returns them
+    and one note per failure that has none (a loop without a template)."""
+    windows = {w.name: w for w in result.windows}
+    facts = {f.adapter.name: f for f in result.facts}
+    written: list[Reproducer] = []
+    notes: list[str] = []
+    for cell in result.cells:
+        if cell.verdict != "FAIL":
+            continue
+        template = LOOPS.get(cell.adapter)
+        if template is None:
+            notes.append(f"{cell.adapter} / {cell.window}: no reproducer template for this loop")
+            continue
+        fact = facts[cell.adapter]
+        path = directory / f"{cell.adapter}-{cell.window}.py"
+        text = _script(result.dtype, fact.adapter, windows[cell.window], template, cell=cell)
+        path.write_text(text, encoding="utf-8")
+        written.append(
+            Reproducer(path, cell.adapter, cell.window, False, "float64", cell.semantic_rel_l2)
+        )
+    first = result.windows[0] if result.windows else None
+    for fact in result.facts:
+        if fact.status != "ok" or fact.resume != LOST or first is None:
+            continue
+        template = LOOPS.get(fact.adapter.name)
+        if template is None or template.resume is None or fact.resume_after is None:
+            notes.append(f"{fact.adapter.name}: no reproducer for its mid-window resume")
+            continue
+        path = directory / f"{fact.adapter.name}-{first.name}-resume.py"
+        path.write_text(_script(result.dtype, fact.adapter, first, template, fact=fact), "utf-8")
+        written.append(
+            Reproducer(path, fact.adapter.name, first.name, True, result.dtype, fact.resume_rel_l2)
+        )
+    return written, notes
+
+
+def _script(
+    dtype: str,
+    adapter: Adapter,
+    window: Window,
+    template: LoopTemplate,
+    *,
+    cell: Cell | None = None,
+    fact: LoopFacts | None = None,
+) -> str:
+    spec = MODEL_KINDS[adapter.model]
+    resume = fact is not None
+    body = template.resume if resume else template.body
+    assert body is not None
+    imports, model = _model(spec, dtype)
+    parts = [
+        _header(dtype, adapter, window, template, cell=cell, fact=fact),
+        _imports([*template.imports, *(template.resume_imports if resume else ()), *imports]),
+        _constants(dtype, window, fact),
+        model,
+        FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),
+        GRADIENT,
+        EXACT,
+        body,
+        RESULT.format(framework=template.framework),
+    ]
+    text = parts[0].strip("\n")
+    for part in parts[1:]:
+        part = part.strip("\n")
+        # Two blank lines around a function or class (PEP 8), one elsewhere.
+        around_def = part.startswith(("def ", "class ")) or text.splitlines()[-1].startswith(" ")
+        text += ("\n\n\n" if around_def else "\n\n") + part
+    return text + "\n"
+
+
+def _imports(lines: Sequence[str]) -> str:
+    """The import block: the standard library first, then torch, then the frameworks."""
+    stdlib = sorted(line for line in lines if line.split()[1].split(".")[0] in _STDLIB)
+    torch_lines = ["import torch", "from torch.nn import functional as F"]
+    others = [line for line in lines if line not in stdlib]
+    return "\n\n".join(
+        block for block in ("\n".join(stdlib), "\n".join(torch_lines + others)) if block
+    )
+
+
+def _versions(template: LoopTemplate) -> str:
+    names = ("torch", *template.distributions)
+    return ", ".join(f"{n} {metadata.version(n)}" for n in names)
+
+
+def _header(
+    dtype: str,
+    adapter: Adapter,
+    window: Window,
+    template: LoopTemplate,
+    *,
+    cell: Cell | None,
+    fact: LoopFacts | None,
+) -> str:
+    counts = ", ".join(str(n) for n in window.targets)
+    k = len(window.targets)
+    resumed = ""
+    if fact is not None:
+        resumed = (
+            f", checkpointed after {fact.resume_after} of them (the loop's own save and load) "
+            "and resumed in fresh objects"
+        )
+    what = (
+        f"{template.framework} ({_model_name(adapter)}): gradient accumulation over K = {k} "
+        f"microbatches of {counts} target tokens{resumed}, against the exact gradient of the "
+        "window's mean token loss.  Prints the relative L2 error of the gradient the loop hands "
+        "its optimizer (0 up to rounding for a loop that computes the mean)."
+    )
+    if fact is not None:
+        row = (
+            f"Reproduces the mid-window resume of {adapter.name} in `wacc audit --dtype {dtype}` "
+            f"(window {window.name}): resumed rel L2 {fact.resume_rel_l2:.12g} (run in {dtype}, "
+            "as here)."
+        )
+    else:
+        assert cell is not None
+        row = (
+            f"Reproduces the `wacc audit --dtype {dtype}` row {adapter.name} / {window.name}: "
+            f"f64 rel L2 {cell.semantic_rel_l2:.12g} (printed here), {dtype} run "
+            f"{cell.rel_l2:.6g}."
+        )
+    paragraphs = [
+        what,
+        f"Code path: {adapter.code_path}.",
+        row,
+        f"Generated with Python {platform.python_version()}, {_versions(template)}.",
+    ]
+    return '"""' + "\n".join(textwrap.fill(p, width=96) for p in paragraphs) + '\n"""'
+
+
+def _model_name(adapter: Adapter) -> str:
+    base = MODEL_KINDS[adapter.model].build(torch.float32)
+    return type(base).__name__ + (" built from a config" if hasattr(base, "config") else "")
+
+
+def _literal(values: Sequence[Any], indent: str) -> str:
+    lines = textwrap.wrap(", ".join(str(v) for v in values), width=96 - len(indent))
+    return "[" + f"\n{indent} ".join(lines) + "]"
+
+
+def _constants(dtype: str, window: Window, fact: LoopFacts | None) -> str:
+    tokens, labelled = [], []
+    for mb in window.microbatches:
+        ids, labels = mb["input_ids"].tolist(), mb["labels"].tolist()
+        # The right padding: trailing pad ids whose labels are ignored.
+        while ids and ids[-1] == PAD_TOKEN and labels[-1] == IGNORE_INDEX:
+            ids.pop()
+            labels.pop()
+        if labels not in (ids, [IGNORE_INDEX] * len(ids)):
+            raise ValueError(f"window {window.name}: a microbatch the reproducer cannot write")
+        tokens.append(ids)
+        labelled.append(labels == ids)
+    if fact is None:
+        run = f"torch.{dtype}: its {dtype} run"
+        lines = [f"DTYPE = torch.float64  # the audit's float64 run ({run})"]
+    else:
+        lines = [f"DTYPE = torch.{dtype}  # the audit's resumed run"]
+        lines.append(f"CHECKPOINT_AFTER = {fact.resume_after}  # microbatches before the restart")
+    lines.append(
+        "TOKENS = [  # the window: one optimizer step's microbatches (token ids, batch size 1)\n"
+        + "".join(f"    {_literal(t, '    ')},\n" for t in tokens)
+        + "]"
+    )
+    lines.append(f"LABELLED = {labelled}  # False: a microbatch without target tokens")
+    return "\n".join(lines)
+
+
+def _model(spec: ModelSpec, dtype: str) -> tuple[list[str], str]:
+    """The import lines and the ``build_model`` source for ``spec`` (the audit's weights)."""
+    base = spec.build(torch.float32)
+    weights = "" if dtype == "float32" else f".to(torch.{dtype})"  # the audit rounds them first
+    config = getattr(base, "config", None)
+    if config is None:  # the audit's own plain model, written out
+        embed = base.get_submodule("embed")
+        assert isinstance(embed, torch.nn.Embedding)
+        source = PLAIN_MODEL.format(
+            vocab=embed.num_embeddings, width=embed.embedding_dim, positions=POSITIONS
+        )
+        imports: list[str] = []
+        make = "TinyCausalLM()"
+    else:
+        kind = type(config)
+        full = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+        defaults = kind().to_dict()
+        kwargs = {k: v for k, v in full.items() if k not in defaults or defaults[k] != v}
+        rebuilt = {k: v for k, v in kind(**kwargs).to_dict().items() if k in full}
+        if rebuilt != full:  # the literal config must rebuild this one exactly
+            raise ValueError(f"{spec.name}: its config does not round-trip through its kwargs")
+        arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        imports = [f"from transformers import {kind.__name__}, {type(base).__name__}"]
+        source = "\nconfig = " + kind.__name__ + "(\n    "
+        source += "\n    ".join(textwrap.wrap(arguments + ",", width=92)) + "\n)\n"
+        make = f"{type(base).__name__}(config)"
+    source += f"""
+
+def build_model():
+    torch.manual_seed({MODEL_SEED})  # wacc's model seed: the audit's weights
+    return {make}{weights}.to(DTYPE)
+"""
+    return imports, source

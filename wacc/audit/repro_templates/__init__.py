@@ -1,0 +1,89 @@
+"""The text of the reproducer scripts (``wacc audit --repro``): the part every script shares
+(:mod:`.common`) and, per framework, the loop part.
+
+A :class:`LoopTemplate` is the source text that replays one adapter's code path (the adapter
+module's docstring names it) outside wacc: torch, the framework and the standard library only.
+It runs after the common part (put together by :mod:`wacc.audit.repro`), which defines
+``build_model()`` (a fresh model in ``DTYPE``), ``batches`` (the window's microbatches, each a
+dict of ``[L]`` tensors in the model family's format), ``targets`` (true target tokens per
+microbatch),
+``token_loss_sum(model, batch)`` (Σ of the token losses of a ``[B, L]`` batch) and
+``gradient(model)`` (every parameter's ``.grad`` as one float64 vector, zeros where ``None``),
+and it must leave ``grads`` (the gradient the framework hands its optimizer, from ``gradient``)
+and ``counted`` (a short text: what the framework divided by).  A ``resume`` body does the same
+with a checkpoint after ``CHECKPOINT_AFTER`` microbatches and a restart from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wacc.audit.repro_templates import accelerate, lightning, nanogpt, plain, trainer
+
+__all__ = ["LOOPS", "LoopTemplate"]
+
+
+@dataclass(frozen=True)
+class LoopTemplate:
+    """One adapter's code path as script text (module docstring)."""
+
+    framework: str  # what the script's result line names
+    distributions: tuple[str, ...]  # installed distributions whose versions the header gives
+    imports: tuple[str, ...]  # import lines beyond torch and torch.nn.functional
+    body: str  # leaves ``grads`` and ``counted``
+    resume: str | None = None  # the same with a mid-window checkpoint; None: not written
+    resume_imports: tuple[str, ...] = ()  # what only ``resume`` needs
+
+
+_TRAINER = LoopTemplate(
+    "transformers.Trainer", ("transformers", "accelerate"), trainer.IMPORTS, trainer.BODY
+)
+_LIGHTNING = ("lightning",)
+LOOPS: dict[str, LoopTemplate] = {
+    **{
+        name: _TRAINER
+        for name in (
+            "trainer-hub",
+            "trainer-llama",
+            "trainer-qwen2",
+            "trainer-gpt_neox",
+            "trainer-opt",
+            "trainer-bert",
+            "trainer-t5",
+            "trainer-plain",
+        )
+    },
+    "accelerate": LoopTemplate(
+        "accelerate accumulate()",
+        ("accelerate",),
+        accelerate.IMPORTS,
+        accelerate.ACCUMULATE,
+        accelerate.ACCUMULATE_RESUME,
+    ),
+    "accelerate-variable": LoopTemplate(
+        "accelerate (variable-size guide)",
+        ("accelerate",),
+        accelerate.IMPORTS,
+        accelerate.VARIABLE,
+        accelerate.VARIABLE_RESUME,
+    ),
+    "lightning": LoopTemplate(
+        "Lightning accumulate_grad_batches",
+        _LIGHTNING,
+        lightning.IMPORTS,
+        lightning.AUTOMATIC,
+        lightning.AUTOMATIC_RESUME,
+        lightning.RESUME_IMPORTS,
+    ),
+    "lightning-manual": LoopTemplate(
+        "Lightning manual optimisation",
+        _LIGHTNING,
+        lightning.IMPORTS,
+        lightning.MANUAL,
+        lightning.MANUAL_RESUME,
+        lightning.RESUME_IMPORTS,
+    ),
+    "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
+    "plain": LoopTemplate("plain PyTorch", (), (), plain.BODY, plain.RESUME, plain.RESUME_IMPORTS),
+}
+"""Templates by adapter name; an adapter without one gets no reproducer."""
