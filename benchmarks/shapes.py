@@ -60,18 +60,18 @@ NOTES = (
     "embedding, and ViT-B/16 (the case names what ran: layers kept, vocabulary rows, parameter "
     "count; `--shape-scale` scales both down). Accumulate rows: median seconds per call of a "
     "window under way; ratio = mode / one `torch._foreach_add_(bufs, grads, alpha=w)` over the "
-    "same tensors in the same run. `(grads=)` hands in tensors the caller keeps (the product of "
-    "a reproducible mean goes through a piece-sized work tensor); `(.grad)` lets the accumulator"
-    " take each `.grad` (set, untimed, before each call), which it may overwrite: the product is"
-    " rounded in place and added piece by piece (`accumulate_sum (.grad)` takes the gradients "
-    "the same way: the cost of taking and freeing them). `finish_mean` is timed alone after a "
-    "window was filled. Zero-copy rows: median seconds of a backward handing each parameter its "
-    "gradient (`p * 1.0`, graph built untimed) inside a `microbatch` block, ratio = mode / the "
-    "same backward accumulating into `.grad`. Memory rows: peak gradient memory of a two-"
-    "microbatch window (the `memory` suite's definition), ratio = mode / that plain backward. "
-    "`piece size` rows: `accumulate_mean` on one 4096 x 4096 matrix with its pieces set to 2**k "
-    "elements (the shipped size is 2**20), through the work tensor `(grads=)` and in place "
-    "`(.grad)`; 2**24 is the whole matrix at once."
+    "same tensors in the same run. `(grads=)` hands in tensors the caller keeps; `(.grad)` lets "
+    "the accumulator take each `.grad` (set, untimed, before each call) and drop it "
+    "(`accumulate_sum (.grad)`: the cost of taking and freeing them). Either way the product of "
+    "a reproducible mean goes through a piece-sized work tensor (writing it into a taken `.grad`"
+    " measured 5-8 % slower). `finish_mean` is timed alone after a window was filled. Zero-copy "
+    "rows: median seconds of a backward handing each parameter its gradient (`p * 1.0`, graph "
+    "built untimed) inside a `microbatch` block, ratio = mode / the same backward accumulating "
+    "into `.grad`; there the product is written into autograd's own gradient (no work tensor). "
+    "Memory rows: peak gradient memory of a two-microbatch window (the `memory` suite's "
+    "definition), ratio = mode / that plain backward. `piece size` rows: `accumulate_mean` on "
+    "one 4096 x 4096 matrix with its pieces set to 2**k elements (the shipped size is 2**20; "
+    "2**24 is the whole matrix at once), handed in `(grads=)` and taken `(.grad)`."
 )
 
 
@@ -410,8 +410,7 @@ def _with_piece(elements: int, call: Callable[[], object]) -> Callable[[], objec
 def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
     """The piece size of a reproducible mean: ``accumulate_mean`` on one 4096 x 4096 matrix (a
     Llama-7B projection) with pieces of 2**14 to 2**24 elements (the whole matrix), with
-    ``grads=`` (the product goes through a work tensor) and on the ``.grad`` it takes (the
-    product is written into the gradient), beside the floor."""
+    ``grads=`` and on the ``.grad`` it takes (and drops), beside the floor."""
     rows_, columns = (64, 64) if quick else (4096, 4096)
     layer_set = LayerSet("piece size", (("w", (rows_, columns)),), f"{rows_} x {columns}")
     model = ShapeModel(layer_set, real=False)

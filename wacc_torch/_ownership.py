@@ -1,13 +1,15 @@
-"""Whether an incoming gradient is the accumulator's to overwrite (semantics §6 Reading).
+"""Whether a zero-copy hook's incoming gradient is the accumulator's to overwrite (semantics §6
+Reading).
 
 A reproducible mean needs ``t = round_D(g * w_D)`` in a tensor of its own before ``buf + t``. When
-nothing but the accumulator can see ``g`` — a ``.grad`` it takes out of the module, a gradient
-autograd hands a zero-copy hook — ``g.mul_(w_D)`` is that tensor: no work tensor, and each piece's
-product is added while it is still in cache. "Nothing else can see it" is checked, not assumed: a
-dense, writable, contiguous, ordinary tensor of D whose Python object, tensor and storage are
-referenced no more often than a probe's that nothing else holds (a reference kept by the caller, a
-view of it, the same tensor as another parameter's ``.grad``, memory shared with numpy or a buffer
-all count).
+nothing but the accumulator can see ``g`` — the gradient autograd hands a zero-copy hook —
+``g.mul_(w_D)`` is that tensor: the zero-copy mode then needs no work tensor at all (its memory
+target), and each piece's product is added while it is still in cache. "Nothing else can see it" is
+checked, not assumed: a dense, writable, contiguous, ordinary tensor of D whose Python object,
+tensor and storage are referenced no more often than a probe's that nothing else holds (a reference
+kept by the caller, a tensor hook's, a view of it, memory shared with numpy or a buffer all count).
+The buffered mode writes into no gradient it takes: there, a cache-sized work piece measured
+faster.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["calibrate", "hooked_gradient", "taken_gradient"]
+__all__ = ["calibrate", "hooked_gradient"]
 
 Counts = tuple[int, int, int]
 
@@ -53,13 +55,6 @@ def _owned(
         return False
     counts = _counts(items, index)
     return all(count <= limit for count, limit in zip(counts, base, strict=True))
-
-
-def _taken_probe() -> Counts:
-    """The counts of a ``.grad`` that only its parameter holds, read from a list of them."""
-    probe = torch.nn.Parameter(torch.zeros(2))
-    probe.grad = torch.zeros(2)
-    return _counts([probe.grad], 0)
 
 
 def _hooked_probe() -> Counts:
@@ -98,15 +93,8 @@ def _base(kind: str, probe: Callable[[], Counts]) -> Counts:
 
 
 def calibrate() -> None:
-    """Read both probes now (outside any backward: the hooked probe runs one of its own)."""
-    _base("taken", _taken_probe)
+    """Read the probe now (outside any backward: it runs one of its own)."""
     _base("hooked", _hooked_probe)
-
-
-def taken_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: torch.dtype) -> bool:
-    """Whether ``items[index]``, a ``.grad`` just read from its parameter into the list
-    ``items`` (and held by nothing else), is the accumulator's to overwrite."""
-    return _owned(items, index, dtype, _base("taken", _taken_probe))
 
 
 def hooked_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: torch.dtype) -> bool:

@@ -23,7 +23,6 @@ from wacc_torch import _commit
 from wacc_torch._arena import Arena, concatenated
 from wacc_torch._binding import Binding, Parameters
 from wacc_torch._gradients import GradientCheck, GradientMapping
-from wacc_torch._ownership import taken_gradient
 from wacc_torch._weights import read_weight
 from wacc_torch._window import Window, WindowMode
 from wacc_torch._work import Scratch, chunk_numel, pieces
@@ -149,11 +148,7 @@ class BufferedMode(WindowMode):
         self._refuse_aliases(parameters, gradients)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller=caller)
-        steps = (
-            self._prepare_steps(binding, parameters, gradients, mean=mean, taken=grads is None)
-            if positive
-            else None
-        )
+        steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
 
         with _commit.COMMIT, torch.no_grad():
             window.snapshots.await_copies()
@@ -209,7 +204,6 @@ class BufferedMode(WindowMode):
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
-        taken: bool,
     ) -> _Steps:
         """Allocate the new buffers and the work tensors of a positive-weight batch and line up
         its additions (may raise; changes nothing).
@@ -218,15 +212,15 @@ class BufferedMode(WindowMode):
         of one dtype, their gradients are concatenated (here, into a tensor of their own) and
         added to the device's arena in a single step; the per-element operations are the same,
         so are the bits, without a kernel launch per tensor. That concatenation is the
-        accumulator's own, and so is a ``.grad`` it takes (``taken``) that nothing else holds
-        (:func:`wacc_torch._ownership.taken_gradient`): a reproducible mean multiplies them in
-        place instead of into a work tensor.
+        accumulator's own: a reproducible mean multiplies it in place. Every other gradient, a
+        ``.grad`` it takes included, is only read: its product goes through a cache-sized work
+        piece, which measured faster on real layer sets than writing the product into the
+        gradient (5-8 %: the ``shapes`` suite, issue 21's note).
         """
         window = self.window
         new_buffers: dict[str, torch.Tensor] = {}
         new_arenas: dict[torch.device, Arena] = {}
         adds: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        owns = mean and not window.fused
         covered: set[int] = set()
         pending = window.pending
         # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
@@ -258,8 +252,6 @@ class BufferedMode(WindowMode):
                 else [i for i in range(len(parameters)) if i not in covered]
             )
             for index in rest:
-                # Before this frame holds a reference of its own to the gradient.
-                owned = owns and taken and taken_gradient(gradients, index, window.dtype)
                 grad = gradients[index]
                 if grad is None:
                     continue
@@ -270,7 +262,7 @@ class BufferedMode(WindowMode):
                         parameter.shape, dtype=window.dtype, device=parameter.device
                     )
                     new_buffers[name] = buffer
-                adds.append((buffer, grad, owned))
+                adds.append((buffer, grad, False))
             work = Scratch.reusing(
                 self.kept_work,
                 (

@@ -1,10 +1,10 @@
 """A reproducible mean multiplies a gradient it owns in place (semantics §6 Reading).
 
 ``t = round_D(conv_D(g) * w_D)`` needs a tensor of its own. When the accumulator owns ``g`` — a
-``.grad`` it takes that nothing else holds, a gradient autograd hands a zero-copy hook and holds
-nothing else of — and ``g`` is in D, ``g.mul_(w_D)`` is that tensor (two passes, no work tensor);
-otherwise the product goes through a piece-sized work tensor. Both must give the reference's bits,
-and a tensor anyone else can see must never change.
+gradient autograd hands a zero-copy hook and holds nothing else of — and ``g`` is in D,
+``g.mul_(w_D)`` is that tensor (no work tensor); otherwise, and always for a ``.grad`` the buffered
+mode takes, the product goes through a piece-sized work tensor. Both must give the reference's
+bits, and a tensor anyone else can see must never change.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from tests.wacc_torch.support import (
 from wacc_ref.arith import add_rounded, conv_array, mul_rounded
 from wacc_ref.formats import conv_to
 from wacc_torch import WeightedGradientsAccumulator
-from wacc_torch._ownership import taken_gradient
-from wacc_torch._work import CHUNK_ELEMENTS, piece_count
+from wacc_torch._work import CHUNK_ELEMENTS, chunk_numel
 from wacc_torch.buffered import BufferedMode
 from wacc_torch.zero_copy import ZeroCopyMode
 
@@ -52,7 +51,8 @@ def _grads(shape: tuple[int, ...], grad_dtype: torch.dtype, work: torch.dtype, s
 
 
 def _taken(grads: list[torch.Tensor], work: torch.dtype, layout: str) -> torch.Tensor:
-    """The buffered mode taking each gradient as ``.grad`` (nothing else holds it)."""
+    """The buffered mode taking each gradient as ``.grad`` (nothing else holds it): the product
+    goes through the work tensor all the same."""
     module = One(tuple(grads[0].shape), grads[0].dtype)
     accumulator = WeightedGradientsAccumulator(dtype=work, loss_scale=1.0)
     for grad, weight in zip(grads, WEIGHTS, strict=True):
@@ -60,10 +60,8 @@ def _taken(grads: list[torch.Tensor], work: torch.dtype, layout: str) -> torch.T
         accumulator.accumulate_mean(module, weight)
     mode = accumulator._mode
     assert isinstance(mode, BufferedMode)
-    contiguous = layout == "contiguous" or grads[0].dim() < 2
-    owned = contiguous and grads[0].dtype == work and grads[0].numel() > 0
     kept = mode.kept_work
-    assert kept is not None and (work in {dtype for _, dtype in kept._sizes}) != owned
+    assert kept is not None and work in {dtype for _, dtype in kept._sizes}
     result = accumulator.finish_sums().grads["weight"]
     assert result is not None
     return result
@@ -118,8 +116,8 @@ def test_taken_gradients_give_the_pieces_bits_and_the_references(
     seed: int,
 ) -> None:
     """On random shapes (0-d and empty included), every work dtype, gradients in D or in another
-    dtype, contiguous, transposed or with odd strides: the ``.grad`` path (in place where it may
-    be) equals the ``grads=`` path and wacc_ref bit for bit."""
+    dtype, contiguous, transposed or with odd strides: the ``.grad`` path equals the ``grads=``
+    path and wacc_ref bit for bit."""
     grad_dtype = work if other is None else other
     grads = _grads(shape, grad_dtype, work, seed)
     taken = _taken(grads, work, layout)
@@ -187,63 +185,43 @@ def test_a_grad_someone_else_can_see_is_never_changed() -> None:
         assert_bitwise_equal(got[name], want[name], name)
 
 
-def test_an_unheld_grad_is_multiplied_in_place_and_no_work_tensor_is_made() -> None:
-    """Nothing else holding the ``.grad``: the accumulator writes round_D(g * w_D) into it, piece
-    by piece (each piece seen when it is added, before the tensor is dropped), and makes no work
-    tensor."""
+def test_a_taken_grad_is_never_written_even_when_nothing_else_holds_it() -> None:
+    """The buffered mode reads a ``.grad`` it takes and nothing else holds, never writes it: no
+    operation writes into or adds from its storage (each product comes from the piece-sized work
+    tensor, which it makes), and the sum is round_D(g * w_D) (the work piece measured faster than
+    writing into the gradient: issue 21)."""
     module = One(LARGE, torch.float32)
     grad = torch.randn(LARGE, generator=torch.Generator().manual_seed(3))
-    expected = torch.mul(grad, 3.0)
     module.weight.grad = grad.clone()
-    seen: list[torch.Tensor] = []
-    # A pointer to the storage, not a reference: read the product back before it is freed.
+    # A pointer to the storage, not a reference: nothing but the parameter holds the .grad.
     original = module.weight.grad.untyped_storage().data_ptr()
-    real_add = torch.Tensor.add_
+    from_original: list[str] = []
+    real_add, real_mul = torch.Tensor.add_, torch.Tensor.mul_
 
-    def spy(self: torch.Tensor, other: torch.Tensor, *args: object, **kwargs: object):
+    def add_spy(self: torch.Tensor, other: torch.Tensor, *args: object, **kwargs: object):
         if isinstance(other, torch.Tensor) and other.untyped_storage().data_ptr() == original:
-            seen.append(other.clone())
+            from_original.append("add_")
         return real_add(self, other, *args, **kwargs)
 
+    def mul_spy(self: torch.Tensor, *args: object, **kwargs: object):
+        if self.untyped_storage().data_ptr() == original:
+            from_original.append("mul_")
+        return real_mul(self, *args, **kwargs)
+
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
-    torch.Tensor.add_ = spy  # type: ignore[method-assign]
+    torch.Tensor.add_, torch.Tensor.mul_ = add_spy, mul_spy  # type: ignore[method-assign]
     try:
         accumulator.accumulate_mean(module, 3.0)
     finally:
-        torch.Tensor.add_ = real_add  # type: ignore[method-assign]
-    # Piece by piece (LARGE is more than one piece): each product is added from the .grad.
-    assert len(seen) == piece_count(torch.Size(LARGE)) > 1
-    assert_bitwise_equal(torch.cat(seen), expected, "the product written into the taken .grad")
+        torch.Tensor.add_, torch.Tensor.mul_ = real_add, real_mul  # type: ignore[method-assign]
+    assert from_original == []
     mode = accumulator._mode
     assert isinstance(mode, BufferedMode) and mode.kept_work is not None
-    assert mode.kept_work._sizes == {}
+    assert mode.kept_work._sizes == {(torch.device("cpu"), torch.float32): chunk_numel(grad.shape)}
     assert module.weight.grad is None
-
-
-def _taken_list(make, dtype: torch.dtype = torch.float32) -> tuple[nn.Parameter, list]:
-    """A parameter whose ``.grad`` is ``make()`` (no other reference), and ``[p.grad]``."""
-    parameter = nn.Parameter(torch.zeros(4, dtype=dtype))
-    parameter.grad = make()
-    return parameter, [parameter.grad]
-
-
-def test_a_taken_grad_is_owned_only_when_nothing_else_can_see_it() -> None:
-    """``taken_gradient``: a ``.grad`` only its parameter and the list hold is owned; one the
-    caller holds, one whose storage a view shares, one numpy's memory backs, or one of another
-    dtype is not."""
-    _, items = _taken_list(lambda: torch.ones(4))
-    assert taken_gradient(items, 0, torch.float32)
-    assert not taken_gradient(items, 0, torch.float64)
-    parameter, items = _taken_list(lambda: torch.ones(4))
-    held = parameter.grad
-    assert not taken_gradient(items, 0, torch.float32)
-    del held
-    assert taken_gradient(items, 0, torch.float32)
-    view = items[0][1:]
-    assert not taken_gradient(items, 0, torch.float32)
-    del view
-    _, items = _taken_list(lambda: torch.from_numpy(np.ones(4, dtype=np.float32)))
-    assert not taken_gradient(items, 0, torch.float32)
+    result = accumulator.finish_sums().grads["weight"]
+    assert result is not None
+    assert_bitwise_equal(result, torch.mul(grad, 3.0), "the sum of one taken .grad")
 
 
 def test_only_a_plain_dense_tensor_of_d_may_be_written_in_place() -> None:
