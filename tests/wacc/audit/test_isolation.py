@@ -122,3 +122,16 @@ def test_a_loop_in_its_own_process_reports_what_it_reports_in_this_one(restored:
     cells = [_comparable(asdict(c)) for c in isolated.cells]
     assert cells == [_comparable(asdict(c)) for c in here.cells]
     assert _facts(isolated) == _facts(here)
+
+
+def test_accelerate_alone_in_a_fresh_process_reaches_its_float16_path() -> None:
+    """Alone in a fresh process (the audit's default), the accelerate loop runs its float16 path
+    after its float32 runs: accelerate's one AcceleratorState per process, made by the first run,
+    must not refuse the second's mixed precision (each run stands for a script of its own)."""
+    pytest.importorskip("accelerate")
+    from wacc.audit.adapters import ADAPTERS
+
+    result = run_audit([ADAPTERS["accelerate"]], [build_window("unequal")], isolate=True)
+    (facts,) = result.facts
+    assert facts.fp16.startswith("no float16 compute"), facts.fp16
+    assert not facts.fp16.startswith("error")

@@ -1,13 +1,13 @@
 """``wacc audit --repro``: every reproducer, run on its own without wacc, prints its row's number.
 
 The audit runs in-process on the ``unequal`` window for one loop per template
-(:mod:`wacc.audit.repro_templates`) and model family: ``trainer-bert`` and ``trainer-t5``
-(Trainer; the masked and seq2seq families), ``accelerate`` and ``accelerate-variable`` (GPT-2),
-``nanogpt`` (the plain model written out), ``plain`` and, where Lightning is installed,
-``lightning`` and ``lightning-manual``; the mid-window resume of those in :data:`RESUMED` (one
-per restart template), no float16 runs (:func:`_lean`).  Of the scripts written, those whose
-every line another script runs too are not run (:data:`COVERED`); the others run concurrently
-(each spends most of its time importing torch and its framework).
+(:mod:`wacc.audit.repro_templates`) and model family: ``trainer-bert`` and ``trainer-t5`` (Trainer;
+the masked and seq2seq families), ``accelerate`` and ``accelerate-variable`` (GPT-2), ``nanogpt``
+(the plain model written out), ``pixparse`` (its GradScaler), ``plain`` and, where Lightning is
+installed, ``lightning`` and ``lightning-manual``; the mid-window resume of those in
+:data:`RESUMED` (one per restart template), no float16 runs (:func:`_lean`). Of the scripts
+written, those whose every line another script runs too are not run (:data:`COVERED`); the others
+run concurrently (each spends most of its time importing torch and its framework).
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from wacc.audit.repro import LOST, Reproducer, write_reproducers  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
 from wacc.audit.windows import build_window  # noqa: E402
 
-LOOPS = ["trainer-bert", "trainer-t5", "accelerate", "accelerate-variable", "nanogpt", "plain"]
+LOOPS = [
+    "trainer-bert", "trainer-t5", "accelerate", "accelerate-variable", "nanogpt", "pixparse",
+    "plain",
+]  # fmt: skip
 try:  # Lightning is an optional extra: its loops run only where it is installed
     import lightning.pytorch  # noqa: F401
 

@@ -40,7 +40,12 @@ __all__ = ["ACCUMULATE", "VARIABLE"]
 
 def _fresh(task: LoopTask) -> tuple[Any, torch.nn.Module, Any]:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    # Each run stands for a training script of its own (a restart after a checkpoint included),
+    # but accelerate keeps one AcceleratorState per process and refuses another mixed precision
+    # ("restart your runtime completely"): forget it, as a new process would start without it.
+    AcceleratorState._reset_state(reset_partial_state=True)
     options: dict[str, Any] = {"mixed_precision": "fp16"} if task.fp16 else {}
     accelerator = Accelerator(
         gradient_accumulation_steps=task.num_microbatches, cpu=True, **options

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wacc.audit.repro_templates import accelerate, lightning, nanogpt, plain, trainer
+from wacc.audit.repro_templates import accelerate, lightning, nanogpt, pixparse, plain, trainer
 
 __all__ = ["LOOPS", "LoopTemplate"]
 
@@ -84,6 +84,7 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.RESUME_IMPORTS,
     ),
     "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
+    "pixparse": LoopTemplate("pixparse loss /= accum_steps + NativeScaler", (), (), pixparse.BODY),
     "plain": LoopTemplate("plain PyTorch", (), (), plain.BODY, plain.RESUME, plain.RESUME_IMPORTS),
 }
 """Templates by adapter name; an adapter without one gets no reproducer."""

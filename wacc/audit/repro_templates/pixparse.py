@@ -1,0 +1,28 @@
+"""The pixparse loop (``loss /= accum_steps``, then timm's ``NativeScaler`` with ``need_update``
+on the window's last microbatch; see :mod:`wacc.audit.adapters.timm`), written out: timm's
+``NativeScaler`` is a ``torch.amp.GradScaler`` that scales each loss for its backward and steps
+(unscaling first) when ``need_update``; nothing to import but torch."""
+
+from __future__ import annotations
+
+__all__ = ["BODY"]
+
+BODY = """
+model = build_model()
+model.train()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # pixparse: AdamW; read before it steps
+captured = []
+optimizer.register_step_pre_hook(lambda *_: captured.append(gradient(model)))
+scaler = torch.amp.GradScaler("cpu")  # what timm.utils.NativeScaler(device="cpu") wraps
+accum_steps = len(batches)
+for index, batch in enumerate(batches):  # task_cruller_finetune_*.py: _forward, _backward
+    loss = model(batch["input_ids"][None], batch["labels"][None])["loss"]  # the mean token loss
+    if accum_steps > 1:
+        loss /= accum_steps
+    scaler.scale(loss).backward()  # NativeScaler(loss, optimizer, need_update=...)
+    if index + 1 == accum_steps:  # need_update: unscale, step, update
+        scaler.step(optimizer)
+        scaler.update()
+grads = captured[0]
+counted = "each microbatch's own mean"
+"""
