@@ -23,11 +23,13 @@ FLOOR = 1e-12  # where an exactly-zero error is drawn (log axis); labelled as su
 
 
 def plot_errors(result: AuditResult, path: Path) -> None:
-    """A grouped bar chart (one group per loop, one bar per window) into ``path`` (PNG)."""
+    """A grouped horizontal bar chart (one group per loop, top to bottom in the table's order,
+    one bar per window) into ``path`` (PNG): its height grows with the loops, so that thirty
+    of them stay legible at a page's width."""
     loops = [f.adapter.name for f in result.facts]
     windows = [w.name for w in result.windows]
     values = {(c.adapter, c.window): c for c in result.cells}
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.25 * len(loops) + 2), 5.5), dpi=130)
+    fig, ax = plt.subplots(figsize=(10.0, max(4.0, 0.42 * len(loops) + 1.6)), dpi=130)
     width = 0.8 / max(len(windows), 1)
     colors = plt.get_cmap("tab10")
     top, bottom = 1.0, 2.0**-24
@@ -40,27 +42,28 @@ def plot_errors(result: AuditResult, path: Path) -> None:
             err = cell.rel_l2
             if not math.isfinite(err):
                 err = 1e3  # drawn at the top, labelled NaN/inf below
-            xs.append(i + (j - (len(windows) - 1) / 2) * width)
+            xs.append(i + (j - (len(windows) - 1) / 2) * width)  # a position on the loop axis
             heights.append(max(err, FLOOR))
             hatches.append("" if cell.verdict == "pass" else "//")
             top = max(top, err)
             bottom = min(bottom, max(err, FLOOR))
-        bars = ax.bar(xs, heights, width=width * 0.95, color=colors(j), label=window,
-                      edgecolor="black", linewidth=0.4)  # fmt: skip
+        bars = ax.barh(xs, heights, height=width * 0.95, color=colors(j), label=window,
+                       edgecolor="black", linewidth=0.4)  # fmt: skip
         for bar, hatch in zip(bars, hatches, strict=True):
             bar.set_hatch(hatch)
     for i, loop in enumerate(loops):
         cells = [values[(loop, w)] for w in windows]
         if all(c.status != "ok" for c in cells):
-            ax.text(i, bottom, cells[0].status.split(":")[0], rotation=90, ha="center",
-                    va="bottom", fontsize=9, color="dimgray")  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_ylim(bottom / 10, top * 10)
-    ax.axhline(2.0**-24, color="gray", linestyle=":", linewidth=1.2)
-    ax.set_xticks(np.arange(len(loops)))
-    ax.set_xticklabels(loops, rotation=25, ha="right", fontsize=9)
-    ax.set_ylabel("relative L2 error of the gradient vs the float64 truth (log)")
-    ax.set_xlabel("training loop (hatched: verdict FAIL)")
+            ax.text(bottom, i, " " + cells[0].status.split(":")[0], ha="left", va="center",
+                    fontsize=9, color="dimgray")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlim(bottom / 10, top * 10)
+    ax.axvline(2.0**-24, color="gray", linestyle=":", linewidth=1.2)
+    ax.set_yticks(np.arange(len(loops)))
+    ax.set_yticklabels(loops, fontsize=9)
+    ax.set_ylim(len(loops) - 0.5, -0.5)  # the first loop on top, as in the table
+    ax.set_xlabel("relative L2 error of the gradient vs the float64 truth (log)")
+    ax.set_ylabel("training loop (hatched: verdict FAIL)")
     ax.set_title(f"wacc audit: gradient handed to the optimizer, dtype {result.dtype}")
     handles: list[Artist] = [
         Patch(facecolor=colors(j), edgecolor="black", label=w) for j, w in enumerate(windows)
@@ -69,7 +72,7 @@ def plot_errors(result: AuditResult, path: Path) -> None:
     handles.append(Line2D([], [], color="gray", linestyle=":", label="float32 u = 2^-24"))
     ax.legend(handles=handles, title="window", fontsize=9, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # fmt: skip
-    ax.grid(axis="y", which="major", alpha=0.3)
+    ax.grid(axis="x", which="major", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
