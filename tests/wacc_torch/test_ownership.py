@@ -27,7 +27,7 @@ from tests.wacc_torch.support import (
 )
 from wacc_ref.arith import add_rounded, conv_array, mul_rounded
 from wacc_ref.formats import conv_to
-from wacc_torch import WeightedGradientsAccumulator
+from wacc_torch import WeightedGradientsAccumulator, _ownership
 from wacc_torch._work import CHUNK_ELEMENTS, chunk_numel
 from wacc_torch.buffered import BufferedMode
 from wacc_torch.zero_copy import ZeroCopyMode
@@ -321,3 +321,28 @@ def test_zero_copy_never_overwrites_a_gradient_someone_else_holds() -> None:
     got, want = accumulator.finish_sums().grads, expected.finish_sums().grads
     for name in ("a", "b"):
         assert_bitwise_equal(got[name], want[name], f"a + b: {name}")
+
+
+def test_calibrate_reads_the_hooked_probe_outside_a_backward() -> None:
+    """``calibrate`` caches the hooked probe's counts under the key ``hooked_gradient`` reads, so
+    that no hook runs the probe (a backward of its own) inside the caller's backward."""
+    _ownership._BASES.clear()
+    _ownership.calibrate()
+    assert set(_ownership._BASES) == {"hooked"}
+    assert _ownership._BASES["hooked"] == _ownership._hooked_probe()
+
+
+def test_zero_copy_mean_never_writes_an_expanded_gradient() -> None:
+    """A gradient autograd hands the hook as a broadcast view (``p.sum()``'s backward expands one
+    value over the parameter: stride 0) is not a plain tensor of its own: the product goes
+    through the work tensor, with the bits of the buffered ``grads=`` path."""
+    seeds = [torch.tensor(float(k + 1) / 3.0) for k in range(len(WEIGHTS))]
+
+    def backward(parameter: torch.Tensor, seed: torch.Tensor) -> None:
+        torch.autograd.backward([parameter.sum()], grad_tensors=[seed])
+
+    shape = (64, 32)
+    result, mode = _zero_copy(shape, seeds, backward)
+    assert mode.kept_work is not None
+    expanded = [seed.expand(shape).contiguous() for seed in seeds]
+    assert_bitwise_equal(result, _handed(expanded, torch.float32), "zero-copy vs buffered")
