@@ -37,3 +37,16 @@ def pending_buffers(accumulator: WeightedGradientsAccumulator) -> dict[str, torc
     if pending is None:
         raise AttributeError("cannot find the pending buffers of this wacc_torch version")
     return dict(pending)
+
+
+def held_tensors(accumulator: WeightedGradientsAccumulator) -> list[torch.Tensor]:
+    """The tensors the accumulator keeps between windows besides its pending buffers: the work
+    tensor kept for the next call (CPU) and the buffered mode's arenas (internals the memory
+    benchmark reads; none in a version without them)."""
+    mode = getattr(accumulator, "_mode", None)
+    held: list[torch.Tensor] = []
+    work = getattr(mode, "kept_work", None)
+    if work is not None:
+        held += work._storage.values()
+    held += [arena.storage for arena in getattr(mode, "arenas", {}).values()]
+    return held

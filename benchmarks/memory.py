@@ -7,8 +7,10 @@ PyTorch keeps one Python object per storage alive as long as the storage is), on
 events. A storage is *gradient memory* when, at some sampling point, it is a parameter's ``.grad``
 or an accumulator buffer (:meth:`StorageLog.mark`), or when it was created while a frame of the
 ``wacc_torch`` package was on the Python stack (the accumulator's transients, those made inside its
-autograd hooks included). Peak gradient memory is the maximum over time of the live bytes of
-gradient storages; the whole peak counts every logged storage.
+autograd hooks included), or when the accumulator already held it when the log started
+(:meth:`StorageLog.held`: a work tensor or arena kept from an earlier window is memory the step
+holds, though no op of the step made it). Peak gradient memory is the maximum over time of the
+live bytes of gradient storages; the whole peak counts every logged storage.
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ class StorageLog(TorchDispatchMode):
                 self._live[key] = index
                 weakref.finalize(storage, self._free, key, index)
         return out
+
+    def held(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Gradient memory that exists before the log starts and is kept (an accumulator's work
+        tensor and arenas, made in an earlier window): live from the first event until freed."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._live or storage.nbytes() == 0:
+                continue
+            index = len(self.records)
+            self.records.append(StorageRecord(storage.nbytes(), 0, None, True))
+            self._live[key] = index
+            weakref.finalize(storage, self._free, key, index)
 
     def mark(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """A sampling point: the live logged storages of ``tensors`` are gradient memory."""

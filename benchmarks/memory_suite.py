@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import step
-from benchmarks.features import pending_buffers
+from benchmarks.features import held_tensors, pending_buffers
 from benchmarks.memory import StorageLog
 from benchmarks.results import NOT_AVAILABLE, Row
 from benchmarks.settings import Settings
@@ -45,6 +45,8 @@ def _logged_step(trainer: step.Trainer) -> StorageLog:
 
     trainer.after = sample
     hooks = [p.register_post_accumulate_grad_hook(lambda p: log.mark([p.grad])) for p in parameters]
+    if trainer.accumulator is not None:
+        log.held(held_tensors(trainer.accumulator))  # kept from the warm-up window
     try:
         with log:
             trainer.step()

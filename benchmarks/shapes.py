@@ -45,6 +45,7 @@ from wacc_torch import WeightedGradientsAccumulator, _work
 SUITE = "shapes"
 FLOOR = "_foreach_add_(alpha=w)"
 PLAIN = "plain backward into .grad"
+PLAIN_ADD = "plain loop's .grad += g, g freed"
 WEIGHT = 3.0
 MIB = 2**20
 # The issue's targets (issue 21): the two-pass limit of a reproducible mean is about 1.63x.
@@ -62,7 +63,10 @@ NOTES = (
     "window under way; ratio = mode / one `torch._foreach_add_(bufs, grads, alpha=w)` over the "
     "same tensors in the same run. `(grads=)` hands in tensors the caller keeps; `(.grad)` lets "
     "the accumulator take each `.grad` (set, untimed, before each call) and drop it "
-    "(`accumulate_sum (.grad)`: the cost of taking and freeing them). Either way the product of "
+    "(`accumulate_sum (.grad)`: the cost of taking and freeing them). `plain loop's .grad += g, "
+    "g freed` is what a plain loop's autograd does with a later microbatch's gradient (adds the "
+    "incoming tensor into `.grad`, then frees it): the free the `(.grad)` rows pay, a plain loop "
+    "pays inside its backward. Either way the product of "
     "a reproducible mean goes through a piece-sized work tensor (writing it into a taken `.grad`"
     " measured 5-8 % slower). `finish_mean` is timed alone after a window was filled. Zero-copy "
     "rows: median seconds of a backward handing each parameter its gradient (`p * 1.0`, graph "
@@ -271,8 +275,20 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
             parameter.grad = grad.clone()
 
     taking, taking_sum, finishing = accumulator(), accumulator(), accumulator()
+    incoming: list[torch.Tensor] = []  # autograd's gradient of a microbatch, before it is added
+
+    def arrive() -> None:
+        incoming[:] = [grad.clone() for grad in grad_list]
+
+    def accumulate_grad() -> None:
+        # The plain loop's AccumulateGrad on a later microbatch: .grad += the incoming gradient,
+        # which is then released (the .grad rows take it instead of adding it, and free it too).
+        torch._foreach_add_(bufs, incoming)
+        incoming.clear()
+
     second: dict[str, Timed] = {
         FLOOR: floor,
+        PLAIN_ADD: Timed(accumulate_grad, setup=arrive),
         # The sum takes .grad too: its ratio is what taking (and freeing) the gradients costs,
         # so the mean's minus it is the product's own cost.
         "accumulate_sum (.grad)": Timed(

@@ -12,6 +12,10 @@ AdamW step. Modes:
   microbatch, ``finish_mean().apply_to(model)``.
 - ``wacc-zero-copy``: ``with acc.microbatch(model, weight=tokens, kind="mean")`` around each
   microbatch's forward and backward, ``finish_mean()`` leaves the mean in ``.grad``.
+- ``wacc-buffered sum`` / ``wacc-zero-copy sum``: the same with the microbatch's loss *sum*
+  (``accumulate_sum``, ``kind="sum"``): no product ``round_D(g * w_D)`` per microbatch, so the
+  gap between a mode and its ``sum`` row is what the reproducible mean's own pass costs, and the
+  ``sum`` row's ratio is the accumulator's overhead beside it (no target: diagnostics).
 
 Variants: float32, and float16 autocast with the fixed loss scale S = 1024 in every mode.
 """
@@ -36,6 +40,7 @@ from wacc_torch import WeightedGradientsAccumulator
 SUITE = "step"
 TARGETS = {"wacc-buffered": 1.03, "wacc-zero-copy": 1.01}
 MODES = ("plain", "wacc-buffered", "wacc-zero-copy")
+SUM_MODES = ("wacc-buffered sum", "wacc-zero-copy sum")  # diagnostics, this suite only
 NOTES = (
     "Median seconds per training step (4 microbatches of 61, 200, 17, 134 tokens and an AdamW "
     "step) of a 2-layer d=256 transformer encoder with a linear head; ratio = mode / `plain` "
@@ -43,7 +48,9 @@ NOTES = (
     "`fp16-autocast` variant runs under `torch.autocast(device, dtype=torch.float16)` with the "
     "loss scale S = 1024 in every mode (`plain` divides `.grad` by S once before the step). On "
     "a CPU without native float16 matrix units that variant's time is dominated by the float16 "
-    "matmuls, which dilutes every ratio towards 1."
+    "matmuls, which dilutes every ratio towards 1. The `sum` modes backward the microbatch's "
+    'loss sum (`accumulate_sum`, `kind="sum"`): no per-microbatch product, so a mean mode\'s '
+    "excess over its `sum` row is the reproducible mean's own pass."
 )
 
 
@@ -131,11 +138,12 @@ class Trainer:
     def __post_init__(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.accumulator: WeightedGradientsAccumulator | None = None
-        if self.mode == "wacc-buffered":
+        self.kind = "sum" if self.mode.endswith(" sum") else "mean"
+        if self.mode.startswith("wacc-buffered"):
             self.accumulator = WeightedGradientsAccumulator(
                 dtype=torch.float32, loss_scale=self.loss_scale
             )
-        elif self.mode == "wacc-zero-copy":
+        elif self.mode.startswith("wacc-zero-copy"):
             self.accumulator = WeightedGradientsAccumulator(
                 dtype=torch.float32,
                 loss_scale=self.loss_scale,
@@ -166,25 +174,28 @@ class Trainer:
             if self.loss_scale != 1.0:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 torch._foreach_div_(grads, self.loss_scale)
-        elif self.mode == "wacc-buffered":
+        elif self.mode.startswith("wacc-buffered"):
             assert self.accumulator is not None
             for batch, tokens in self._microbatches():
                 with self._autocast():
-                    loss_mean = _loss(self.model, batch, "mean")
-                self._scaled(loss_mean).backward()
+                    loss = _loss(self.model, batch, self.kind)
+                self._scaled(loss).backward()
                 self.after()
-                self.accumulator.accumulate_mean(self.model, tokens)
+                if self.kind == "sum":
+                    self.accumulator.accumulate_sum(self.model, tokens)
+                else:
+                    self.accumulator.accumulate_mean(self.model, tokens)
                 self.after()
             self.accumulator.finish_mean().apply_to(self.model)
         else:
             accumulator: object = self.accumulator
             for batch, tokens in self._microbatches():
                 with accumulator.microbatch(  # type: ignore[attr-defined]
-                    self.model, weight=tokens, kind="mean"
+                    self.model, weight=tokens, kind=self.kind
                 ):
                     with self._autocast():
-                        loss_mean = _loss(self.model, batch, "mean")
-                    self._scaled(loss_mean).backward()
+                        loss = _loss(self.model, batch, self.kind)
+                    self._scaled(loss).backward()
                 self.after()
             self.accumulator.finish_mean()  # type: ignore[union-attr]
         self.after()
@@ -195,6 +206,12 @@ class Trainer:
 def available_modes() -> tuple[str, ...]:
     """The modes the installed ``wacc_torch`` supports."""
     return MODES if has_zero_copy() else MODES[:2]
+
+
+def _suite_modes() -> tuple[str, ...]:
+    """This suite's modes: :func:`available_modes` and their ``sum`` rows."""
+    modes = available_modes()
+    return modes + tuple(m for m in SUM_MODES if m.rsplit(" ", 1)[0] in modes)
 
 
 def run(settings: Settings) -> list[Row]:
@@ -208,7 +225,7 @@ def run(settings: Settings) -> list[Row]:
         ):
             template = make_model(config, device)
             batches = make_batches(config, device)
-            modes = available_modes()
+            modes = _suite_modes()
             trainers = {
                 mode: Trainer(mode, copy.deepcopy(template), batches, loss_scale, autocast)
                 for mode in modes
@@ -218,7 +235,7 @@ def run(settings: Settings) -> list[Row]:
                 device=device,
                 repeats=repeats,
             )
-            for mode in MODES:
+            for mode in MODES + SUM_MODES:
                 seconds = medians.get(mode)
                 rows.append(
                     Row(

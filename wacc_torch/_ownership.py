@@ -8,6 +8,11 @@ target), and each piece's product is added while it is still in cache. "Nothing 
 checked, not assumed: a dense, writable, contiguous, ordinary tensor of D whose Python object,
 tensor and storage are referenced no more often than a probe's that nothing else holds (a reference
 kept by the caller, a tensor hook's, a view of it, memory shared with numpy or a buffer all count).
+Autograd often hands a view: ``nn.Linear``'s weight and bias gradients are views of a tensor made
+in the backward (a transpose, a ``sum_to_size``). Such a view is the accumulator's when its base,
+too, is referenced no more often than the base of a probe's view gradient (a second view of the
+base raises the storage's count, a reference to the base its own counts), so the probe is taken
+twice: once for a gradient of its own, once for a view.
 The buffered mode writes into no gradient it takes: there, a cache-sized work piece measured
 faster.
 """
@@ -21,16 +26,23 @@ import torch
 
 __all__ = ["calibrate", "hooked_gradient"]
 
-Counts = tuple[int, int, int]
+Counts = tuple[int, ...]
 
 
 def _counts(items: Sequence[torch.Tensor | None], index: int) -> Counts:
-    """References to ``items[index]``: its Python object, its tensor, its storage."""
+    """References to ``items[index]``: its Python object, its tensor, its storage; for a view,
+    then those of its base's Python object and tensor (the storage is the same)."""
     item = items[index]
     assert item is not None
     storage = item.untyped_storage()
     tensor_refs: int = item._use_count()  # type: ignore[attr-defined]
-    return sys.getrefcount(item), tensor_refs, torch._C._storage_Use_Count(storage._cdata)
+    counts = (sys.getrefcount(item), tensor_refs, torch._C._storage_Use_Count(storage._cdata))
+    if not item._is_view():
+        return counts
+    base = item._base
+    assert base is not None  # a view's
+    base_refs: int = base._use_count()  # type: ignore[attr-defined]
+    return (*counts, sys.getrefcount(base), base_refs)
 
 
 def _plain(tensor: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -51,10 +63,14 @@ def _plain(tensor: torch.Tensor | None, dtype: torch.dtype) -> bool:
 def _owned(
     items: Sequence[torch.Tensor | None], index: int, dtype: torch.dtype, base: Counts
 ) -> bool:
+    """``base``: the probe's counts for a gradient of this kind (its own, or a view)."""
     if not _plain(items[index], dtype):
         return False
     counts = _counts(items, index)
-    return all(count <= limit for count, limit in zip(counts, base, strict=True))
+    # A view's counts are five, its probe's too (or (0, 0, 0): views never owned).
+    return len(counts) == len(base) and all(
+        count <= limit for count, limit in zip(counts, base, strict=True)
+    )
 
 
 def _hooked_probe() -> Counts:
@@ -79,25 +95,59 @@ def _hooked_probe() -> Counts:
     return seen[0]
 
 
+def _hooked_view_probe() -> Counts:
+    """The counts of a view gradient in an ``AccumulateGrad`` pre-hook's argument: the weight
+    of ``linear``, whose gradient autograd hands as a view of the tensor its backward made."""
+    seen: list[Counts] = []
+
+    def hook(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
+        seen.append(_counts(grads, 0))
+        return (None,)
+
+    with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_detect_anomaly(False):
+        leaf = torch.zeros(2, 2, requires_grad=True)
+        grad_fn = leaf.view_as(leaf).grad_fn
+        assert grad_fn is not None
+        node = grad_fn.next_functions[0][0]
+        assert node is not None
+        handle = node.register_prehook(hook)
+        try:
+            torch.nn.functional.linear(torch.ones(3, 2), leaf).sum().backward()
+        finally:
+            handle.remove()
+    return seen[0]
+
+
 _BASES: dict[str, Counts] = {}
+_NEVER: Counts = (0, 0, 0)  # matches no gradient: a PyTorch whose probe holds more never owns
 
 
 def _base(kind: str, probe: Callable[[], Counts]) -> Counts:
     base = _BASES.get(kind)
     if base is None:
         base = probe()
-        if base[1] > 2 or base[2] > 2:  # pragma: no cover - a PyTorch that holds more: never own
-            base = (0, 0, 0)
+        # The storage is held by the gradient, the probe's storage object and, for a view, its
+        # base; any more (or a view probe that is no view) and nothing is owned.
+        storage_limit = 2 if kind == "hooked" else 3
+        if base[1] > 2 or base[2] > storage_limit:  # pragma: no cover - never in torch 2.13
+            base = _NEVER
+        elif kind == "hooked view" and (len(base) != 5 or base[4] > 2):  # pragma: no cover
+            base = _NEVER
         _BASES[kind] = base
     return base
 
 
 def calibrate() -> None:
-    """Read the probe now (outside any backward: it runs one of its own)."""
+    """Read the probes now (outside any backward: each runs one of its own)."""
     _base("hooked", _hooked_probe)
+    _base("hooked view", _hooked_view_probe)
 
 
 def hooked_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: torch.dtype) -> bool:
     """Whether ``items[index]``, the gradient tuple of an ``AccumulateGrad`` pre-hook, is the
-    accumulator's to overwrite (autograd made it and holds nothing else of it)."""
+    accumulator's to overwrite (autograd made it and holds nothing else of it, nor of its base
+    when it is a view)."""
+    # No local name for the gradient here: it would be one more reference than the probe's.
+    if items[index] is not None and items[index]._is_view():  # type: ignore[union-attr]
+        return _owned(items, index, dtype, _base("hooked view", _hooked_view_probe))
     return _owned(items, index, dtype, _base("hooked", _hooked_probe))

@@ -93,3 +93,44 @@ def test_plain_backward_gradient_peak_is_the_parameter_bytes() -> None:
         hook.remove()
     assert log.peak(gradient_only=True) == module.weight.numel() * 4
     assert log.peak(gradient_only=False) > module.weight.numel() * 4
+
+
+def test_held_storages_count_from_the_start_until_freed() -> None:
+    """A storage the accumulator kept from an earlier window (``held``) is gradient memory live
+    from the log's first event: a later transient adds to it, and freeing it ends it; a
+    storage already logged is not counted twice."""
+    probe = _probe()
+    kept = torch.empty(500)  # 2000 bytes, made before the log
+    log = StorageLog()
+    log.held([kept, kept[:10]])  # a view of the same storage: one record
+    with log:
+        made = probe(100, 25)  # type: ignore[operator]
+        log.held([made])  # logged already: not a second record
+        del kept
+        later = probe(700, 1)  # type: ignore[operator]
+    assert [r.nbytes for r in log.records if r.gradient][:1] == [2000]
+    # 2000 held + 400 transient (+100 kept) at most before the free; then 100 + 2800.
+    assert log.peak(gradient_only=True) == max(2000 + 400, 2000 + 100 + 0, 100 + 2800)
+    del made, later
+
+
+def test_the_memory_suite_counts_the_work_tensor_kept_from_the_warm_up() -> None:
+    """The buffered mode keeps its work tensor between windows (CPU): the memory suite's logged
+    step, run after a warm-up window, still counts it (found by ``held_tensors``)."""
+    from benchmarks import memory_suite, step
+    from benchmarks.features import held_tensors
+
+    config, device = step.FULL, torch.device("cpu")  # QUICK's tensors all go to an arena
+    trainer = step.Trainer(
+        "wacc-buffered", step.make_model(config, device), step.make_batches(config, device),
+        1.0, False,
+    )  # fmt: skip
+    trainer.step()
+    assert trainer.accumulator is not None
+    held = held_tensors(trainer.accumulator)
+    assert held, "the warm-up left no work tensor: nothing to count"
+    log = memory_suite._logged_step(trainer)
+    assert all(r.gradient for r in log.records if r.created == 0)
+    assert sum(r.nbytes for r in log.records if r.created == 0) == sum(
+        t.untyped_storage().nbytes() for t in held
+    )

@@ -324,12 +324,165 @@ def test_zero_copy_never_overwrites_a_gradient_someone_else_holds() -> None:
 
 
 def test_calibrate_reads_the_hooked_probe_outside_a_backward() -> None:
-    """``calibrate`` caches the hooked probe's counts under the key ``hooked_gradient`` reads, so
-    that no hook runs the probe (a backward of its own) inside the caller's backward."""
+    """``calibrate`` caches both probes' counts under the keys ``hooked_gradient`` reads, so
+    that no hook runs a probe (a backward of its own) inside the caller's backward."""
     _ownership._BASES.clear()
     _ownership.calibrate()
-    assert set(_ownership._BASES) == {"hooked"}
+    assert set(_ownership._BASES) == {"hooked", "hooked view"}
     assert _ownership._BASES["hooked"] == _ownership._hooked_probe()
+    assert _ownership._BASES["hooked view"] == _ownership._hooked_view_probe()
+    # A gradient of its own: three counts; a view: its base's two more.
+    assert len(_ownership._BASES["hooked"]) == 3
+    assert len(_ownership._BASES["hooked view"]) == 5
+
+
+def test_the_first_count_is_the_python_objects_references() -> None:
+    """``_counts``' first number follows the Python object's references alone: one more name
+    for the tensor raises it by one and leaves the tensor's and the storage's counts as they
+    were (so a reference only Python knows of is seen: a tensor hook's ``kept.append(grad)``)."""
+    items = [torch.ones(3)]
+    before = _ownership._counts(items, 0)
+    other = items[0]
+    after = _ownership._counts(items, 0)
+    assert after == (before[0] + 1, *before[1:])
+    del other
+    view = [torch.ones(2, 3).t()]
+    before = _ownership._counts(view, 0)
+    assert len(before) == 5
+    held = view[0]._base
+    after = _ownership._counts(view, 0)
+    # The base's Python object now has our name too; the view's own counts are unchanged.
+    assert after[:3] == before[:3] and after[3] == before[3] + 1
+    del held
+
+
+def _hook_counts(backward, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+    """The counts and the verdict of ``hooked_gradient`` for a parameter's gradient, read in an
+    ``AccumulateGrad`` pre-hook the way the zero-copy hooks read them."""
+    parameter = nn.Parameter(torch.zeros(shape))
+    node = parameter.view_as(parameter).grad_fn.next_functions[0][0]
+    seen: list[tuple[tuple[int, ...], bool]] = []
+
+    def hook(grads):
+        owned = _ownership.hooked_gradient(grads, 0, torch.float32)
+        seen.append((_ownership._counts(grads, 0), owned))
+        return (None,)
+
+    _ownership.calibrate()
+    handle = node.register_prehook(hook)
+    try:
+        backward(parameter)
+    finally:
+        handle.remove()
+    (result,) = seen
+    return result
+
+
+def test_a_gradient_kept_by_a_tensor_hook_is_not_owned_though_only_python_knows() -> None:
+    """A leaf's tensor hook that keeps the gradient raises only its Python object's count (the
+    tensor's and the storage's are the probe's): that alone makes it not the accumulator's; the
+    same backward without the hook gives an owned gradient."""
+    probe = _ownership._BASES.get("hooked") or _ownership._hooked_probe()
+
+    def plain(parameter: torch.Tensor) -> None:
+        (parameter * 2.0).sum().backward()
+
+    counts, owned = _hook_counts(plain, (4,))
+    assert owned and counts == probe
+    kept: list[torch.Tensor] = []
+
+    def hooked(parameter: torch.Tensor) -> None:
+        parameter.register_hook(lambda grad: kept.append(grad) or None)
+        (parameter * 2.0).sum().backward()
+
+    counts, owned = _hook_counts(hooked, (4,))
+    assert counts[1:] == probe[1:] and counts[0] > probe[0]  # Python's count alone is higher
+    assert not owned
+    assert torch.equal(kept[0], torch.full((4,), 2.0))
+
+
+def test_a_view_gradient_is_owned_only_while_nothing_else_holds_its_base() -> None:
+    """``nn.Linear``'s weight gradient arrives as a view of the tensor the backward made: owned.
+    Not owned when its base is also another tensor's (a tensor hook on the transposed weight
+    that keeps it) or the base's storage is another view's too (two parameters' gradients cut
+    from one tensor by ``cat``'s backward). (``retain_grad`` keeps a copy: no reference.)"""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+
+    def linear(parameter: torch.Tensor) -> None:
+        torch.nn.functional.linear(x, parameter).sum().backward()
+
+    counts, owned = _hook_counts(linear, (3, 4))
+    assert len(counts) == 5 and owned
+    kept: list[torch.Tensor] = []
+
+    def keeps_base(parameter: torch.Tensor) -> None:
+        transposed = parameter.t()
+        transposed.register_hook(lambda grad: kept.append(grad) or None)
+        (x @ transposed).sum().backward()
+
+    counts, owned = _hook_counts(keeps_base, (3, 4))
+    assert not owned
+    other = nn.Parameter(torch.zeros(3, 4))
+
+    def shared(parameter: torch.Tensor) -> None:
+        both = torch.cat([parameter, other])
+        (both * torch.arange(24.0).reshape(6, 4)).sum().backward()
+
+    counts, owned = _hook_counts(shared, (3, 4))
+    assert not owned
+
+
+def test_zero_copy_never_changes_a_view_gradients_base_someone_holds() -> None:
+    """In a real block over ``nn.Linear``: the weight's gradient, a view whose base a hook on
+    ``weight.t()`` keeps, is never written (the kept tensors are as the backward made them),
+    and the window's sums are the buffered mode's bit for bit; without the hook the gradient is
+    owned (no work tensor) with the same bits."""
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(k, 6, generator=generator) for k in (3, 1, 7)]
+
+    class Model(nn.Module):
+        def __init__(self, keep: list[torch.Tensor] | None) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(1)
+            self.weight = nn.Parameter(torch.randn(4, 6, generator=generator))
+            self.keep = keep
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            transposed = self.weight.t()
+            if self.keep is not None:
+                keep = self.keep
+                transposed.register_hook(lambda grad: keep.append(grad) or None)
+            return x @ transposed
+
+    def run(keep: list[torch.Tensor] | None, zero_copy: bool):
+        model = Model(keep)
+        accumulator = WeightedGradientsAccumulator(
+            dtype=torch.float32, loss_scale=1.0, zero_copy=zero_copy
+        )
+        copies = []
+        for x, weight in zip(inputs, WEIGHTS, strict=True):
+            if zero_copy:
+                with accumulator.microbatch(model, weight=weight, kind="mean"):
+                    model(x).square().mean().backward()
+            else:
+                model(x).square().mean().backward()
+                accumulator.accumulate_mean(model, weight)
+            if keep:
+                copies.append(keep[-1].clone())
+        return accumulator, copies
+
+    kept: list[torch.Tensor] = []
+    accumulator, copies = run(kept, zero_copy=True)
+    assert len(kept) == len(inputs)
+    for grad, copy in zip(kept, copies, strict=True):
+        assert torch.equal(bits(grad), bits(copy))
+    assert isinstance(accumulator._mode, ZeroCopyMode) and accumulator._mode.kept_work is not None
+    expected, _ = run(None, zero_copy=False)
+    want = expected.finish_sums().grads["weight"]
+    assert_bitwise_equal(accumulator.finish_sums().grads["weight"], want, "kept base")
+    owned, _ = run(None, zero_copy=True)
+    assert isinstance(owned._mode, ZeroCopyMode) and owned._mode.kept_work is None
+    assert_bitwise_equal(owned.finish_sums().grads["weight"], want, "owned view")
 
 
 def test_zero_copy_mean_never_writes_an_expanded_gradient() -> None:
