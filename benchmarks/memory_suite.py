@@ -29,7 +29,10 @@ NOTES = (
     "(before `AccumulateGrad` adds it) is counted in no mode. Peak = maximum over time of the live "
     "bytes of those storages, from a `TorchDispatchMode` that logs each storage an op creates and "
     "its release. The whole-step peak counts every storage created during the step (activations "
-    "included; parameters and optimizer state existed before). Ratio = mode / `plain`. Missing "
+    "included; parameters and optimizer state existed before). The work tensor and arenas the "
+    "accumulator kept from the warm-up window count as live from the start. `wacc-buffered "
+    "disposable` is `wacc-buffered` with `accumulate_mean(..., disposable=True)` (the product "
+    "written into each `.grad` taken: no work tensor). Ratio = mode / `plain`. Missing "
     f"modes read {NOT_AVAILABLE}."
 )
 
@@ -72,9 +75,9 @@ def run(settings: Settings) -> list[Row]:
     for device in settings.devices:
         batches = step.make_batches(config, device)
         figures: dict[str, dict[str, float | None]] = {}
-        modes = step.available_modes()
+        modes = (*step.available_modes(), step.DISPOSABLE)
         parameter_bytes = 0
-        for mode in step.MODES:
+        for mode in (*step.MODES, step.DISPOSABLE):
             cases: dict[str, float | None] = {}
             figures[mode] = cases
             if mode not in modes:
@@ -94,7 +97,7 @@ def run(settings: Settings) -> list[Row]:
         for case in figures["plain"]:
             floor = figures["plain"][case]
             assert floor is not None
-            for mode in step.MODES:
+            for mode in (*step.MODES, step.DISPOSABLE):
                 value = figures[mode].get(case)
                 rows.append(
                     Row(

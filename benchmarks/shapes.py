@@ -67,8 +67,9 @@ NOTES = (
     "g freed` is what a plain loop's autograd does with a later microbatch's gradient (adds the "
     "incoming tensor into `.grad`, then frees it): the free the `(.grad)` rows pay, a plain loop "
     "pays inside its backward. Either way the product of "
-    "a reproducible mean goes through a piece-sized work tensor (writing it into a taken `.grad`"
-    " measured 5-8 % slower). `finish_mean` is timed alone after a window was filled. Zero-copy "
+    "a reproducible mean goes through a piece-sized work tensor, except in `(.grad, disposable)`: "
+    "`accumulate_mean(..., disposable=True)` writes it into each `.grad` it takes (no work "
+    "tensor). `finish_mean` is timed alone after a window was filled. Zero-copy "
     "rows: median seconds of a backward handing each parameter its gradient (`p * 1.0`, graph "
     "built untimed) inside a `microbatch` block, ratio = mode / the same backward accumulating "
     "into `.grad`; there the product is written into autograd's own gradient (no work tensor). "
@@ -275,6 +276,7 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
             parameter.grad = grad.clone()
 
     taking, taking_sum, finishing = accumulator(), accumulator(), accumulator()
+    disposing = accumulator()
     incoming: list[torch.Tensor] = []  # autograd's gradient of a microbatch, before it is added
 
     def arrive() -> None:
@@ -296,6 +298,10 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
         ),
         "accumulate_mean (.grad)": Timed(
             lambda: taking.accumulate_mean(model, WEIGHT), setup=set_grads
+        ),
+        # The same, the product written into each .grad it takes (no work piece).
+        "accumulate_mean (.grad, disposable)": Timed(
+            lambda: disposing.accumulate_mean(model, WEIGHT, disposable=True), setup=set_grads
         ),
         "finish_mean": Timed(
             finishing.finish_mean,

@@ -41,6 +41,7 @@ SUITE = "step"
 TARGETS = {"wacc-buffered": 1.03, "wacc-zero-copy": 1.01}
 MODES = ("plain", "wacc-buffered", "wacc-zero-copy")
 SUM_MODES = ("wacc-buffered sum", "wacc-zero-copy sum")  # diagnostics, this suite only
+DISPOSABLE = "wacc-buffered disposable"  # accumulate_mean(..., disposable=True): the memory suite
 NOTES = (
     "Median seconds per training step (4 microbatches of 61, 200, 17, 134 tokens and an AdamW "
     "step) of a 2-layer d=256 transformer encoder with a linear head; ratio = mode / `plain` "
@@ -139,6 +140,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.accumulator: WeightedGradientsAccumulator | None = None
         self.kind = "sum" if self.mode.endswith(" sum") else "mean"
+        self.disposable = self.mode == DISPOSABLE
         if self.mode.startswith("wacc-buffered"):
             self.accumulator = WeightedGradientsAccumulator(
                 dtype=torch.float32, loss_scale=self.loss_scale
@@ -184,7 +186,9 @@ class Trainer:
                 if self.kind == "sum":
                     self.accumulator.accumulate_sum(self.model, tokens)
                 else:
-                    self.accumulator.accumulate_mean(self.model, tokens)
+                    self.accumulator.accumulate_mean(
+                        self.model, tokens, disposable=self.disposable
+                    )
                 self.after()
             self.accumulator.finish_mean().apply_to(self.model)
         else:

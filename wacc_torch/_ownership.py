@@ -13,18 +13,20 @@ in the backward (a transpose, a ``sum_to_size``). Such a view is the accumulator
 too, is referenced no more often than the base of a probe's view gradient (a second view of the
 base raises the storage's count, a reference to the base its own counts), so the probe is taken
 twice: once for a gradient of its own, once for a view.
-The buffered mode writes into no gradient it takes: there, a cache-sized work piece measured
-faster.
+The buffered mode writes into no gradient it takes unless the caller says so
+(``accumulate_mean(..., disposable=True)``: :func:`disposable_gradients`): a cache-sized work piece
+measured faster, and writing into a gradient buys only the memory of that piece.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["calibrate", "hooked_gradient"]
+__all__ = ["calibrate", "disposable_gradients", "hooked_gradient"]
 
 Counts = tuple[int, ...]
 
@@ -151,3 +153,26 @@ def hooked_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: tor
     if items[index] is not None and items[index]._is_view():  # type: ignore[union-attr]
         return _owned(items, index, dtype, _base("hooked view", _hooked_view_probe))
     return _owned(items, index, dtype, _base("hooked", _hooked_probe))
+
+
+def disposable_gradients(
+    gradients: Sequence[torch.Tensor | None],
+    parameters: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+) -> list[bool]:
+    """Which of ``gradients``, handed over by a caller who will not read them again
+    (``accumulate_mean(..., disposable=True)``), the product may be written into: a plain tensor
+    of ``dtype`` (:func:`_plain`) whose storage no other gradient of the call and no parameter
+    shares (writing it would change them: one tensor passed twice, tied weights' one ``.grad``, a
+    parameter's ``.data``). The caller's word covers references held elsewhere; the sharing within
+    the call is checked. (Memory PyTorch allocated, as :func:`_plain` requires, is one storage's
+    alone: two storages never overlap.)"""
+    users = Counter(
+        tensor.untyped_storage().data_ptr()
+        for tensor in [*gradients, *parameters]
+        if tensor is not None and tensor.untyped_storage().data_ptr()
+    )
+    return [
+        grad is not None and _plain(grad, dtype) and users[grad.untyped_storage().data_ptr()] == 1
+        for grad in gradients
+    ]

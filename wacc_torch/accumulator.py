@@ -160,7 +160,12 @@ class WeightedGradientsAccumulator:
         mode.accumulate(module, grads, weight=weight, mean=False, caller="accumulate_sum")
 
     def accumulate_mean(
-        self, module: nn.Module, weight: Weight, *, grads: GradientMapping | None = None
+        self,
+        module: nn.Module,
+        weight: Weight,
+        *,
+        grads: GradientMapping | None = None,
+        disposable: bool = False,
     ) -> None:
         """Add the gradients of ``S * mean_t loss_t`` of one microbatch, times its weight (§6).
 
@@ -169,9 +174,26 @@ class WeightedGradientsAccumulator:
         ``buf = round_D(buf + t)`` (two roundings), and W becomes ``round_64(W + w_D)``; with
         ``fused=True`` the one-pass ``buf.add_(conv_D(g), alpha=w_D)`` is used instead. A w > 0
         whose w_D is 0 or not finite raises :class:`InvalidWeightError`. Buffered mode only.
+
+        ``disposable=True`` hands the gradients over: the caller will not read them again (the
+        ``grads`` tensors, or the ``.grad`` tensors taken). The reproducible product is then
+        written into each gradient in D that is a plain tensor sharing its memory with no other
+        gradient of the call and no parameter, instead of a work tensor: the same bits, no work
+        tensor for it, and measured 5-8 % slower on large tensors on a CPU (the work piece
+        stays in cache, the written gradient goes back to memory). Without it no tensor of the
+        caller's is ever written.
         """
+        if not isinstance(disposable, bool):
+            raise TypeError(f"disposable must be True or False, got {disposable!r}")
         mode = self._buffered("accumulate_mean")
-        mode.accumulate(module, grads, weight=weight, mean=True, caller="accumulate_mean")
+        mode.accumulate(
+            module,
+            grads,
+            weight=weight,
+            mean=True,
+            caller="accumulate_mean",
+            disposable=disposable,
+        )
 
     def microbatch(self, module: nn.Module, *, weight: Weight, kind: Kind = "mean") -> Microbatch:
         """A block in which one backward adds one microbatch straight into ``.grad``.

@@ -23,6 +23,7 @@ from wacc_torch import _commit
 from wacc_torch._arena import Arena, concatenated
 from wacc_torch._binding import Binding, Parameters
 from wacc_torch._gradients import GradientCheck, GradientMapping
+from wacc_torch._ownership import disposable_gradients
 from wacc_torch._weights import read_weight
 from wacc_torch._window import Window, WindowMode
 from wacc_torch._work import Scratch, chunk_numel, pieces
@@ -136,8 +137,10 @@ class BufferedMode(WindowMode):
         weight: object,
         mean: bool,
         caller: str,
+        disposable: bool = False,
     ) -> None:
-        """One microbatch (semantics §5 for sums, §6 for means)."""
+        """One microbatch (semantics §5 for sums, §6 for means). ``disposable``: the caller
+        hands the gradients over (a reproducible mean may write its product into them)."""
         window = self.window
         # Prepare. Validation order (as the reference model's, semantics §5 Reading): the
         # weight's own validity, the module's tracked set, the gradients' structure, then (w > 0)
@@ -148,7 +151,11 @@ class BufferedMode(WindowMode):
         self._refuse_aliases(parameters, gradients)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller=caller)
-        steps = self._prepare_steps(binding, parameters, gradients, mean=mean) if positive else None
+        steps = (
+            self._prepare_steps(binding, parameters, gradients, mean=mean, disposable=disposable)
+            if positive
+            else None
+        )
 
         with _commit.COMMIT, torch.no_grad():
             window.snapshots.await_copies()
@@ -204,6 +211,7 @@ class BufferedMode(WindowMode):
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
+        disposable: bool = False,
     ) -> _Steps:
         """Allocate the new buffers and the work tensors of a positive-weight batch and line up
         its additions (may raise; changes nothing).
@@ -215,7 +223,10 @@ class BufferedMode(WindowMode):
         accumulator's own: a reproducible mean multiplies it in place. Every other gradient, a
         ``.grad`` it takes included, is only read: its product goes through a cache-sized work
         piece, which measured faster on real layer sets than writing the product into the
-        gradient (5-8 %: the ``shapes`` suite, issue 21's note).
+        gradient (5-8 %: the ``shapes`` suite, issue 21's note) — unless the caller hands the
+        gradients over (``disposable``): then a reproducible mean writes its product into each
+        one it may (:func:`wacc_torch._ownership.disposable_gradients`) and needs no work piece
+        for it.
         """
         window = self.window
         new_buffers: dict[str, torch.Tensor] = {}
@@ -225,6 +236,11 @@ class BufferedMode(WindowMode):
         pending = window.pending
         # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
         arenas = self.arenas if binding is window.binding else {}
+        writable = (
+            disposable_gradients(gradients, [p for _, p in parameters], window.dtype)
+            if disposable and mean and not window.fused
+            else None
+        )
         with _commit.ordinary_tensors(), torch.no_grad():
             for device, indices in binding.small.items():
                 arena = arenas.get(device)
@@ -262,7 +278,7 @@ class BufferedMode(WindowMode):
                         parameter.shape, dtype=window.dtype, device=parameter.device
                     )
                     new_buffers[name] = buffer
-                adds.append((buffer, grad, False))
+                adds.append((buffer, grad, writable is not None and writable[index]))
             work = Scratch.reusing(
                 self.kept_work,
                 (

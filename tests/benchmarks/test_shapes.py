@@ -27,12 +27,12 @@ def test_the_layer_sets_have_the_published_parameter_counts() -> None:
 
 
 def test_quick_shapes_rows_cover_every_case_and_mode() -> None:
-    """A quick run gives, per layer set, the floor, the six buffered modes and the plain loop's
+    """A quick run gives, per layer set, the floor, the seven buffered modes and the plain loop's
     add-and-free, the plain backward and two zero-copy blocks, and four memory rows, then the
     piece sizes of both mean paths; the zero-copy memory of a mean is the plain backward's (no
     work tensor when autograd's gradient is owned)."""
     rows = shapes.run(QUICK)
-    assert len(rows) == 3 * (8 + 3 + 4) + 5
+    assert len(rows) == 3 * (9 + 3 + 4) + 5
     pieces = [row for row in rows if row.case.startswith("piece size")]
     assert [row.mode for row in pieces] == [
         shapes.FLOOR,
@@ -49,6 +49,7 @@ def test_quick_shapes_rows_cover_every_case_and_mode() -> None:
         "accumulate_mean fused (grads=)",
         "accumulate_sum (.grad)",
         "accumulate_mean (.grad)",
+        "accumulate_mean (.grad, disposable)",
         "finish_mean",
         shapes.PLAIN_ADD,
         shapes.PLAIN,

@@ -21,6 +21,7 @@ from tests.wacc_torch.support import (
     WORK_DTYPES,
     assert_bitwise_equal,
     assert_matches_reference,
+    assert_records_equal,
     awkward_values,
     bits,
     dtype_name,
@@ -499,3 +500,157 @@ def test_zero_copy_mean_never_writes_an_expanded_gradient() -> None:
     assert mode.kept_work is not None
     expanded = [seed.expand(shape).contiguous() for seed in seeds]
     assert_bitwise_equal(result, _handed(expanded, torch.float32), "zero-copy vs buffered")
+
+
+# ---------------------------------------------------------------- disposable=True (issue 21)
+class Pair(nn.Module):
+    """A 5-element parameter and a larger one, of ``dtype`` (an arena when both are small)."""
+
+    def __init__(self, large: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(5, dtype=dtype))
+        self.weight = nn.Parameter(torch.zeros(large, dtype=dtype))
+
+
+def _window(
+    grads: list[dict[str, torch.Tensor]], work: torch.dtype, *, disposable: bool, fused: bool
+) -> WeightedGradientsAccumulator:
+    module = Pair(tuple(grads[0]["weight"].shape), grads[0]["weight"].dtype)
+    accumulator = WeightedGradientsAccumulator(dtype=work, loss_scale=1.0, fused=fused)
+    for batch, weight in zip(grads, WEIGHTS, strict=True):
+        accumulator.accumulate_mean(module, weight, grads=batch, disposable=disposable)
+    return accumulator
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    large=st.sampled_from([(129, 130), (3, 1, 400), LARGE]),
+    work=st.sampled_from(WORK_DTYPES),
+    other=st.sampled_from([None, *WORK_DTYPES]),
+    layout=st.sampled_from(["contiguous", "transposed", "strided"]),
+    fused=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_disposable_gradients_give_the_same_bits_and_record(
+    large: tuple[int, ...],
+    work: torch.dtype,
+    other: torch.dtype | None,
+    layout: str,
+    fused: bool,
+    seed: int,
+) -> None:
+    """On random shapes, work dtypes, gradient dtypes and layouts, fused or reproducible:
+    ``disposable=True`` gives the record of the same window without it bit for bit (buffers,
+    counters); without it no gradient changes, with it only a reproducible mean's plain
+    gradient in D is written (into ``round_D(g * w_D)``, the product it added)."""
+    grad_dtype = work if other is None else other
+    generator = torch.Generator().manual_seed(seed)
+    grads = [
+        {
+            "bias": awkward_values((5,), dtype=grad_dtype, around=work, generator=generator),
+            "weight": _laid_out(
+                awkward_values(large, dtype=grad_dtype, around=work, generator=generator), layout
+            ),
+        }
+        for _ in WEIGHTS
+    ]
+    copies = [{k: v.clone() for k, v in batch.items()} for batch in grads]
+    expected = _window(copies, work, disposable=False, fused=fused)
+    for batch, copy in zip(grads, copies, strict=True):
+        for name in batch:
+            assert torch.equal(bits(batch[name]), bits(copy[name]))  # copies: untouched inputs
+    given_over = _window(grads, work, disposable=True, fused=fused)
+    assert_records_equal(given_over.state_dict(), expected.state_dict())
+    mode = given_over._mode
+    assert isinstance(mode, BufferedMode)
+    # Small gradients are concatenated into a tensor of the accumulator's own (an arena): only
+    # the others are the caller's to write.
+    in_arena = {name for arena in mode.arenas.values() for name in arena.names}
+    for batch, copy, weight in zip(grads, copies, WEIGHTS, strict=True):
+        for name, grad in batch.items():
+            plain = grad_dtype == work and grad.is_contiguous()
+            written = not fused and plain and name not in in_arena
+            product = torch.mul(copy[name], conv_to(weight, dtype_name(work)))
+            assert torch.equal(bits(grad), bits(product if written else copy[name])), name
+
+
+def test_disposable_never_writes_memory_another_gradient_or_a_parameter_shares() -> None:
+    """The same tensor handed for two parameters, a gradient that is a parameter's memory, and
+    tied parameters' one ``.grad`` are read only (the others' values would change), with the
+    bits of the window without ``disposable``; a gradient of its own is written."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(LARGE))
+            self.b = nn.Parameter(torch.zeros(LARGE))
+
+    seeds = _grads(LARGE, torch.float32, torch.float32, seed=31)
+    cases = {
+        "one tensor twice": lambda m, s: {"a": s, "b": s},
+        "a parameter's memory": lambda m, s: {"a": m.b.data, "b": s},
+    }
+    for case, make in cases.items():
+        module, reference = Two(), Two()
+        with torch.no_grad():
+            module.b.copy_(seeds[0])
+            reference.b.copy_(seeds[0])
+        given_over = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+        expected = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+        for seed, weight in zip(seeds, WEIGHTS, strict=True):
+            handed = make(module, seed.clone())
+            before = {k: v.clone() for k, v in handed.items()}
+            given_over.accumulate_mean(module, weight, grads=handed, disposable=True)
+            expected.accumulate_mean(reference, weight, grads=make(reference, seed.clone()))
+            shared = [k for k in handed if sum(v is handed[k] for v in handed.values()) > 1]
+            for name, tensor in handed.items():
+                if name in shared or tensor.untyped_storage().data_ptr() == (
+                    module.b.untyped_storage().data_ptr()
+                ):
+                    assert torch.equal(bits(tensor), bits(before[name])), (case, name)
+        assert torch.equal(bits(module.b.detach()), bits(reference.b.detach())), case
+        assert_records_equal(given_over.state_dict(), expected.state_dict())
+
+    # Tied parameters' one .grad, taken from the module: read only.
+    tied, reference = Two(), Two()
+    given_over = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    expected = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    for seed, weight in zip(seeds, WEIGHTS, strict=True):
+        shared_grad = seed.clone()
+        tied.a.grad = tied.b.grad = shared_grad
+        given_over.accumulate_mean(tied, weight, disposable=True)
+        assert torch.equal(bits(shared_grad), bits(seed))
+        expected.accumulate_mean(reference, weight, grads={"a": seed, "b": seed})
+    assert_records_equal(given_over.state_dict(), expected.state_dict())
+
+
+def test_a_disposable_grad_taken_from_the_module_needs_no_work_tensor() -> None:
+    """``accumulate_mean(module, w, disposable=True)`` on the ``.grad`` it takes writes the
+    product into it (no work tensor of D) and gives the bits of the ``grads=`` path."""
+    seeds = _grads(LARGE, torch.float32, torch.float32, seed=33)
+    module = One(LARGE, torch.float32)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    for seed, weight in zip(seeds, WEIGHTS, strict=True):
+        module.weight.grad = seed.clone()
+        accumulator.accumulate_mean(module, weight, disposable=True)
+        assert module.weight.grad is None
+    mode = accumulator._mode
+    assert isinstance(mode, BufferedMode)
+    assert mode.kept_work is None or torch.float32 not in {d for _, d in mode.kept_work._sizes}
+    result = accumulator.finish_sums().grads["weight"]
+    assert_bitwise_equal(result, _handed(seeds, torch.float32), "disposable .grad vs grads=")
+
+
+def test_disposable_must_be_a_bool_and_a_refusal_changes_nothing() -> None:
+    """``disposable`` other than True/False raises TypeError naming the value, before anything
+    is read: the window's record is what it was and the gradients are untouched."""
+    module = One((4, 3), torch.float32)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    accumulator.accumulate_mean(module, 2.0, grads={"weight": torch.ones(4, 3)})
+    before = accumulator.state_dict()
+    grad = torch.full((4, 3), 5.0)
+    for bad in (1, "yes", None, torch.tensor(True)):
+        with pytest.raises(TypeError, match="disposable must be True or False, got"):
+            accumulator.accumulate_mean(module, 3.0, grads={"weight": grad}, disposable=bad)  # type: ignore[arg-type]
+        assert_records_equal(accumulator.state_dict(), before)
+        assert torch.equal(grad, torch.full((4, 3), 5.0))
