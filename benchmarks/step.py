@@ -186,9 +186,7 @@ class Trainer:
                 if self.kind == "sum":
                     self.accumulator.accumulate_sum(self.model, tokens)
                 else:
-                    self.accumulator.accumulate_mean(
-                        self.model, tokens, disposable=self.disposable
-                    )
+                    self.accumulator.accumulate_mean(self.model, tokens, disposable=self.disposable)
                 self.after()
             self.accumulator.finish_mean().apply_to(self.model)
         else:
