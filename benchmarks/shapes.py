@@ -46,6 +46,8 @@ SUITE = "shapes"
 FLOOR = "_foreach_add_(alpha=w)"
 PLAIN = "plain backward into .grad"
 PLAIN_ADD = "plain loop's .grad += g, g freed"
+D2D = "device-to-device copy"
+CPU = torch.device("cpu")
 WEIGHT = 3.0
 MIB = 2**20
 # The issue's targets (issue 21): the two-pass limit of a reproducible mean is about 1.63x.
@@ -76,7 +78,10 @@ NOTES = (
     "Memory rows: peak gradient memory of a two-microbatch window (the `memory` suite's "
     "definition), ratio = mode / that plain backward. `piece size` rows: `accumulate_mean` on "
     "one 4096 x 4096 matrix with its pieces set to 2**k elements (the shipped size is 2**20; "
-    "2**24 is the whole matrix at once), handed in `(grads=)` and taken `(.grad)`."
+    "2**24 is the whole matrix at once), handed in `(grads=)` and taken `(.grad)`. On CUDA, "
+    "`: GB/s` rows give each accumulate row's rate (the passes over the gradients it must move: "
+    "3, 4 when the product is written into the gradient, 2 for `finish_mean`) against a "
+    "device-to-device copy of the buffers."
 )
 
 
@@ -197,17 +202,25 @@ class ShapeModel(nn.Module):
     ``real``: parameters of their own; otherwise a zero expanded to the shape, one element of
     memory each (the buffered mode reads gradients, never a parameter's ``.data``)."""
 
-    def __init__(self, layer_set: LayerSet, *, real: bool) -> None:
+    def __init__(self, layer_set: LayerSet, *, real: bool, device: torch.device = CPU) -> None:
         super().__init__()
         self.weights = nn.ParameterDict()
         for name, shape in layer_set.shapes:
-            data = torch.zeros(shape) if real else torch.zeros(1).expand(shape)
+            data = (
+                torch.zeros(shape, device=device)
+                if real
+                else torch.zeros(1, device=device).expand(shape)
+            )
             self.weights[name.replace(".", "_")] = nn.Parameter(data)
 
 
 def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Random gradients on the model's device (drawn on the CPU: the same values everywhere)."""
     generator = torch.Generator().manual_seed(0)
-    return {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+    return {
+        name: torch.randn(p.shape, generator=generator).to(p.device)
+        for name, p in model.named_parameters()
+    }
 
 
 def _row(
@@ -219,6 +232,7 @@ def _row(
     floor: str,
     unit: str = "ms",
     target: float | None = None,
+    device: torch.device = CPU,
 ) -> Row:
     scale = 1e3 if unit == "ms" else 1 / MIB
     return Row(
@@ -226,7 +240,7 @@ def _row(
         case=case,
         mode=mode,
         dtype="float32",
-        device="cpu",
+        device=str(device),
         value=value * scale,
         unit=unit,
         ratio=None if mode == floor else ratio(value, floor_value),
@@ -235,21 +249,31 @@ def _row(
     )
 
 
-def _rows(case: str, medians: dict[str, float], floor: str) -> list[Row]:
+def _rows(
+    case: str, medians: dict[str, float], floor: str, device: torch.device = CPU
+) -> list[Row]:
     return [
-        _row(case, mode, seconds, medians[floor], floor=floor, target=TARGETS.get(mode))
+        _row(
+            case,
+            mode,
+            seconds,
+            medians[floor],
+            floor=floor,
+            target=TARGETS.get(mode),
+            device=device,
+        )  # fmt: skip
         for mode, seconds in medians.items()
     ]
 
 
-def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
+def _accumulate_rows(layer_set: LayerSet, repeats: int, device: torch.device = CPU) -> list[Row]:
     """The buffered calls against the floor, in two interleaved groups (memory: at most the
     gradients and four sets of buffers exist at once)."""
-    model = ShapeModel(layer_set, real=False)
+    model = ShapeModel(layer_set, real=False, device=device)
     grads = _gradients(model)
     grad_list = list(grads.values())
     parameters = [p for _, p in model.named_parameters()]
-    bufs = [torch.zeros(g.shape) for g in grad_list]
+    bufs = [torch.zeros_like(g) for g in grad_list]
 
     def accumulator(fused: bool = False) -> WeightedGradientsAccumulator:
         return WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, fused=fused)
@@ -268,7 +292,8 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
             lambda: accs["fused"].accumulate_mean(model, WEIGHT, grads=grads)
         ),
     }
-    rows = _rows(layer_set.case, interleaved_medians(first, device="cpu", repeats=repeats), FLOOR)
+    medians = interleaved_medians(first, device=device, repeats=repeats)
+    rows = _rows(layer_set.case, medians, FLOOR, device)
     accs.clear()  # their buffers go before the second group's are made
 
     def set_grads() -> None:
@@ -308,8 +333,61 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
             setup=lambda: finishing.accumulate_mean(model, WEIGHT, grads=grads),
         ),
     }
-    medians = interleaved_medians(second, device="cpu", repeats=repeats)
-    rows += [row for row in _rows(layer_set.case, medians, FLOOR) if row.mode != FLOOR]
+    taken = interleaved_medians(second, device=device, repeats=repeats)
+    rows += [row for row in _rows(layer_set.case, taken, FLOOR, device) if row.mode != FLOOR]
+    if device.type == "cuda":
+        rows += _bandwidth_rows(layer_set.case, device, bufs, {**taken, **medians}, repeats)
+    return rows
+
+
+# Bytes a call must move, in whole passes over the gradients (read the buffer and the gradient,
+# write the buffer; a product written into the gradient also writes it; finish_mean reads and
+# writes the buffers), for the GB/s rows (CUDA).
+TRAFFIC = {
+    FLOOR: 3,
+    "accumulate_sum (grads=)": 3,
+    "accumulate_mean (grads=)": 3,
+    "accumulate_mean fused (grads=)": 3,
+    "accumulate_sum (.grad)": 3,
+    "accumulate_mean (.grad)": 3,
+    "accumulate_mean (.grad, disposable)": 4,
+    PLAIN_ADD: 3,
+    "finish_mean": 2,
+}
+
+
+def _bandwidth_rows(
+    case: str,
+    device: torch.device,
+    bufs: list[torch.Tensor],
+    medians: dict[str, float],
+    repeats: int,
+) -> list[Row]:
+    """GB/s of each accumulate row (the bytes of :data:`TRAFFIC` over its median time) beside a
+    device-to-device copy of the buffers (read and write each byte), and their ratio to it."""
+    nbytes = sum(b.numel() * b.element_size() for b in bufs)
+    targets = [torch.empty_like(b) for b in bufs]
+    copy_seconds = interleaved_medians(
+        {D2D: Timed(lambda: torch._foreach_copy_(targets, bufs))}, device=device, repeats=repeats
+    )[D2D]
+    copy_rate = 2 * nbytes / copy_seconds / 1e9
+    rows = [Row(SUITE, f"{case}: GB/s", D2D, "float32", str(device), copy_rate, "GB/s")]
+    for mode, passes in TRAFFIC.items():
+        if mode in medians:
+            rate = passes * nbytes / medians[mode] / 1e9
+            rows.append(
+                Row(
+                    SUITE,
+                    f"{case}: GB/s",
+                    mode,
+                    "float32",
+                    str(device),
+                    rate,
+                    "GB/s",
+                    ratio=rate / copy_rate,
+                    floor=D2D,
+                )  # fmt: skip
+            )
     return rows
 
 
@@ -342,28 +420,28 @@ def _in_block(
     return Timed(call, setup=backward.setup)
 
 
-def _zero_copy_rows(layer_set: LayerSet, repeats: int) -> list[Row]:
+def _zero_copy_rows(layer_set: LayerSet, repeats: int, device: torch.device = CPU) -> list[Row]:
     """Zero-copy blocks against the plain backward, each on a model of its own."""
-    plain = ShapeModel(layer_set, real=False)
+    plain = ShapeModel(layer_set, real=False, device=device)
     seeds = list(_gradients(plain).values())
     modes: dict[str, Timed] = {PLAIN: _backward(plain, seeds)}
     for kind in ("mean", "sum"):
-        model = ShapeModel(layer_set, real=False)
+        model = ShapeModel(layer_set, real=False, device=device)
         accumulator = WeightedGradientsAccumulator(
             dtype=torch.float32, loss_scale=1.0, zero_copy=True
         )
         modes[f"zero-copy block ({kind})"] = _in_block(
             accumulator, model, kind, _backward(model, seeds)
         )
-    medians = interleaved_medians(modes, device="cpu", repeats=repeats)
-    return _rows(f"{layer_set.case}: backward", medians, PLAIN)
+    medians = interleaved_medians(modes, device=device, repeats=repeats)
+    return _rows(f"{layer_set.case}: backward", medians, PLAIN, device)
 
 
-def _window_peak(layer_set: LayerSet, mode: str) -> int:
+def _window_peak(layer_set: LayerSet, mode: str, device: torch.device = CPU) -> int:
     """Peak gradient memory of a window of two microbatches (two backward passes) in ``mode``:
     ``plain``, ``wacc-buffered mean`` (``accumulate_mean`` of the ``.grad`` it takes) or
     ``wacc-zero-copy mean|sum`` (a ``microbatch`` block around each backward)."""
-    model = ShapeModel(layer_set, real=False)
+    model = ShapeModel(layer_set, real=False, device=device)
     seeds = list(_gradients(model).values())
     parameters = list(model.parameters())
     zero_copy = mode.startswith("wacc-zero-copy")
@@ -397,10 +475,10 @@ def _window_peak(layer_set: LayerSet, mode: str) -> int:
     return log.peak(gradient_only=True)
 
 
-def _memory_rows(layer_set: LayerSet) -> list[Row]:
+def _memory_rows(layer_set: LayerSet, device: torch.device = CPU) -> list[Row]:
     """Peak gradient memory per mode (one model at a time)."""
     modes = ("plain", "wacc-buffered mean", "wacc-zero-copy mean", "wacc-zero-copy sum")
-    peaks = {mode: _window_peak(layer_set, mode) for mode in modes}
+    peaks = {mode: _window_peak(layer_set, mode, device) for mode in modes}
     return [
         _row(
             f"{layer_set.case}: peak gradient memory",
@@ -410,6 +488,7 @@ def _memory_rows(layer_set: LayerSet) -> list[Row]:
             floor="plain",
             unit="MiB",
             target=MEMORY_TARGETS.get(mode),
+            device=device,
         )
         for mode, peak in peaks.items()
     ]
@@ -429,16 +508,16 @@ def _with_piece(elements: int, call: Callable[[], object]) -> Callable[[], objec
     return timed
 
 
-def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
+def _piece_rows(repeats: int, *, quick: bool, device: torch.device = CPU) -> list[Row]:
     """The piece size of a reproducible mean: ``accumulate_mean`` on one 4096 x 4096 matrix (a
     Llama-7B projection) with pieces of 2**14 to 2**24 elements (the whole matrix), with
     ``grads=`` and on the ``.grad`` it takes (and drops), beside the floor."""
     rows_, columns = (64, 64) if quick else (4096, 4096)
     layer_set = LayerSet("piece size", (("w", (rows_, columns)),), f"{rows_} x {columns}")
-    model = ShapeModel(layer_set, real=False)
+    model = ShapeModel(layer_set, real=False, device=device)
     grads = _gradients(model)
     grad_list = list(grads.values())
-    bufs = [torch.zeros(g.shape) for g in grad_list]
+    bufs = [torch.zeros_like(g) for g in grad_list]
     parameter = next(model.parameters())
     modes: dict[str, Timed] = {
         FLOOR: Timed(lambda: torch._foreach_add_(bufs, grad_list, alpha=WEIGHT))
@@ -459,9 +538,9 @@ def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
         modes[f"accumulate_mean (.grad), pieces of 2**{exponent}"] = Timed(
             _with_piece(2**exponent, call), setup=set_grad
         )
-    medians = interleaved_medians(modes, device="cpu", repeats=repeats)
+    medians = interleaved_medians(modes, device=device, repeats=repeats)
     return [
-        _row(layer_set.case, mode, seconds, medians[FLOOR], floor=FLOOR)
+        _row(layer_set.case, mode, seconds, medians[FLOOR], floor=FLOOR, device=device)
         for mode, seconds in medians.items()
     ]
 
@@ -469,9 +548,10 @@ def _piece_rows(repeats: int, *, quick: bool) -> list[Row]:
 def run(settings: Settings) -> list[Row]:
     repeats = settings.repeats_or(7)
     rows: list[Row] = []
-    for layer_set in layer_sets(settings.shape_scale, quick=settings.quick):
-        rows += _accumulate_rows(layer_set, repeats)
-        rows += _zero_copy_rows(layer_set, repeats)
-        rows += _memory_rows(layer_set)
-    rows += _piece_rows(repeats, quick=settings.quick)
+    for device in settings.devices:
+        for layer_set in layer_sets(settings.shape_scale, quick=settings.quick):
+            rows += _accumulate_rows(layer_set, repeats, device)
+            rows += _zero_copy_rows(layer_set, repeats, device)
+            rows += _memory_rows(layer_set, device)
+        rows += _piece_rows(repeats, quick=settings.quick, device=device)
     return rows

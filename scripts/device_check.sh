@@ -10,8 +10,9 @@
 # then run this script there with `.whl` carried. It prints, in order: the devices, every
 # `cuda`-marked test (the judge on CUDA, the fp16 W = 70000 division, async pinned snapshots,
 # resume, the NCCL/gloo reduction), then the performance suites on CUDA (`python -m benchmarks`,
-# capped at 180 s; the table lands in $OUT/perf/README.md, the CSV next to it), then the older
-# accumulate benchmark's CPU/CUDA ratios. About 4 minutes on an H200.
+# capped at 180 s; the table lands in $OUT/perf/README.md, the CSV next to it), the real layer sets
+# and the decoder step on CUDA ($OUT/perf-shapes, capped at 240 s), then the older accumulate
+# benchmark's CPU/CUDA ratios. About 8 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -27,5 +28,8 @@ python3 -m pytest -m cuda -q -p no:cacheprovider \
     ${OUT:+--junitxml "$OUT/cuda-tests.xml"} || status=$?
 timeout 180 python3 -m benchmarks --device cuda --suite step --suite overhead --suite large \
     --suite memory --out "${OUT:-/tmp}/perf" || status=$?
+# The real layer sets (GB/s against a device-to-device copy) and the 512-2048-token decoder step.
+timeout 240 python3 -m benchmarks --device cuda --suite shapes --suite decoder \
+    --out "${OUT:-/tmp}/perf-shapes" || status=$?
 timeout 60 python3 benchmarks/bench_accumulate.py --repeats 20 || status=$?
 exit "$status"

@@ -80,3 +80,20 @@ def test_quick_decoder_step_times_every_mode_against_the_plain_loop() -> None:
     changed[:, -1] = (changed[:, -1] + 1) % decoder.QUICK.vocab
     with torch.no_grad():
         assert torch.allclose(model(ids)[:, :-1], model(changed)[:, :-1], rtol=0, atol=1e-6)
+
+
+def test_bandwidth_rows_count_each_modes_passes_against_a_copy() -> None:
+    """The GB/s rows (CUDA's; the arithmetic is the device's own, so checked on the CPU): per
+    mode timed, passes x bytes / seconds, and its ratio to the copy's 2 x bytes / seconds; a
+    mode not timed gets no row."""
+    bufs = [torch.zeros(1000), torch.zeros(24, 10)]  # 4960 bytes
+    medians = {shapes.FLOOR: 1e-6, "finish_mean": 2e-6, "accumulate_mean (.grad, disposable)": 4e-6}
+    rows = shapes._bandwidth_rows("set", torch.device("cpu"), bufs, medians, repeats=3)
+    copy, *timed = rows
+    assert copy.mode == shapes.D2D and copy.unit == "GB/s" and copy.ratio is None
+    nbytes = 1240 * 4
+    expected = {shapes.FLOOR: 3 * nbytes / 1e-6 / 1e9, "finish_mean": 2 * nbytes / 2e-6 / 1e9}
+    expected["accumulate_mean (.grad, disposable)"] = 4 * nbytes / 4e-6 / 1e9
+    assert {row.mode: row.value for row in timed} == expected
+    for row in timed:
+        assert row.floor == shapes.D2D and row.ratio == row.value / copy.value
