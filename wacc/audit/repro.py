@@ -19,7 +19,7 @@ loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightnin
 it), ``torchtune`` and ``torchtitan`` (not runnable next to this torch); the rest pass in the
 committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A failure of a loop without one gets
 a note (``no reproducer template for this loop``), and so does a lost resume whose template has
-no restart (only ``plain``, ``accelerate*`` and ``lightning*`` have one).
+no restart (``plain``, ``pixparse``, ``accelerate*`` and ``lightning*`` have one).
 
 Which number it reproduces, and why it can match: the model has the audit's weights (same class,
 config and seed; the weights rounded to the audit's dtype first, as the audit does) and the

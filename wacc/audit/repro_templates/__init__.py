@@ -18,7 +18,8 @@ The loops with a template (:data:`LOOPS`): ``transformers.Trainer`` (:mod:`.trai
 common part builds), ``accelerate`` and ``accelerate-variable`` (:mod:`.accelerate`), ``lightning``
 and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deepspeed``
 (:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
-and ``plain``; resume bodies for ``plain``, the two ``accelerate`` and the two ``lightning`` loops.
+and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
+``lightning`` loops.
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops.
 """
@@ -122,7 +123,14 @@ LOOPS: dict[str, LoopTemplate] = {
         "TRL SFTTrainer (packing)", _TRL, trl.PACKING_IMPORTS, trl.PACKING
     ),
     "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
-    "pixparse": LoopTemplate("pixparse loss /= accum_steps + NativeScaler", (), (), pixparse.BODY),
+    "pixparse": LoopTemplate(
+        "pixparse loss /= accum_steps + NativeScaler",
+        (),
+        (),
+        pixparse.BODY,
+        pixparse.RESUME,
+        pixparse.RESUME_IMPORTS,
+    ),
     "plain": LoopTemplate("plain PyTorch", (), (), plain.BODY, plain.RESUME, plain.RESUME_IMPORTS),
 }
 """Templates by adapter name; an adapter without one gets no reproducer."""
