@@ -73,6 +73,7 @@ __all__ = [
     "add_spike",
     "causal_lm_loss_sum",
     "logits_of",
+    "lora_options",
 ]
 
 MODEL_SEED = 1234
@@ -303,16 +304,24 @@ def _t5() -> nn.Module:
 LORA_RANK = 4
 
 
+def lora_options(base: str) -> dict[str, Any]:
+    """The ``LoraConfig`` keywords of ``base``'s LoRA model (module docstring); the reproducers
+    (:mod:`wacc.audit.repro`) write them out."""
+    return dict(
+        task_type="CAUSAL_LM", r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+        init_lora_weights=False, fan_in_fan_out=base == "gpt2",  # GPT-2's Conv1D layers
+    )  # fmt: skip
+
+
 def _lora(base: str) -> Callable[[], nn.Module]:
-    """A factory for ``base``'s model with LoRA adapters (module docstring; needs ``peft``)."""
+    """A factory for ``base``'s model with LoRA adapters (module docstring; needs ``peft``).
+    Built right after ``torch.manual_seed(MODEL_SEED)`` (:func:`_base`): the adapters' init draws
+    from torch's RNG."""
 
     def build() -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(
-            task_type="CAUSAL_LM", r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
-            init_lora_weights=False, fan_in_fan_out=base == "gpt2",  # GPT-2's Conv1D layers
-        )  # fmt: skip
+        config = LoraConfig(**lora_options(base))
         with warnings.catch_warnings():  # PEFT's own deprecation notices, not the caller's
             warnings.simplefilter("ignore")
             model: nn.Module = get_peft_model(copy.deepcopy(_base(base)), config)
@@ -328,6 +337,7 @@ class ModelSpec:
     name: str
     factory: Callable[[], nn.Module]  # builds the float32 model (called once, seeded)
     family: str = "causal"  # a name of FAMILIES: the microbatch format and loss of its truth
+    lora: str | None = None  # a LoRA model: its base model's name (LoraConfig: lora_options)
 
     def build(self, dtype: torch.dtype) -> nn.Module:
         """A new model converted to ``dtype`` (float32 init from the fixed seed)."""
@@ -362,8 +372,8 @@ MODEL_KINDS: dict[str, ModelSpec] = {
     "opt": ModelSpec("opt", _opt),  # OPTForCausalLM, hidden 16, 1 layer (transformers)
     "bert": ModelSpec("bert", _bert, "masked"),  # BertForMaskedLM, hidden 16 (transformers)
     "t5": ModelSpec("t5", _t5, "seq2seq"),  # T5ForConditionalGeneration, d_model 16 (transformers)
-    "lora-gpt2": ModelSpec("lora-gpt2", _lora("gpt2")),  # gpt2 + LoRA on c_attn (needs peft)
-    "lora-llama": ModelSpec("lora-llama", _lora("llama")),  # llama + LoRA on q/v_proj (peft)
+    "lora-gpt2": ModelSpec("lora-gpt2", _lora("gpt2"), lora="gpt2"),  # LoRA on c_attn (peft)
+    "lora-llama": ModelSpec("lora-llama", _lora("llama"), lora="llama"),  # on q/v_proj (peft)
     "plain": ModelSpec("plain", TinyCausalLM),
 }
 """Models by name."""

@@ -4,10 +4,22 @@
 ``DIR/<loop>-<window>-resume.py`` for every loop whose mid-window resume lost the pending gradient
 (measured on the audit's first window).  A script imports torch, the framework and the standard
 library only: it holds the window's token ids as literals, builds the model from its config (the
-audit's plain causal LM written out) with wacc's model seed, computes the exact gradient (the
-float64 gradient of the window's mean token loss on a float64 copy of the model) and runs the
-framework's accumulation the framework's way (:mod:`wacc.audit.repro_templates`), then prints the
-relative L2 error of the gradient the framework hands its optimizer, and the token counts.
+audit's plain causal LM written out; a LoRA model's adapters from ``LoraConfig``, drawn from
+torch's RNG reseeded with wacc's seed, as :mod:`wacc.audit.models` draws them) with wacc's model
+seed, computes the exact gradient (the float64 gradient of the window's mean token loss on a
+float64 copy of the model) and runs the framework's accumulation the framework's way
+(:mod:`wacc.audit.repro_templates`), then prints the relative L2 error of the gradient the
+framework hands its optimizer, and the token counts.
+
+Which loops have a template (:data:`wacc.audit.repro_templates.LOOPS`): every loop that can fail
+in the audit — ``transformers.Trainer`` (every ``trainer-*`` model family and the PEFT LoRA
+loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightning-manual``,
+``keras``, ``deepspeed``, ``trl-sft`` and ``trl-sft-packing``, ``nanogpt``, ``pixparse`` and
+``plain`` — except ``timm`` (its loop needs torchvision; ``pixparse`` is the same loop without
+it), ``torchtune`` and ``torchtitan`` (not runnable next to this torch); the rest pass in the
+committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A failure of a loop without one gets
+a note (``no reproducer template for this loop``), and so does a lost resume whose template has
+no restart (``plain``, ``pixparse``, ``accelerate*`` and ``lightning*`` have one).
 
 Which number it reproduces, and why it can match: the model has the audit's weights (same class,
 config and seed; the weights rounded to the audit's dtype first, as the audit does) and the
@@ -32,7 +44,15 @@ from typing import Any
 
 import torch
 
-from wacc.audit.models import MASK_TOKEN, MODEL_KINDS, MODEL_SEED, PAD_TOKEN, POSITIONS, ModelSpec
+from wacc.audit.models import (
+    MASK_TOKEN,
+    MODEL_KINDS,
+    MODEL_SEED,
+    PAD_TOKEN,
+    POSITIONS,
+    ModelSpec,
+    lora_options,
+)
 from wacc.audit.protocol import Adapter
 from wacc.audit.repro_templates import LOOPS, LoopTemplate
 from wacc.audit.repro_templates.common import EXACT, FAMILIES, GRADIENT, PLAIN_MODEL, RESULT
@@ -189,8 +209,10 @@ def _header(
 
 
 def _model_name(adapter: Adapter) -> str:
-    base = MODEL_KINDS[adapter.model].build(torch.float32)
-    return type(base).__name__ + (" built from a config" if hasattr(base, "config") else "")
+    spec = MODEL_KINDS[adapter.model]
+    base = MODEL_KINDS[spec.lora or spec.name].build(torch.float32)
+    name = type(base).__name__ + (" built from a config" if hasattr(base, "config") else "")
+    return name + (" with LoRA adapters" if spec.lora else "")
 
 
 def _literal(values: Sequence[Any], indent: str) -> str:
@@ -226,8 +248,10 @@ def _constants(dtype: str, window: Window, fact: LoopFacts | None) -> str:
 
 
 def _model(spec: ModelSpec, dtype: str) -> tuple[list[str], str]:
-    """The import lines and the ``build_model`` source for ``spec`` (the audit's weights)."""
-    base = spec.build(torch.float32)
+    """The import lines and the ``build_model`` source for ``spec`` (the audit's weights; a LoRA
+    model: its base model's, then the adapters, drawn from torch's RNG reseeded right after the
+    base as :mod:`wacc.audit.models` does)."""
+    base = MODEL_KINDS[spec.lora or spec.name].build(torch.float32)
     weights = "" if dtype == "float32" else f".to(torch.{dtype})"  # the audit rounds them first
     config = getattr(base, "config", None)
     if config is None:  # the audit's own plain model, written out
@@ -251,10 +275,20 @@ def _model(spec: ModelSpec, dtype: str) -> tuple[list[str], str]:
         source = "\nconfig = " + kind.__name__ + "(\n    "
         source += "\n    ".join(textwrap.wrap(arguments + ",", width=92)) + "\n)\n"
         make = f"{type(base).__name__}(config)"
+    built = f"return {make}{weights}.to(DTYPE)"
+    if spec.lora is not None:
+        imports.append("from peft import LoraConfig, get_peft_model")
+        options = ", ".join(f"{k}={v!r}" for k, v in lora_options(spec.lora).items())
+        built = f"""model = {make}
+    torch.manual_seed({MODEL_SEED})  # the LoRA weights: torch's RNG, reseeded as wacc does
+    lora = LoraConfig(
+{textwrap.fill(options + ",", width=96, initial_indent=" " * 8, subsequent_indent=" " * 8)}
+    )
+    return get_peft_model(model, lora){weights}.to(DTYPE)"""
     source += f"""
 
 def build_model():
     torch.manual_seed({MODEL_SEED})  # wacc's model seed: the audit's weights
-    return {make}{weights}.to(DTYPE)
+    {built}
 """
     return imports, source

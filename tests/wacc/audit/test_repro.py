@@ -47,7 +47,7 @@ try:  # Lightning is an optional extra: its loops run only where it is installed
     LOOPS += ["lightning", "lightning-manual"]
 except ImportError:
     pass
-RESUMED = {"plain", "accelerate-variable", "lightning-manual"}  # the loops whose resume is run
+RESUMED = {"plain", "pixparse", "accelerate-variable", "lightning-manual"}  # resume is run
 # Written but not run: each is another run script's code with its mid-window restart removed.
 COVERED = {"accelerate-variable-unequal.py", "lightning-manual-unequal.py"}
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,7 +122,10 @@ def test_one_reproducer_per_failure(runs: Runs) -> None:
     lost = {f"{f.adapter.name}-unequal-resume.py" for f in facts if f.resume == LOST}
     assert {r.path.name for r in runs.written} == fails | lost
     assert "plain-unequal.py" not in fails  # the plain loop passes: no cell script
-    assert {"plain-unequal-resume.py", "accelerate-variable-unequal-resume.py"} <= lost
+    assert {
+        "plain-unequal-resume.py", "pixparse-unequal-resume.py",
+        "accelerate-variable-unequal-resume.py",
+    } <= lost  # fmt: skip
 
 
 @pytest.mark.slow

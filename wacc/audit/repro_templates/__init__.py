@@ -12,13 +12,33 @@ microbatch),
 and it must leave ``grads`` (the gradient the framework hands its optimizer, from ``gradient``)
 and ``counted`` (a short text: what the framework divided by).  A ``resume`` body does the same
 with a checkpoint after ``CHECKPOINT_AFTER`` microbatches and a restart from it.
+
+The loops with a template (:data:`LOOPS`): ``transformers.Trainer`` (:mod:`.trainer`: every
+``trainer-*`` model family, and ``peft-lora-gpt2`` / ``peft-lora-llama``, whose LoRA model the
+common part builds), ``accelerate`` and ``accelerate-variable`` (:mod:`.accelerate`), ``lightning``
+and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deepspeed``
+(:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
+and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
+``lightning`` loops.
+Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
+torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wacc.audit.repro_templates import accelerate, lightning, nanogpt, pixparse, plain, trainer
+from wacc.audit.repro_templates import (
+    accelerate,
+    deepspeed,
+    keras,
+    lightning,
+    nanogpt,
+    pixparse,
+    plain,
+    trainer,
+    trl,
+)
 
 __all__ = ["LOOPS", "LoopTemplate"]
 
@@ -38,7 +58,15 @@ class LoopTemplate:
 _TRAINER = LoopTemplate(
     "transformers.Trainer", ("transformers", "accelerate"), trainer.IMPORTS, trainer.BODY
 )
+# PEFT's LoRA model (repro._model writes it) under Trainer's own loop: the Trainer body.
+_LORA = LoopTemplate(
+    "transformers.Trainer + PEFT LoRA",
+    ("transformers", "accelerate", "peft"),
+    trainer.IMPORTS,
+    trainer.BODY,
+)
 _LIGHTNING = ("lightning",)
+_TRL = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
 LOOPS: dict[str, LoopTemplate] = {
     **{
         name: _TRAINER
@@ -83,8 +111,26 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.MANUAL_RESUME,
         lightning.RESUME_IMPORTS,
     ),
+    "keras": LoopTemplate(
+        "Keras SGD(gradient_accumulation_steps=K)", ("keras",), keras.IMPORTS, keras.BODY
+    ),
+    "deepspeed": LoopTemplate(
+        "DeepSpeed engine (ZeRO 0)", ("deepspeed",), deepspeed.IMPORTS, deepspeed.BODY
+    ),
+    **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
+    "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),
+    "trl-sft-packing": LoopTemplate(
+        "TRL SFTTrainer (packing)", _TRL, trl.PACKING_IMPORTS, trl.PACKING
+    ),
     "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
-    "pixparse": LoopTemplate("pixparse loss /= accum_steps + NativeScaler", (), (), pixparse.BODY),
+    "pixparse": LoopTemplate(
+        "pixparse loss /= accum_steps + NativeScaler",
+        (),
+        (),
+        pixparse.BODY,
+        pixparse.RESUME,
+        pixparse.RESUME_IMPORTS,
+    ),
     "plain": LoopTemplate("plain PyTorch", (), (), plain.BODY, plain.RESUME, plain.RESUME_IMPORTS),
 }
 """Templates by adapter name; an adapter without one gets no reproducer."""
