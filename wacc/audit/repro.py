@@ -186,6 +186,8 @@ def _header(
         "window's mean token loss.  Prints the relative L2 error of the gradient the loop hands "
         "its optimizer (0 up to rounding for a loop that computes the mean)."
     )
+    if template.window_note:
+        what += " " + template.window_note
     if fact is not None:
         row = (
             f"Reproduces the mid-window resume of {adapter.name} in `wacc audit --dtype {dtype}` "

@@ -98,6 +98,13 @@ def test_a_failing_row_gets_its_script(runs: Runs, loop: str) -> None:
     assert runs.notes == []
     assert runs.written[loop].path.name == f"{loop}-unequal.py"
     assert not runs.written[loop].resume
+    # The header says how the loop cuts the window when not one microbatch per sequence.
+    header = ast.get_docstring(ast.parse(runs.written[loop].path.read_text(encoding="utf-8")))
+    assert header is not None
+    flowing = " ".join(header.split())  # the header is wrapped at 96 columns
+    assert ("Packing puts the window's sequences into fewer rows" in flowing) == (
+        loop == "trl-sft-packing"
+    )
 
 
 @pytest.mark.slow

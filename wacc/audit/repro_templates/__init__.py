@@ -53,6 +53,9 @@ class LoopTemplate:
     body: str  # leaves ``grads`` and ``counted``
     resume: str | None = None  # the same with a mid-window checkpoint; None: not written
     resume_imports: tuple[str, ...] = ()  # what only ``resume`` needs
+    # How the loop turns the window into its own microbatches, when not one per sequence (a
+    # sentence the header adds after the window's K microbatches).
+    window_note: str = ""
 
 
 _TRAINER = LoopTemplate(
@@ -120,7 +123,13 @@ LOOPS: dict[str, LoopTemplate] = {
     **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
     "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),
     "trl-sft-packing": LoopTemplate(
-        "TRL SFTTrainer (packing)", _TRL, trl.PACKING_IMPORTS, trl.PACKING
+        "TRL SFTTrainer (packing)",
+        _TRL,
+        trl.PACKING_IMPORTS,
+        trl.PACKING,
+        window_note="Packing puts the window's sequences into fewer rows, and the loop "
+        "accumulates over those rows (gradient_accumulation_steps = the row count: see the "
+        "printed count).",
     ),
     "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
     "pixparse": LoopTemplate(
