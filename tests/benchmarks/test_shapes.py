@@ -97,3 +97,18 @@ def test_bandwidth_rows_count_each_modes_passes_against_a_copy() -> None:
     assert {row.mode: row.value for row in timed} == expected
     for row in timed:
         assert row.floor == shapes.D2D and row.ratio == row.value / copy.value
+
+
+def test_a_layer_set_measured_in_a_fresh_process_gives_its_rows() -> None:
+    """``in_fresh_process`` (how a full run measures each layer set) runs the set in a spawned
+    interpreter and hands back the same rows, measured there, as in this process."""
+    layer_set = shapes.layer_sets(1.0, quick=True)[0]
+    cpu = torch.device("cpu")
+    here = shapes._set_rows(layer_set, 1, cpu)
+    there = shapes.in_fresh_process(shapes._set_rows, layer_set, 1, cpu)
+    assert [(r.case, r.mode, r.unit, r.floor) for r in there] == [
+        (r.case, r.mode, r.unit, r.floor) for r in here
+    ]
+    assert all(r.value is not None and r.value > 0 for r in there)
+    memory = [(r.mode, r.value) for r in there if r.unit == "MiB"]
+    assert memory == [(r.mode, r.value) for r in here if r.unit == "MiB"]  # bytes: exact
