@@ -179,7 +179,7 @@ class WeightedGradientsAccumulator:
         ``grads`` tensors, or the ``.grad`` tensors taken). The reproducible product is then
         written into each gradient in D that is a plain tensor sharing its memory with no other
         gradient of the call and no parameter, instead of a work tensor: the same bits, no work
-        tensor for it, and measured 5-8 % slower on large tensors on a CPU (the work piece
+        tensor for it, and measured 3-12 % slower on large tensors on a CPU (the work piece
         stays in cache, the written gradient goes back to memory). Without it no tensor of the
         caller's is ever written.
         """

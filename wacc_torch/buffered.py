@@ -223,10 +223,10 @@ class BufferedMode(WindowMode):
         accumulator's own: a reproducible mean multiplies it in place. Every other gradient, a
         ``.grad`` it takes included, is only read: its product goes through a cache-sized work
         piece, which measured faster on real layer sets than writing the product into the
-        gradient (5-8 %: the ``shapes`` suite, issue 21's note) — unless the caller hands the
-        gradients over (``disposable``): then a reproducible mean writes its product into each
-        one it may (:func:`wacc_torch._ownership.disposable_gradients`) and needs no work piece
-        for it.
+        gradient (by 3-12 %: the ``shapes`` suite's ``(.grad, disposable)`` rows) — unless the
+        caller hands the gradients over (``disposable``): then a reproducible mean writes its
+        product into each one it may (:func:`wacc_torch._ownership.disposable_gradients`) and
+        needs no work piece for it.
         """
         window = self.window
         new_buffers: dict[str, torch.Tensor] = {}
