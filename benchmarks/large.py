@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.bandwidth import bandwidth_rows
 from benchmarks.features import has_checksum_option, pending_buffers
 from benchmarks.results import Row
 from benchmarks.settings import Settings
@@ -24,7 +25,8 @@ from wacc_torch import WeightedGradientsAccumulator
 SUITE = "large"
 FLOOR = "_foreach_add_(alpha=w)"
 COPY = "copy to cpu"
-D2D = "d2d copy"
+# Whole passes over the buffers each timed call must make (benchmarks.bandwidth).
+TRAFFIC = {FLOOR: 3, "accumulate_sum": 3, "accumulate_mean": 3, "finish_mean": 2}
 WEIGHT = 3.0
 NOTES = (
     "Median seconds per call on 50 tensors (about 40 M parameters); ratio = mode / one "
@@ -116,7 +118,9 @@ def _accumulate_group(
     if main:
         rows += _state_dict_rows(device, sums, repeats, case=f"{case}: record")
         if device.type == "cuda":
-            rows += _bandwidth_rows(device, bufs, medians, repeats, case=f"{case}: bandwidth")
+            rows += bandwidth_rows(
+                SUITE, f"{case}: bandwidth", device, bufs, medians, TRAFFIC, repeats
+            )
     return rows
 
 
@@ -154,42 +158,6 @@ def _state_dict_rows(
         )
         for mode, seconds in medians.items()
     ]
-
-
-def _bandwidth_rows(
-    device: torch.device,
-    bufs: list[torch.Tensor],
-    medians: dict[str, float],
-    repeats: int,
-    *,
-    case: str,
-) -> list[Row]:
-    nbytes = sum(b.numel() * b.element_size() for b in bufs)
-    targets = [torch.empty_like(b) for b in bufs]
-    copy_seconds = interleaved_medians(
-        {D2D: Timed(lambda: torch._foreach_copy_(targets, bufs))},
-        device=device,
-        repeats=repeats,
-    )[D2D]
-    copy_rate = 2 * nbytes / copy_seconds / 1e9  # read and write each byte
-    traffic = {FLOOR: 3, "accumulate_sum": 3, "accumulate_mean": 3, "finish_mean": 2}
-    rows = [Row(SUITE, case, D2D, "float32", str(device), copy_rate, "GB/s")]
-    for mode, passes in traffic.items():
-        rate = passes * nbytes / medians[mode] / 1e9
-        rows.append(
-            Row(
-                SUITE,
-                case,
-                mode,
-                "float32",
-                str(device),
-                rate,
-                "GB/s",
-                ratio=rate / copy_rate,
-                floor=D2D,
-            )
-        )
-    return rows
 
 
 def run(settings: Settings) -> list[Row]:

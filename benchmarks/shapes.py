@@ -37,6 +37,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from benchmarks.bandwidth import bandwidth_rows
 from benchmarks.features import pending_buffers
 from benchmarks.memory import StorageLog
 from benchmarks.results import Row
@@ -48,7 +49,6 @@ SUITE = "shapes"
 FLOOR = "_foreach_add_(alpha=w)"
 PLAIN = "plain backward into .grad"
 PLAIN_ADD = "plain loop's .grad += g, g freed"
-D2D = "device-to-device copy"
 CPU = torch.device("cpu")
 WEIGHT = 3.0
 MIB = 2**20
@@ -339,13 +339,14 @@ def _accumulate_rows(layer_set: LayerSet, repeats: int, device: torch.device = C
     taken = interleaved_medians(second, device=device, repeats=repeats)
     rows += [row for row in _rows(layer_set.case, taken, FLOOR, device) if row.mode != FLOOR]
     if device.type == "cuda":
-        rows += _bandwidth_rows(layer_set.case, device, bufs, {**taken, **medians}, repeats)
+        case = f"{layer_set.case}: GB/s"
+        rows += bandwidth_rows(SUITE, case, device, bufs, {**taken, **medians}, TRAFFIC, repeats)
     return rows
 
 
 # Bytes a call must move, in whole passes over the gradients (read the buffer and the gradient,
 # write the buffer; a product written into the gradient also writes it; finish_mean reads and
-# writes the buffers), for the GB/s rows (CUDA).
+# writes the buffers), for the GB/s rows (CUDA: benchmarks.bandwidth).
 TRAFFIC = {
     FLOOR: 3,
     "accumulate_sum (grads=)": 3,
@@ -357,41 +358,6 @@ TRAFFIC = {
     PLAIN_ADD: 3,
     "finish_mean": 2,
 }
-
-
-def _bandwidth_rows(
-    case: str,
-    device: torch.device,
-    bufs: list[torch.Tensor],
-    medians: dict[str, float],
-    repeats: int,
-) -> list[Row]:
-    """GB/s of each accumulate row (the bytes of :data:`TRAFFIC` over its median time) beside a
-    device-to-device copy of the buffers (read and write each byte), and their ratio to it."""
-    nbytes = sum(b.numel() * b.element_size() for b in bufs)
-    targets = [torch.empty_like(b) for b in bufs]
-    copy_seconds = interleaved_medians(
-        {D2D: Timed(lambda: torch._foreach_copy_(targets, bufs))}, device=device, repeats=repeats
-    )[D2D]
-    copy_rate = 2 * nbytes / copy_seconds / 1e9
-    rows = [Row(SUITE, f"{case}: GB/s", D2D, "float32", str(device), copy_rate, "GB/s")]
-    for mode, passes in TRAFFIC.items():
-        if mode in medians:
-            rate = passes * nbytes / medians[mode] / 1e9
-            rows.append(
-                Row(
-                    SUITE,
-                    f"{case}: GB/s",
-                    mode,
-                    "float32",
-                    str(device),
-                    rate,
-                    "GB/s",
-                    ratio=rate / copy_rate,
-                    floor=D2D,
-                )  # fmt: skip
-            )
-    return rows
 
 
 def _roots(model: nn.Module) -> list[torch.Tensor]:

@@ -75,8 +75,9 @@ def _owned(
     )
 
 
-def _hooked_probe() -> Counts:
-    """The counts of a fresh gradient in an ``AccumulateGrad`` pre-hook's argument."""
+def _probe(shape: tuple[int, ...], loss: Callable[[torch.Tensor], torch.Tensor]) -> Counts:
+    """The counts of the gradient a fresh leaf of ``shape`` gets from ``loss(leaf).backward()``,
+    read in an ``AccumulateGrad`` pre-hook's argument as the zero-copy hooks read theirs."""
     seen: list[Counts] = []
 
     def hook(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
@@ -84,40 +85,28 @@ def _hooked_probe() -> Counts:
         return (None,)
 
     with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_detect_anomaly(False):
-        leaf = torch.zeros(2, requires_grad=True)
+        leaf = torch.zeros(shape, requires_grad=True)
         grad_fn = leaf.view_as(leaf).grad_fn
         assert grad_fn is not None
         node = grad_fn.next_functions[0][0]
         assert node is not None
         handle = node.register_prehook(hook)
         try:
-            (leaf * 2.0).sum().backward()
+            loss(leaf).backward()
         finally:
             handle.remove()
     return seen[0]
+
+
+def _hooked_probe() -> Counts:
+    """A gradient of its own: ``(p * 2.0)``'s backward makes a new tensor."""
+    return _probe((2,), lambda leaf: (leaf * 2.0).sum())
 
 
 def _hooked_view_probe() -> Counts:
-    """The counts of a view gradient in an ``AccumulateGrad`` pre-hook's argument: the weight
-    of ``linear``, whose gradient autograd hands as a view of the tensor its backward made."""
-    seen: list[Counts] = []
-
-    def hook(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
-        seen.append(_counts(grads, 0))
-        return (None,)
-
-    with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_detect_anomaly(False):
-        leaf = torch.zeros(2, 2, requires_grad=True)
-        grad_fn = leaf.view_as(leaf).grad_fn
-        assert grad_fn is not None
-        node = grad_fn.next_functions[0][0]
-        assert node is not None
-        handle = node.register_prehook(hook)
-        try:
-            torch.nn.functional.linear(torch.ones(3, 2), leaf).sum().backward()
-        finally:
-            handle.remove()
-    return seen[0]
+    """A view gradient: ``linear``'s weight, whose gradient autograd hands as a view of the
+    tensor its backward made."""
+    return _probe((2, 2), lambda leaf: torch.nn.functional.linear(torch.ones(3, 2), leaf).sum())
 
 
 _BASES: dict[str, Counts] = {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.large import D2D, FLOOR, _bandwidth_rows
+from benchmarks.bandwidth import D2D, bandwidth_rows
+from benchmarks.large import FLOOR, SUITE, TRAFFIC
 
 
 def test_bandwidth_rows_count_the_bytes_each_pass_moves() -> None:
@@ -12,7 +13,7 @@ def test_bandwidth_rows_count_the_bytes_each_pass_moves() -> None:
     device-to-device copy's GB/s (read and write of every buffer byte)."""
     bufs = [torch.zeros(1000) for _ in range(4)]  # 16000 bytes
     medians = {FLOOR: 2e-6, "accumulate_sum": 4e-6, "accumulate_mean": 6e-6, "finish_mean": 1e-6}
-    rows = _bandwidth_rows(torch.device("cpu"), bufs, medians, 3, case="c")
+    rows = bandwidth_rows(SUITE, "c", torch.device("cpu"), bufs, medians, TRAFFIC, 3)
     by_mode = {row.mode: row for row in rows}
     assert list(by_mode) == [D2D, FLOOR, "accumulate_sum", "accumulate_mean", "finish_mean"]
     copy_rate = by_mode[D2D].value

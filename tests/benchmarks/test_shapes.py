@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import decoder, shapes
+from benchmarks.bandwidth import D2D, bandwidth_rows
 from benchmarks.settings import Settings
 
 QUICK = Settings(quick=True, devices=(torch.device("cpu"),), repeats=1, out=Path("unused"))
@@ -83,20 +84,23 @@ def test_quick_decoder_step_times_every_mode_against_the_plain_loop() -> None:
 
 
 def test_bandwidth_rows_count_each_modes_passes_against_a_copy() -> None:
-    """The GB/s rows (CUDA's; the arithmetic is the device's own, so checked on the CPU): per
-    mode timed, passes x bytes / seconds, and its ratio to the copy's 2 x bytes / seconds; a
-    mode not timed gets no row."""
+    """The shapes suite's GB/s rows (CUDA's; the arithmetic is the device's own, so checked on
+    the CPU): per mode timed, its passes (4 where the product is written into the gradient) x
+    bytes / seconds, and its ratio to the copy's 2 x bytes / seconds; a mode not timed gets no
+    row."""
     bufs = [torch.zeros(1000), torch.zeros(24, 10)]  # 4960 bytes
     medians = {shapes.FLOOR: 1e-6, "finish_mean": 2e-6, "accumulate_mean (.grad, disposable)": 4e-6}
-    rows = shapes._bandwidth_rows("set", torch.device("cpu"), bufs, medians, repeats=3)
+    rows = bandwidth_rows(
+        shapes.SUITE, "set", torch.device("cpu"), bufs, medians, shapes.TRAFFIC, repeats=3
+    )
     copy, *timed = rows
-    assert copy.mode == shapes.D2D and copy.unit == "GB/s" and copy.ratio is None
+    assert copy.mode == D2D and copy.unit == "GB/s" and copy.ratio is None
     nbytes = 1240 * 4
     expected = {shapes.FLOOR: 3 * nbytes / 1e-6 / 1e9, "finish_mean": 2 * nbytes / 2e-6 / 1e9}
     expected["accumulate_mean (.grad, disposable)"] = 4 * nbytes / 4e-6 / 1e9
     assert {row.mode: row.value for row in timed} == expected
     for row in timed:
-        assert row.floor == shapes.D2D and row.ratio == row.value / copy.value
+        assert row.floor == D2D and row.ratio == row.value / copy.value
 
 
 def test_a_layer_set_measured_in_a_fresh_process_gives_its_rows() -> None:

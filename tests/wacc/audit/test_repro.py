@@ -134,15 +134,19 @@ def test_scripts_import_only_torch_the_framework_and_the_stdlib(runs: Runs) -> N
     (the runs refuse any wacc import too: see the next test)."""
     allowed = FRAMEWORKS | set(sys.stdlib_module_names)
     for reproducer in runs.written:
-        tree = ast.parse(reproducer.path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
+        for names in imports(reproducer.path):
             assert {n.split(".")[0] for n in names} <= allowed, (reproducer.path.name, names)
+
+
+def imports(path: Path) -> list[list[str]]:
+    """The modules each import statement of the script at ``path`` names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.append([alias.name for alias in node.names])
+        elif isinstance(node, ast.ImportFrom):
+            found.append([node.module or ""])
+    return found
 
 
 def _tolerance(reproducer: Reproducer) -> float:

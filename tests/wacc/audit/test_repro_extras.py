@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.wacc.audit.test_repro import NUMBER, RUNNER, _lean, _tolerance  # noqa: E402
+from tests.wacc.audit.test_repro import NUMBER, RUNNER, _lean, _tolerance, imports  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.repro import Reproducer, _model, write_reproducers  # noqa: E402
@@ -114,14 +114,7 @@ def test_script_imports_only_torch_its_framework_and_the_stdlib(runs: Runs, loop
     framework and the libraries it is used with) or the standard library."""
     _installed(loop)
     allowed = {"torch", *TEMPLATES[loop].distributions, *sys.stdlib_module_names}
-    tree = ast.parse(runs.written[loop].path.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        else:
-            continue
+    for names in imports(runs.written[loop].path):
         assert {n.split(".")[0] for n in names} <= allowed, names
 
 
