@@ -146,19 +146,20 @@ def hooked_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: tor
 
 def disposable_gradients(
     gradients: Sequence[torch.Tensor | None],
-    parameters: Sequence[torch.Tensor],
+    module_tensors: Sequence[torch.Tensor],
     dtype: torch.dtype,
 ) -> list[bool]:
     """Which of ``gradients``, handed over by a caller who will not read them again
     (``accumulate_mean(..., disposable=True)``), the product may be written into: a plain tensor
-    of ``dtype`` (:func:`_plain`) whose storage no other gradient of the call and no parameter
-    shares (writing it would change them: one tensor passed twice, tied weights' one ``.grad``, a
-    parameter's ``.data``). The caller's word covers references held elsewhere; the sharing within
-    the call is checked. (Memory PyTorch allocated, as :func:`_plain` requires, is one storage's
-    alone: two storages never overlap.)"""
+    of ``dtype`` (:func:`_plain`) whose storage no other gradient of the call and none of
+    ``module_tensors`` (the module's parameters, frozen ones included, and buffers) shares
+    (writing it would change them: one tensor passed twice, tied weights' one ``.grad``, a
+    parameter's ``.data``). The caller's word covers references held elsewhere; the sharing
+    within the call and the module is checked. (Memory PyTorch allocated, as :func:`_plain`
+    requires, is one storage's alone: two storages never overlap.)"""
     users = Counter(
         tensor.untyped_storage().data_ptr()
-        for tensor in [*gradients, *parameters]
+        for tensor in [*gradients, *module_tensors]
         if tensor is not None and tensor.untyped_storage().data_ptr()
     )
     return [

@@ -178,10 +178,10 @@ class WeightedGradientsAccumulator:
         ``disposable=True`` hands the gradients over: the caller will not read them again (the
         ``grads`` tensors, or the ``.grad`` tensors taken). The reproducible product is then
         written into each gradient in D that is a plain tensor sharing its memory with no other
-        gradient of the call and no parameter, instead of a work tensor: the same bits, no work
-        tensor for it, and measured 3-12 % slower on large tensors on a CPU (the work piece
-        stays in cache, the written gradient goes back to memory). Without it no tensor of the
-        caller's is ever written.
+        gradient of the call and no parameter or buffer of the module, instead of a work
+        tensor: the same bits, no work tensor for it, and measured 3-12 % slower on large
+        tensors on a CPU (the work piece stays in cache, the written gradient goes back to
+        memory). Without it no tensor of the caller's is ever written.
         """
         if not isinstance(disposable, bool):
             raise TypeError(f"disposable must be True or False, got {disposable!r}")

@@ -151,8 +151,13 @@ class BufferedMode(WindowMode):
         self._refuse_aliases(parameters, gradients)
         positive = value > 0
         counted, new_total = window.count_weight(weight, value, mean=mean, caller=caller)
+        # Memory a written gradient must not share: every parameter (frozen ones too) and
+        # buffer of the module.
+        module_tensors = [*module.parameters(), *module.buffers()] if disposable else None
         steps = (
-            self._prepare_steps(binding, parameters, gradients, mean=mean, disposable=disposable)
+            self._prepare_steps(
+                binding, parameters, gradients, mean=mean, module_tensors=module_tensors
+            )
             if positive
             else None
         )
@@ -211,7 +216,7 @@ class BufferedMode(WindowMode):
         gradients: list[torch.Tensor | None],
         *,
         mean: bool,
-        disposable: bool = False,
+        module_tensors: list[torch.Tensor] | None = None,
     ) -> _Steps:
         """Allocate the new buffers and the work tensors of a positive-weight batch and line up
         its additions (may raise; changes nothing).
@@ -224,9 +229,9 @@ class BufferedMode(WindowMode):
         ``.grad`` it takes included, is only read: its product goes through a cache-sized work
         piece, which measured faster on real layer sets than writing the product into the
         gradient (by 3-12 %: the ``shapes`` suite's ``(.grad, disposable)`` rows) — unless the
-        caller hands the gradients over (``disposable``): then a reproducible mean writes its
-        product into each one it may (:func:`wacc_torch._ownership.disposable_gradients`) and
-        needs no work piece for it.
+        caller hands the gradients over (``disposable``; ``module_tensors``: the module's
+        parameters and buffers): then a reproducible mean writes its product into each one it
+        may (:func:`wacc_torch._ownership.disposable_gradients`) and needs no work piece for it.
         """
         window = self.window
         new_buffers: dict[str, torch.Tensor] = {}
@@ -237,8 +242,8 @@ class BufferedMode(WindowMode):
         # Arenas belong to a binding: a window that binds anew (issued == 0) starts without.
         arenas = self.arenas if binding is window.binding else {}
         writable = (
-            disposable_gradients(gradients, [p for _, p in parameters], window.dtype)
-            if disposable and mean and not window.fused
+            disposable_gradients(gradients, module_tensors, window.dtype)
+            if module_tensors is not None and mean and not window.fused
             else None
         )
         with _commit.ordinary_tensors(), torch.no_grad():

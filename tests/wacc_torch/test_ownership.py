@@ -575,26 +575,34 @@ def test_disposable_gradients_give_the_same_bits_and_record(
 
 
 def test_disposable_never_writes_memory_another_gradient_or_a_parameter_shares() -> None:
-    """The same tensor handed for two parameters, a gradient that is a parameter's memory, and
-    tied parameters' one ``.grad`` are read only (the others' values would change), with the
-    bits of the window without ``disposable``; a gradient of its own is written."""
+    """The same tensor handed for two parameters, a gradient that is a parameter's memory (a
+    tracked one's, a frozen one's) or a buffer's, and tied parameters' one ``.grad`` are read
+    only (the others' values would change), with the bits of the window without
+    ``disposable``; a gradient of its own is written."""
 
     class Two(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a = nn.Parameter(torch.zeros(LARGE))
             self.b = nn.Parameter(torch.zeros(LARGE))
+            # Not tracked, but the module's: their memory is never written either.
+            self.frozen = nn.Parameter(torch.zeros(LARGE), requires_grad=False)
+            self.register_buffer("stats", torch.zeros(LARGE))
 
     seeds = _grads(LARGE, torch.float32, torch.float32, seed=31)
     cases = {
         "one tensor twice": lambda m, s: {"a": s, "b": s},
         "a parameter's memory": lambda m, s: {"a": m.b.data, "b": s},
+        "a frozen parameter's memory": lambda m, s: {"a": m.frozen.data, "b": s},
+        "a buffer's memory": lambda m, s: {"a": m.stats, "b": s},
     }
     for case, make in cases.items():
         module, reference = Two(), Two()
         with torch.no_grad():
-            module.b.copy_(seeds[0])
-            reference.b.copy_(seeds[0])
+            for tensor in (module.b, module.frozen, module.stats):
+                tensor.copy_(seeds[0])
+            for tensor in (reference.b, reference.frozen, reference.stats):
+                tensor.copy_(seeds[0])
         given_over = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
         expected = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
         for seed, weight in zip(seeds, WEIGHTS, strict=True):
@@ -603,12 +611,14 @@ def test_disposable_never_writes_memory_another_gradient_or_a_parameter_shares()
             given_over.accumulate_mean(module, weight, grads=handed, disposable=True)
             expected.accumulate_mean(reference, weight, grads=make(reference, seed.clone()))
             shared = [k for k in handed if sum(v is handed[k] for v in handed.values()) > 1]
+            modules = (module.b, module.frozen, module.stats)
+            owned = {t.untyped_storage().data_ptr() for t in modules}
             for name, tensor in handed.items():
-                if name in shared or tensor.untyped_storage().data_ptr() == (
-                    module.b.untyped_storage().data_ptr()
-                ):
+                if name in shared or tensor.untyped_storage().data_ptr() in owned:
                     assert torch.equal(bits(tensor), bits(before[name])), (case, name)
-        assert torch.equal(bits(module.b.detach()), bits(reference.b.detach())), case
+        for name in ("b", "frozen", "stats"):
+            got, want = getattr(module, name).detach(), getattr(reference, name).detach()
+            assert torch.equal(bits(got), bits(want)), (case, name)
         assert_records_equal(given_over.state_dict(), expected.state_dict())
 
     # Tied parameters' one .grad, taken from the module: read only.
