@@ -664,3 +664,47 @@ def test_disposable_must_be_a_bool_and_a_refusal_changes_nothing() -> None:
             accumulator.accumulate_mean(module, 3.0, grads={"weight": grad}, disposable=bad)  # type: ignore[arg-type]
         assert_records_equal(accumulator.state_dict(), before)
         assert torch.equal(grad, torch.full((4, 3), 5.0))
+
+
+def test_no_probe_runs_inside_a_backward() -> None:
+    """The hooks read the probes' counts from the cache ``calibrate`` filled at block entry (a
+    probe is a backward of its own, not to be run inside the caller's): after a block whose
+    gradients are of both kinds (``nn.Linear``'s views, ``p * 1.0``'s own), the cache holds
+    exactly the two keys, each with the counts its probe gives, and no probe ran in the block."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.scale
+
+    module = Mixed()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, zero_copy=True)
+    _ownership._BASES.clear()
+    ran: list[str] = []
+    probe, view_probe = _ownership._hooked_probe, _ownership._hooked_view_probe
+
+    def counted(name, function):
+        def run():
+            ran.append(name)
+            return function()
+
+        return run
+
+    try:
+        _ownership._hooked_probe = counted("own", probe)  # type: ignore[assignment]
+        _ownership._hooked_view_probe = counted("view", view_probe)  # type: ignore[assignment]
+        block = accumulator.microbatch(module, weight=3.0, kind="mean")
+        with block:
+            entered = list(ran)
+            module(torch.randn(5, 4)).sum().backward()
+    finally:
+        _ownership._hooked_probe, _ownership._hooked_view_probe = probe, view_probe
+    assert sorted(entered) == ["own", "view"]  # both at entry
+    assert ran == entered  # none inside the backward
+    assert _ownership._BASES == {"hooked": probe(), "hooked view": view_probe()}
+    mode = accumulator._mode
+    assert isinstance(mode, ZeroCopyMode) and mode.kept_work is None  # every gradient owned
