@@ -595,6 +595,7 @@ def test_disposable_never_writes_memory_another_gradient_or_a_parameter_shares()
         "a parameter's memory": lambda m, s: {"a": m.b.data, "b": s},
         "a frozen parameter's memory": lambda m, s: {"a": m.frozen.data, "b": s},
         "a buffer's memory": lambda m, s: {"a": m.stats, "b": s},
+        "an omitted gradient": lambda m, s: {"b": s},  # a None among the call's gradients
     }
     for case, make in cases.items():
         module, reference = Two(), Two()
