@@ -545,16 +545,17 @@ def test_disposable_gradients_give_the_same_bits_and_record(
     gradient in D is written (into ``round_D(g * w_D)``, the product it added)."""
     grad_dtype = work if other is None else other
     generator = torch.Generator().manual_seed(seed)
-    grads = [
+    values = [
         {
             "bias": awkward_values((5,), dtype=grad_dtype, around=work, generator=generator),
-            "weight": _laid_out(
-                awkward_values(large, dtype=grad_dtype, around=work, generator=generator), layout
-            ),
+            "weight": awkward_values(large, dtype=grad_dtype, around=work, generator=generator),
         }
         for _ in WEIGHTS
     ]
-    copies = [{k: v.clone() for k, v in batch.items()} for batch in grads]
+    # Two fresh tensors of each, laid out alike: the fused float16/bfloat16 kernel's bits depend
+    # on an element's position in the kernel (semantics §6 Reading), so a layout changes them.
+    grads = [{k: _laid_out(v, layout) for k, v in batch.items()} for batch in values]
+    copies = [{k: _laid_out(v, layout) for k, v in batch.items()} for batch in values]
     expected = _window(copies, work, disposable=False, fused=fused)
     for batch, copy in zip(grads, copies, strict=True):
         for name in batch:
