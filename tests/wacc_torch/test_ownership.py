@@ -678,10 +678,10 @@ def test_no_probe_runs_inside_a_backward() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.linear = nn.Linear(4, 3)
-            self.scale = nn.Parameter(torch.ones(3))
+            self.gain = nn.Parameter(torch.ones(5, 3))  # its gradient is no view
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x) * self.scale
+            return self.linear(x) * self.gain
 
     module = Mixed()
     accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0, zero_copy=True)
@@ -699,14 +699,16 @@ def test_no_probe_runs_inside_a_backward() -> None:
     try:
         _ownership._hooked_probe = counted("own", probe)  # type: ignore[assignment]
         _ownership._hooked_view_probe = counted("view", view_probe)  # type: ignore[assignment]
+        views: list[bool] = []
+        for parameter in module.parameters():
+            parameter.register_hook(lambda grad: views.append(grad._is_view()) or None)
         block = accumulator.microbatch(module, weight=3.0, kind="mean")
         with block:
             entered = list(ran)
             module(torch.randn(5, 4)).sum().backward()
     finally:
         _ownership._hooked_probe, _ownership._hooked_view_probe = probe, view_probe
+    assert sorted(views) == [False, True, True]  # gradients of both kinds arrived
     assert sorted(entered) == ["own", "view"]  # both at entry
     assert ran == entered  # none inside the backward
     assert _ownership._BASES == {"hooked": probe(), "hooked view": view_probe()}
-    mode = accumulator._mode
-    assert isinstance(mode, ZeroCopyMode) and mode.kept_work is None  # every gradient owned
