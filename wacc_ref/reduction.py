@@ -458,7 +458,10 @@ def _scaled_integers(x: FloatArray) -> npt.NDArray[np.object_]:
     mantissa, exponent = np.frexp(flat)  # flat = mantissa * 2**exponent, |mantissa| < 1
     integers = np.ldexp(mantissa, 53).astype(np.int64)  # exact: 53 bits
     shifts = (exponent.astype(np.int64) - 53 + _QUANTUM_EXPONENT).tolist()
-    scaled = [int(m) << s if s >= 0 else int(m) >> -s for m, s in zip(integers.tolist(), shifts)]
+    scaled = [
+        int(m) << s if s >= 0 else int(m) >> -s
+        for m, s in zip(integers.tolist(), shifts, strict=True)
+    ]
     return np.array(scaled, dtype=object).reshape(x.shape)
 
 
@@ -471,7 +474,10 @@ def exact_sums(values: npt.ArrayLike, dtype: str | Format) -> npt.NDArray[np.obj
     finite = np.isfinite(x).all(axis=0)
     denominator = 1 << _QUANTUM_EXPONENT
     return np.array(
-        [Fraction(int(k), denominator) if ok else None for k, ok in zip(integers, finite)],
+        [
+            Fraction(int(k), denominator) if ok else None
+            for k, ok in zip(integers, finite, strict=True)
+        ],
         dtype=object,
     )
 
