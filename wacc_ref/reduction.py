@@ -96,10 +96,9 @@ per-element bound is rounded *up* to a float64.  Where an intermediate could ove
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
@@ -117,7 +116,6 @@ from wacc_ref.formats import (
 )
 
 __all__ = [
-    "MODELS",
     "ReductionError",
     "Tree",
     "avg_error_bound",
@@ -306,16 +304,6 @@ class Tree:
         if len(seen) != world_size:
             raise ReductionError(f"tree {self} does not reach every rank of range({world_size})")
 
-    def depth(self) -> int:
-        """The largest number of additions any rank's value passes (root to leaf, counting each
-        node's additions before and including the one that adds the child)."""
-
-        def below(node: int) -> int:
-            kids = self.children[node]
-            return max((i + 1 + below(k) for i, k in enumerate(kids)), default=0)
-
-        return below(self.root)
-
 
 def _tree_from_parents(parents: Sequence[int], downs: Sequence[Sequence[int]]) -> Tree:
     roots = [r for r, p in enumerate(parents) if p == -1]
@@ -462,7 +450,13 @@ def _scaled_integers(x: FloatArray) -> npt.NDArray[np.object_]:
         int(m) << s if s >= 0 else int(m) >> -s
         for m, s in zip(integers.tolist(), shifts, strict=True)
     ]
-    return np.array(scaled, dtype=object).reshape(x.shape)
+    return np.array(scaled, dtype=np.object_).reshape(x.shape)
+
+
+def _finite_columns(x: FloatArray) -> list[bool]:
+    """Per element (column): whether every rank's value is finite."""
+    mask: npt.NDArray[np.bool_] = np.asarray(np.isfinite(x).all(axis=0))
+    return [bool(ok) for ok in mask.tolist()]
 
 
 def exact_sums(values: npt.ArrayLike, dtype: str | Format) -> npt.NDArray[np.object_]:
@@ -471,15 +465,13 @@ def exact_sums(values: npt.ArrayLike, dtype: str | Format) -> npt.NDArray[np.obj
     fmt = _format(dtype)
     x = _values(values, fmt)
     integers = _scaled_integers(x).sum(axis=0)
-    finite = np.isfinite(x).all(axis=0)
+    finite = _finite_columns(x)
     denominator = 1 << _QUANTUM_EXPONENT
-    return np.array(
-        [
-            Fraction(int(k), denominator) if ok else None
-            for k, ok in zip(integers, finite, strict=True)
-        ],
-        dtype=object,
-    )
+    exact = [
+        Fraction(int(k), denominator) if ok else None
+        for k, ok in zip(integers, finite, strict=True)
+    ]
+    return np.array(exact, dtype=np.object_)
 
 
 def reduction_errors(
@@ -516,7 +508,7 @@ class _Affine:
 
     def evaluate(self, x: FloatArray) -> FloatArray:
         magnitudes = _scaled_integers(np.abs(x)).sum(axis=0)
-        finite = np.isfinite(x).all(axis=0)
+        finite = _finite_columns(x)
         denominator = 1 << _QUANTUM_EXPONENT
         bound = np.full(x.shape[1], math.inf)
         for e, (k, ok) in enumerate(zip(magnitudes, finite, strict=True)):
@@ -569,14 +561,3 @@ def sum_then_divide_error_bound(values: npt.ArrayLike, dtype: str | Format) -> F
     return _Affine(slope, eta_op * (1 + u_3) + eta_3, Fraction(fmt.max_finite) / (1 + g)).evaluate(
         x
     )
-
-
-MODELS: Mapping[str, str] = MappingProxyType(
-    {
-        "ring_sum": "NCCL ring SUM in T (reduce-scatter + all-gather)",
-        "tree_sum": "NCCL binary-tree SUM in T (ncclGetBtree)",
-        "nccl_avg": "NCCL AVG: x·round_T(1/N) per rank, ring SUM in T",
-        "sum_then_divide": "ring SUM in T, then round_T(round_op(s / N)) (wacc_torch §7 + §8)",
-    }
-)
-"""The models the report compares, by name (a short description each)."""
