@@ -104,7 +104,7 @@ import numpy as np
 import numpy.typing as npt
 
 from wacc_ref.arith import add_rounded, div_rounded, mul_rounded, round_array
-from wacc_ref.bounds import gamma
+from wacc_ref.bounds import TOLERANCES, gamma
 from wacc_ref.formats import (
     FORMATS,
     WORK_DTYPES,
@@ -536,8 +536,8 @@ def avg_error_bound(values: npt.ArrayLike, dtype: str | Format) -> FloatArray:
     fmt = _format(dtype)
     x = _values(values, fmt)
     n = x.shape[0]
-    g, u = _sum_gamma(n, fmt), Fraction(fmt.unit_roundoff)
-    eta = Fraction(fmt.min_subnormal) / 2
+    tol = TOLERANCES[fmt.name]
+    g, u, eta = _sum_gamma(n, fmt), Fraction(tol.unit_roundoff), tol.underflow_unit_exact
     one_alpha = 1 + avg_factor_relative_error(n, fmt)
     kappa = max(one_alpha * (1 + u) * (1 + g) - 1, 1 - one_alpha * (1 - u) * (1 - g))
     # |ŝ| <= (Σ|x| (1+α)(1+u)/N + N η)(1 + γ): below max_T, nothing overflows.
@@ -550,12 +550,12 @@ def sum_then_divide_error_bound(values: npt.ArrayLike, dtype: str | Format) -> F
     fmt = _format(dtype)
     x = _values(values, fmt)
     n = x.shape[0]
-    op = op_format(fmt)
+    tol = TOLERANCES[fmt.name]
     g = _sum_gamma(n, fmt)
-    u_op, eta_op = Fraction(op.unit_roundoff), Fraction(op.min_subnormal) / 2
-    same = op.name == fmt.name
-    u_3 = Fraction(0) if same else Fraction(fmt.unit_roundoff)
-    eta_3 = Fraction(0) if same else Fraction(fmt.min_subnormal) / 2
+    u_op, eta_op = Fraction(tol.op_unit_roundoff), tol.op_underflow_unit_exact
+    same = tol.op_dtype == fmt.name  # round_D(round_op(q)) is one rounding when op(D) = D
+    u_3 = Fraction(0) if same else Fraction(tol.unit_roundoff)
+    eta_3 = Fraction(0) if same else tol.underflow_unit_exact
     upper = (1 + g) * (1 + u_op) * (1 + u_3)
     slope = (upper - 1) / n  # upper - 1 >= 1 - (1-g)(1-u_op)(1-u_3)
     return _Affine(slope, eta_op * (1 + u_3) + eta_3, Fraction(fmt.max_finite) / (1 + g)).evaluate(
