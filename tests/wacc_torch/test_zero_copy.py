@@ -720,6 +720,50 @@ def test_a_backward_that_raises_after_some_gradient_breaks_the_window(recover: s
     _assert_same_grads(acc.finish_mean().grads, reference.finish_mean().grads)
 
 
+def test_a_window_broken_in_its_first_block_refuses_every_call_but_discard_and_load() -> None:
+    """A backward that raises half-way in the window's first block (``issued == 0``) breaks the
+    window: every call but discard()/load_state_dict() raises — BrokenWindowError, or
+    ZeroCopyError for the other mode's calls, which are wrong in any state — set_loss_scale
+    included, and changes nothing (``state``, a read, still answers, and the loss scale stays);
+    the empty window's record taken before the block still loads, and the window then gives the
+    buffered mode's bits."""
+    acc, net = _zero_copy(torch.float32), _net(torch.float32, "cpu")
+    micros = _micros(torch.float32, "cpu", PLAN)
+    record = _round_trip(acc.state_dict())
+    with pytest.raises(RuntimeError, match="in the backward"):
+        with acc.microbatch(net, weight=micros[0].weight, kind="mean"):
+            _raising_backward(net, micros[0])
+    state = acc.state
+    assert state.issued == 0 and state.loss_scale == SCALE
+    held = _grads(net)
+    copies = {n: None if g is None else g.detach().clone() for n, g in held.items()}
+    broken = re.compile(r"RuntimeError.*second\.weight")
+    for call in (
+        lambda: acc.set_loss_scale(2 * SCALE),
+        lambda: acc.set_loss_scale(SCALE),
+        acc.state_dict,
+        acc.state_dict_async,
+        acc.finish_mean,
+        acc.finish_sums,
+        lambda: _feed_zero_copy(acc, net, micros[1]),
+    ):
+        with pytest.raises(BrokenWindowError, match=broken):
+            call()
+    for other_mode in (acc.accumulate_sum, acc.accumulate_mean):
+        with pytest.raises(ZeroCopyError, match="zero-copy accumulator"):
+            other_mode(net, 1.0)
+    assert acc.state == state
+    for name, grad in _grads(net).items():
+        assert grad is held[name], name
+        assert_bitwise_equal(grad, copies[name], name)
+    acc.load_state_dict(record, net)  # the record kept from before the block still fits
+    assert acc.state == state
+    _feed_zero_copy(acc, net, micros[0])
+    reference, net_b = _buffered(torch.float32), _net(torch.float32, "cpu")
+    _feed_buffered(reference, net_b, micros[0])
+    _assert_same_grads(acc.finish_mean().grads, reference.finish_mean().grads)
+
+
 def test_a_training_loop_steps_with_zero_copy_as_with_buffers() -> None:
     """Two SGD steps with finish_mean in .grad, optimizer.step, zero_grad(set_to_none=True)
     give the buffered loop's parameters bit for bit."""
