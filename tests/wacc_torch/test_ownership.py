@@ -659,6 +659,8 @@ class Holding(nn.Module):
     graph network's adjacency or a converted inference layer, a sparse or mkldnn tensor held as a
     buffer or as a frozen parameter."""
 
+    odd: torch.Tensor
+
     def __init__(self, odd: str, kind: str) -> None:
         super().__init__()
         self.a = nn.Parameter(torch.zeros(LARGE))
