@@ -86,9 +86,12 @@ def binding_of(parameters: Parameters) -> Binding:
     )
 
 
-def check_bound(module: nn.Module, binding: Binding, *, issued: int) -> Parameters:
+def check_bound(
+    module: nn.Module, binding: Binding, *, issued: int, where: str | None = None
+) -> Parameters:
     """The full check inside a window: ``module``'s tracked parameters in binding order, or
-    :class:`ParameterMismatchError` naming what changed (a parameter frozen, missing or added).
+    :class:`ParameterMismatchError` naming what changed (a parameter frozen, missing or added)
+    and ``where`` (default: in the middle of a window of ``issued`` batches).
 
     The parameters' ``.data`` is not read (semantics §3 Reading): the buffered mode checks each
     gradient against the binding's shapes and devices, and the zero-copy mode compares the
@@ -108,10 +111,11 @@ def check_bound(module: nn.Module, binding: Binding, *, issued: int) -> Paramete
             problems.append(f"missing from the module: {missing!r}")
         if extra:
             problems.append(f"trainable but not tracked: {extra!r}")
+        where = f"in the middle of a window (issued={issued})" if where is None else where
         raise ParameterMismatchError(
-            f"the module's requires_grad parameters changed in the middle of a window "
-            f"(issued={issued}); parameter(s) {'; '.join(problems)}. The tracked set can change "
-            f"only between windows (after finish_sums/finish_mean or discard)"
+            f"the module's requires_grad parameters changed {where}; parameter(s) "
+            f"{'; '.join(problems)}. The tracked set can change only between windows (after "
+            f"finish_sums/finish_mean or discard)"
         )
     return [(name, by_name[name]) for name in binding.names]
 

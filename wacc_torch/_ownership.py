@@ -144,6 +144,29 @@ def hooked_gradient(items: Sequence[torch.Tensor | None], index: int, dtype: tor
     return _owned(items, index, dtype, _base("hooked", _hooked_probe))
 
 
+def _storage_addresses(tensor: torch.Tensor) -> set[int] | None:
+    """The addresses of the storages ``tensor`` keeps its memory in (storage-less ones, a meta
+    tensor's, left out), or None when they cannot be read. A sparse tensor has no storage of its
+    own but holds its indices and values in dense tensors, whose memory a dense gradient can share
+    (``torch.sparse_coo_tensor(indices, values)`` keeps ``values`` itself); an opaque tensor
+    (mkldnn's) hides its memory: None, which the caller takes as "may share any memory"."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    else:
+        parts = [tensor]
+    try:
+        addresses = {part.untyped_storage().data_ptr() for part in parts}
+    except (NotImplementedError, RuntimeError):  # "Cannot access storage of OpaqueTensorImpl"
+        return None
+    addresses.discard(0)
+    return addresses
+
+
 def disposable_gradients(
     gradients: Sequence[torch.Tensor | None],
     module_tensors: Sequence[torch.Tensor],
@@ -154,14 +177,19 @@ def disposable_gradients(
     of ``dtype`` (:func:`_plain`) whose storage no other gradient of the call and none of
     ``module_tensors`` (the module's parameters, frozen ones included, and buffers) shares
     (writing it would change them: one tensor passed twice, tied weights' one ``.grad``, a
-    parameter's ``.data``). The caller's word covers references held elsewhere; the sharing
-    within the call and the module is checked. (Memory PyTorch allocated, as :func:`_plain`
-    requires, is one storage's alone: two storages never overlap.)"""
-    users = Counter(
-        tensor.untyped_storage().data_ptr()
-        for tensor in [*gradients, *module_tensors]
-        if tensor is not None and tensor.untyped_storage().data_ptr()
-    )
+    parameter's ``.data``, a sparse buffer's values). The caller's word covers references held
+    elsewhere; the sharing within the call and the module is checked. (Memory PyTorch allocated,
+    as :func:`_plain` requires, is one storage's alone: two storages never overlap.) A tensor of
+    the module whose memory cannot be read (mkldnn's) may share any gradient's: then none is
+    written — the same bits, through the work piece."""
+    users: Counter[int] = Counter()
+    for tensor in [*gradients, *module_tensors]:
+        if tensor is None:
+            continue
+        addresses = _storage_addresses(tensor)
+        if addresses is None:
+            return [False] * len(gradients)
+        users.update(addresses)
     return [
         grad is not None and _plain(grad, dtype) and users[grad.untyped_storage().data_ptr()] == 1
         for grad in gradients

@@ -127,7 +127,8 @@ class WindowMode:
     """What both modes share over a :class:`Window`: finishing, records, ``discard``.
 
     A subclass feeds the window and overrides the steps where it differs: :meth:`check_readable`
-    (may the window be read or handed over now), :meth:`check_loadable` (may it be replaced),
+    (may the window be read or handed over now), :meth:`check_intact` (does it still hold its
+    sums), :meth:`check_loadable` (may it be replaced),
     :meth:`division_targets` (what ``finish_mean`` divides), :meth:`prepare_restore` (where
     restored buffers live), :meth:`end_window` (what the mode drops with the window) and
     :meth:`release` (what ``discard`` gives back).
@@ -147,6 +148,9 @@ class WindowMode:
 
     def check_outside_block(self, call: str) -> None:
         """Raise if ``call`` cannot run now because a block is open (default: never)."""
+
+    def check_intact(self) -> None:
+        """Raise if the window no longer holds its sums (default: it always does)."""
 
     def division_targets(self) -> dict[str, torch.Tensor | None]:
         """The tensors ``finish_mean`` divides in place (default: each pending buffer)."""
@@ -213,6 +217,8 @@ class WindowMode:
     def set_loss_scale(self, loss_scale: object) -> None:
         """semantics §4 Reading; see ``WeightedGradientsAccumulator.set_loss_scale``."""
         self.check_outside_block("set_loss_scale")
+        # A broken window is not empty, even with issued == 0: part of a microbatch is in it.
+        self.check_intact()
         window = self.window
         if window.issued:
             raise InvalidLossScaleError(

@@ -225,7 +225,8 @@ class WeightedGradientsAccumulator:
         finished, discarded, or loaded from a record of an empty window), because every backward
         of a window has one S; otherwise :class:`InvalidLossScaleError`, naming both scales. The
         value is checked like the constructor's (finite, > 0, exactly representable in D:
-        :class:`InvalidLossScaleError` naming it). Nothing changes on a raise. This is how a
+        :class:`InvalidLossScaleError` naming it); a broken zero-copy window is not empty, even with
+        ``issued == 0``: :class:`BrokenWindowError`. Nothing changes on a raise. This is how a
         dynamic loss scale (:class:`wacc_torch.WindowLossScaler`) reaches the accumulator; it is
         never changed otherwise, and never inferred from gradient values.
         """

@@ -36,7 +36,13 @@ Every rule of the mode is in this file. What it refuses:
   mid-window: frozen, removed or added (as in the buffered mode), or, since its ``.grad`` is the
   buffer, the shape or device of its ``.data`` (which the buffered mode never reads: semantics §3
   Reading) — at entry or, for a change made inside the block, from the parameter's hook (PyTorch's
-  own "invalid gradient" ``RuntimeError`` may come first, for a shape its node cannot sum to).
+  own "invalid gradient" ``RuntimeError`` may come first, for a shape its node cannot sum to). A
+  set changed inside the block (semantics §6 Reading "a tracked set changed inside a block") is
+  checked at the backward's first gradient, before anything is added, and on leaving, before the
+  block is counted (then :class:`BrokenWindowError` if the block had added something); a
+  parameter re-registered inside the block is refused the same way with :class:`ZeroCopyError`,
+  and a trainable parameter outside the tracked set holding a ``.grad`` (an added parameter's raw
+  gradient) makes ``finish_*`` and ``state_dict*`` raise :class:`ZeroCopyError` naming it.
 * :class:`~wacc_torch.errors.UnsupportedEnvironmentError` — flush-to-zero in the thread that
   computes: the one entering the block (the weight and W, host arithmetic) and the one running
   the backward (each hook of a CPU buffer), which may differ.
@@ -65,7 +71,7 @@ import torch
 from torch import nn
 
 from wacc_torch import _commit
-from wacc_torch._binding import Binding, Parameters
+from wacc_torch._binding import Binding, Parameters, check_bound
 from wacc_torch._environment import check_gradual_underflow
 from wacc_torch._ownership import calibrate, hooked_gradient
 from wacc_torch._structure import ModuleStructure
@@ -193,6 +199,29 @@ class ZeroCopyMode(WindowMode):
             current = window.binder.current(window.binding)
             if current is not None:
                 self.check_owned(current)
+            self.check_untracked(window.binding)
+
+    def check_untracked(self, binding: Binding) -> None:
+        """:class:`ZeroCopyError` for a ``.grad`` on a trainable parameter the window does not
+        track (one added mid-window, whose gradient went past the hooks into its own ``.grad``):
+        handing the window over would leave it to the optimizer beside the means."""
+        structure = self.window.binder.structure
+        if structure is None or structure.unchanged(structure.module):
+            return  # the module as last checked: no parameter outside the binding is trainable
+        stray = [
+            name
+            for name, parameter in structure.module.named_parameters()
+            if parameter.requires_grad
+            and name not in binding.name_set
+            and parameter.grad is not None
+        ]
+        if stray:
+            raise ZeroCopyError(
+                f"parameter(s) {stray!r} of the module are trainable but not tracked by this "
+                f"window (added mid-window?) and have a .grad the window does not own: its "
+                f"gradient is not in the window's sums, and an optimizer would step on it beside "
+                f"them. Set it to None (or remove or freeze the parameter) and call again"
+            )
 
     def check_intact(self) -> None:
         """:class:`BrokenWindowError` for a broken window or a damaged pending ``.grad``."""
@@ -425,6 +454,7 @@ class Microbatch:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._nodes: list[torch.autograd.graph.Node] = []  # alive while the hooks are
         self._arrived: set[str] = set()  # parameters whose gradient arrived
+        self._set_checked = False  # whether a hook found the tracked set as at the entry
         self._added: list[str] = []  # those whose buffer it was added to
         self._refused: WeightedAccumulationError | None = None  # a hook's refusal spoils the block
         self._owns = False  # whether the hooks look for gradients they may overwrite
@@ -525,6 +555,14 @@ class Microbatch:
     ) -> WeightedAccumulationError | None:
         mode = self._mode
         window = mode.window
+        if not self._set_checked:
+            # Once, at the backward's first gradient, before anything is added: a parameter
+            # frozen, removed, added or re-registered inside the block (before its backward) is
+            # refused with nothing changed. A change after this point is found on leaving.
+            changed = self._changed_set(plan)
+            if changed is not None:
+                return changed
+            self._set_checked = True
         if name in self._arrived:
             return ZeroCopyError(
                 f"a second gradient for parameter {name!r} arrived in one microbatch block: a "
@@ -583,6 +621,43 @@ class Microbatch:
                 return error
         return None
 
+    def _changed_set(self, plan: _Plan) -> WeightedAccumulationError | None:
+        """What changed in the module's tracked set since the block's entry, or None (semantics
+        §6 Reading "a tracked set changed inside a block"; asked at the backward's first gradient
+        and on leaving; changes nothing). The hooks sit on
+        the entry's parameters: a parameter frozen or removed inside the block may have had no
+        gradient through them, an added one's went past them into its own ``.grad``
+        (ParameterMismatchError, as the buffered mode's call would raise), and a parameter
+        re-registered as another tensor got its gradient into that tensor's ``.grad``
+        (ZeroCopyError)."""
+        module = self._module
+        structure = plan.structure
+        if structure is not None and structure.unchanged(module):
+            return None  # the same parameter objects, each as trainable as at the entry
+        try:
+            parameters = check_bound(
+                module,
+                plan.binding,
+                issued=self._mode.window.issued,
+                where="inside a zero-copy microbatch block (its hooks sit on the parameters of "
+                "its entry: a gradient that reached none of them is not in the window)",
+            )
+        except ParameterMismatchError as error:
+            return error
+        replaced = [
+            name
+            for (name, now), (_, hooked) in zip(parameters, plan.parameters, strict=True)
+            if now is not hooked
+        ]
+        if replaced:
+            return ZeroCopyError(
+                f"parameter(s) {replaced!r} were re-registered as other tensors inside the "
+                f"zero-copy microbatch block: the hooks sit on the parameters of its entry, so "
+                f"a gradient of the new tensors went past them into their own .grad, which is "
+                f"not the window's"
+            )
+        return None
+
     def __exit__(
         self,
         kind: type[BaseException] | None,
@@ -599,8 +674,22 @@ class Microbatch:
         assert plan is not None
         damage = mode.damage()
         if kind is None and self._refused is None and not damage:
-            mode.commit_block(plan)
-            return
+            changed = self._changed_set(plan)
+            if changed is None:
+                mode.commit_block(plan)
+                return
+            if not self._added:
+                # Nothing was added, so nothing changed; but the microbatch is not counted.
+                raise type(changed)(
+                    f"{changed}. Nothing was added, so nothing changed; the microbatch was not "
+                    f"counted"
+                )
+            mode.broken = (
+                f"{changed}. The block had already added part of the microbatch (to "
+                f"{self._added!r}), and the window cannot be completed: {_RECOVER} (taken "
+                f"before the block)"
+            )
+            raise BrokenWindowError(mode.broken) from changed
         if self._added or damage or isinstance(self._refused, BrokenWindowError):
             if kind is not None:
                 cause = f"an exception ({kind.__name__})"

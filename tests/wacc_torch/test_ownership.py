@@ -636,6 +636,112 @@ def test_disposable_never_writes_memory_another_gradient_or_a_parameter_shares()
     assert_records_equal(given_over.state_dict(), expected.state_dict())
 
 
+# PyTorch's notes on its sparse layouts, not faults of the code under test.
+_SPARSE_NOTES = (
+    pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state"),
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled"),
+)
+
+
+def _odd_tensor(kind: str) -> torch.Tensor:
+    """A tensor without a storage of its own: sparse (its values and indices are dense tensors)
+    or mkldnn (opaque); skips when this torch has no mkldnn on the CPU."""
+    dense = torch.arange(9.0).reshape(3, 3)
+    if kind == "mkldnn":
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch has no mkldnn on the CPU")
+        return dense.to_mkldnn()
+    return dense.to_sparse_csr() if kind == "csr" else dense.to_sparse()
+
+
+class Holding(nn.Module):
+    """Two large parameters (no arena: each gradient is the caller's to write) and, as in a
+    graph network's adjacency or a converted inference layer, a sparse or mkldnn tensor held as a
+    buffer or as a frozen parameter."""
+
+    odd: torch.Tensor
+
+    def __init__(self, odd: str, kind: str) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(LARGE))
+        self.b = nn.Parameter(torch.zeros(LARGE))
+        if odd == "buffer":
+            self.register_buffer("odd", _odd_tensor(kind))
+        else:
+            self.odd = nn.Parameter(_odd_tensor(kind), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a * x).mean() + (self.b * x * x).mean()
+
+
+@_SPARSE_NOTES[0]
+@_SPARSE_NOTES[1]
+@pytest.mark.parametrize(
+    ("odd", "kind"),
+    [("buffer", "coo"), ("buffer", "csr"), ("buffer", "mkldnn"), ("frozen parameter", "coo")],
+)
+def test_disposable_accepts_a_module_holding_sparse_or_mkldnn_tensors(odd: str, kind: str) -> None:
+    """A module holding a sparse or mkldnn buffer, or a sparse frozen parameter, is accepted by
+    ``accumulate_mean(..., disposable=True)`` as without it (its tensors have no storage to
+    read, which once raised a raw NotImplementedError): after real backwards, the window's
+    record equals the one without ``disposable`` bit for bit. A sparse tensor's memory is its
+    dense parts', so a gradient of its own is still written (the product); an mkldnn tensor's
+    memory cannot be read, so with one in the module no gradient is written."""
+    inputs = _grads(LARGE, torch.float32, torch.float32, seed=35)
+    module, reference = Holding(odd, kind), Holding(odd, kind)
+    given_over = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    expected = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    for x, weight in zip(inputs, WEIGHTS, strict=True):
+        module(x).backward()
+        given_over.accumulate_mean(module, weight, disposable=True)
+        reference(x).backward()
+        expected.accumulate_mean(reference, weight)
+    assert_records_equal(given_over.state_dict(), expected.state_dict())
+
+    # Handed as a mapping, the gradients show whether the product was written into them.
+    mine = inputs[0].clone()
+    given_over.accumulate_mean(module, 3.0, grads={"a": mine}, disposable=True)
+    expected.accumulate_mean(reference, 3.0, grads={"a": inputs[0].clone()})
+    written = kind != "mkldnn"
+    assert torch.equal(bits(mine), bits(inputs[0] * 3.0 if written else inputs[0]))
+    assert_records_equal(given_over.state_dict(), expected.state_dict())
+
+
+@_SPARSE_NOTES[0]
+@_SPARSE_NOTES[1]
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+def test_disposable_never_writes_a_gradient_that_is_a_sparse_tensors_values(kind: str) -> None:
+    """``torch.sparse_coo_tensor(indices, values)`` (and the CSR constructor) keep ``values``
+    itself, so a dense gradient can be a sparse buffer's memory: handed with
+    ``disposable=True`` it is read only (the buffer keeps its values) and the window has the
+    bits of the same window without ``disposable``."""
+
+    def holding(values: torch.Tensor) -> Holding:
+        module = Holding("buffer", "coo")
+        if kind == "coo":
+            indices = torch.zeros(1, 1, dtype=torch.long)
+            module.odd = torch.sparse_coo_tensor(indices, values.unsqueeze(0), (1, *LARGE))
+        else:
+            rows, columns = LARGE
+            crow = torch.arange(rows + 1) * columns
+            col = torch.arange(columns).repeat(rows)
+            module.odd = torch.sparse_csr_tensor(crow, col, values.view(-1), LARGE)
+        return module
+
+    seeds = _grads(LARGE, torch.float32, torch.float32, seed=37)
+    shared = seeds[1].clone()
+    module, reference = holding(shared), holding(seeds[1].clone())
+    stored = module.odd._values() if kind == "coo" else module.odd.values()
+    assert stored.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+    given_over = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    expected = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=1.0)
+    for seed, weight in zip(seeds, WEIGHTS, strict=True):
+        given_over.accumulate_mean(module, weight, grads={"a": shared}, disposable=True)
+        expected.accumulate_mean(reference, weight, grads={"a": seeds[1]})
+        assert torch.equal(bits(shared), bits(seeds[1])), seed.shape
+    assert_records_equal(given_over.state_dict(), expected.state_dict())
+
+
 def test_a_disposable_grad_taken_from_the_module_needs_no_work_tensor() -> None:
     """``accumulate_mean(module, w, disposable=True)`` on the ``.grad`` it takes writes the
     product into it (no work tensor of D) and gives the bits of the ``grads=`` path."""

@@ -720,6 +720,50 @@ def test_a_backward_that_raises_after_some_gradient_breaks_the_window(recover: s
     _assert_same_grads(acc.finish_mean().grads, reference.finish_mean().grads)
 
 
+def test_a_window_broken_in_its_first_block_refuses_every_call_but_discard_and_load() -> None:
+    """A backward that raises half-way in the window's first block (``issued == 0``) breaks the
+    window: every call but discard()/load_state_dict() raises — BrokenWindowError, or
+    ZeroCopyError for the other mode's calls, which are wrong in any state — set_loss_scale
+    included, and changes nothing (``state``, a read, still answers, and the loss scale stays);
+    the empty window's record taken before the block still loads, and the window then gives the
+    buffered mode's bits."""
+    acc, net = _zero_copy(torch.float32), _net(torch.float32, "cpu")
+    micros = _micros(torch.float32, "cpu", PLAN)
+    record = _round_trip(acc.state_dict())
+    with pytest.raises(RuntimeError, match="in the backward"):
+        with acc.microbatch(net, weight=micros[0].weight, kind="mean"):
+            _raising_backward(net, micros[0])
+    state = acc.state
+    assert state.issued == 0 and state.loss_scale == SCALE
+    held = _grads(net)
+    copies = {n: None if g is None else g.detach().clone() for n, g in held.items()}
+    broken = re.compile(r"RuntimeError.*second\.weight")
+    for call in (
+        lambda: acc.set_loss_scale(2 * SCALE),
+        lambda: acc.set_loss_scale(SCALE),
+        acc.state_dict,
+        acc.state_dict_async,
+        acc.finish_mean,
+        acc.finish_sums,
+        lambda: _feed_zero_copy(acc, net, micros[1]),
+    ):
+        with pytest.raises(BrokenWindowError, match=broken):
+            call()
+    for other_mode in (acc.accumulate_sum, acc.accumulate_mean):
+        with pytest.raises(ZeroCopyError, match="zero-copy accumulator"):
+            other_mode(net, 1.0)
+    assert acc.state == state
+    for name, grad in _grads(net).items():
+        assert grad is held[name], name
+        assert_bitwise_equal(grad, copies[name], name)
+    acc.load_state_dict(record, net)  # the record kept from before the block still fits
+    assert acc.state == state
+    _feed_zero_copy(acc, net, micros[0])
+    reference, net_b = _buffered(torch.float32), _net(torch.float32, "cpu")
+    _feed_buffered(reference, net_b, micros[0])
+    _assert_same_grads(acc.finish_mean().grads, reference.finish_mean().grads)
+
+
 def test_a_training_loop_steps_with_zero_copy_as_with_buffers() -> None:
     """Two SGD steps with finish_mean in .grad, optimizer.step, zero_grad(set_to_none=True)
     give the buffered loop's parameters bit for bit."""
@@ -1065,3 +1109,150 @@ def test_a_model_moved_to_another_device_inside_the_block_is_refused_naming_it()
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     assert acc.state.issued == 0
+
+
+# ------------------------------------------------- the tracked set changed inside a block (§3)
+def _reference_of(micros: Sequence[Micro]) -> dict[str, Any]:
+    """The buffered mode's means of ``micros`` on a fresh copy of the model."""
+    reference, net = _buffered(torch.float32), _net(torch.float32, "cpu")
+    for micro in micros:
+        _feed_buffered(reference, net, micro)
+    return reference.finish_mean().grads
+
+
+def test_a_parameter_frozen_inside_the_block_is_refused_as_the_buffered_mode_refuses_it() -> None:
+    """A tracked parameter frozen with ``requires_grad_(False)`` inside a block, before its
+    backward, is refused with ParameterMismatchError naming it as frozen — what the buffered
+    mode raises for the same microbatch — by the backward's first gradient, before anything is
+    added: nothing changed, and after unfreezing, the window gives the buffered mode's bits
+    without that microbatch. Frozen before a block's entry, it is refused at the entry; between
+    windows the next window binds without it (semantics §3)."""
+    acc, net, micros = _started()
+    frozen = Frozen.of(acc, net)
+    with pytest.raises(ParameterMismatchError, match=r"frozen.*\['second\.bias'\]"):
+        with acc.microbatch(net, weight=micros[2].weight, kind="sum"):
+            net.second.bias.requires_grad_(False)
+            _loss(net, micros[2]).backward()
+    net.second.bias.requires_grad_(True)
+    frozen.check(acc, net)
+    # The buffered mode, same microbatch: refused with the same words.
+    buffered, net_b = _buffered(torch.float32), _net(torch.float32, "cpu")
+    _feed_buffered(buffered, net_b, micros[0])
+    _loss(net_b, micros[2]).backward()
+    net_b.second.bias.requires_grad_(False)
+    with pytest.raises(ParameterMismatchError, match=r"frozen.*\['second\.bias'\]"):
+        buffered.accumulate_sum(net_b, micros[2].weight)
+
+    net.second.bias.requires_grad_(False)  # frozen before the entry: refused there
+    with pytest.raises(ParameterMismatchError, match=r"frozen.*\['second\.bias'\]"):
+        acc.microbatch(net, weight=1.0).__enter__()
+    net.second.bias.requires_grad_(True)
+    frozen.check(acc, net)
+    _feed_zero_copy(acc, net, micros[3])
+    _assert_same_grads(acc.finish_mean().grads, _reference_of([micros[0], micros[3]]))
+
+    # Between windows the set is free: the next window binds without the frozen parameter.
+    net.zero_grad(set_to_none=True)
+    net.second.bias.requires_grad_(False)
+    _feed_zero_copy(acc, net, micros[3])
+    assert "second.bias" not in acc.finish_mean().grads
+
+
+def test_a_parameter_frozen_inside_the_block_after_its_backward_is_refused_on_leaving() -> None:
+    """Frozen after the block's backward (as a buffered loop freezing it between backward and
+    accumulate_mean, which is refused), the block is refused on leaving: with gradients added,
+    BrokenWindowError from the ParameterMismatchError naming the frozen parameter (the window
+    cannot be completed; discard() recovers); in a zero-weight block, where nothing is added,
+    ParameterMismatchError, nothing changed and the block not counted."""
+    acc, net, micros = _started()
+    frozen = Frozen.of(acc, net)
+    with pytest.raises(ParameterMismatchError, match=r"frozen.*\['second\.bias'\].*not counted"):
+        with acc.microbatch(net, weight=0.0, kind="sum"):
+            _loss(net, micros[2]).backward()
+            net.second.bias.requires_grad_(False)
+    net.second.bias.requires_grad_(True)
+    frozen.check(acc, net)
+    with pytest.raises(BrokenWindowError, match=r"frozen.*\['second\.bias'\]") as caught:
+        with acc.microbatch(net, weight=micros[2].weight, kind="sum"):
+            _loss(net, micros[2]).backward()
+            net.second.bias.requires_grad_(False)
+    assert isinstance(caught.value.__cause__, ParameterMismatchError)
+    net.second.bias.requires_grad_(True)
+    assert acc.state == frozen.state  # the block was not counted
+    with pytest.raises(BrokenWindowError, match=r"frozen.*\['second\.bias'\]"):
+        acc.finish_mean()
+    acc.discard()
+    _feed_zero_copy(acc, net, micros[3])
+    _assert_same_grads(acc.finish_mean().grads, _reference_of([micros[3]]))
+
+
+def _loss_with_extra(net: Net, micro: Micro) -> torch.Tensor:
+    extra = net.second.get_parameter("extra")
+    return SCALE * ((net(micro.x) * extra - micro.y) ** 2).mean()
+
+
+def test_a_parameter_added_inside_the_block_is_refused_and_its_grad_never_finished() -> None:
+    """A parameter registered (trainable) inside a block is refused with ParameterMismatchError
+    naming it as not tracked — as the buffered mode refuses the same microbatch — before
+    anything is added; autograd wrote its gradient raw into its own ``.grad`` (no hook sits on
+    it), so finishing the window refuses (ZeroCopyError naming it) while that ``.grad`` is there,
+    rather than leave it to the optimizer beside the means; with it removed, the window finishes
+    with the buffered mode's bits."""
+    acc, net, micros = _started()
+    frozen = Frozen.of(acc, net)
+    with pytest.raises(ParameterMismatchError, match=r"not tracked: \['second\.extra'\]"):
+        with acc.microbatch(net, weight=micros[3].weight, kind="mean"):
+            net.second.extra = nn.Parameter(torch.ones(OUT))
+            _loss_with_extra(net, micros[3]).backward()
+    assert net.second.extra.grad is not None  # autograd's raw gradient, not the window's
+    assert acc.state == frozen.state
+    for name, grad in frozen.grads.items():
+        assert _grads(net)[name] is grad, name
+        assert_bitwise_equal(grad, frozen.copies[name], name)
+    # The buffered mode, same microbatch: refused with the same words.
+    buffered, net_b = _buffered(torch.float32), _net(torch.float32, "cpu")
+    _feed_buffered(buffered, net_b, micros[0])
+    net_b.second.extra = nn.Parameter(torch.ones(OUT))
+    _loss_with_extra(net_b, micros[3]).backward()
+    with pytest.raises(ParameterMismatchError, match=r"not tracked: \['second\.extra'\]"):
+        buffered.accumulate_mean(net_b, micros[3].weight)
+
+    for finish in (acc.finish_mean, acc.finish_sums, acc.state_dict):
+        with pytest.raises(ZeroCopyError, match=r"\['second\.extra'\].*not tracked"):
+            finish()
+    assert acc.state == frozen.state
+    del net.second.extra
+    _feed_zero_copy(acc, net, micros[3])
+    _assert_same_grads(acc.finish_mean().grads, _reference_of([micros[0], micros[3]]))
+
+
+def test_a_parameter_added_inside_the_last_block_after_its_backward_breaks_the_window() -> None:
+    """Added after the block's backward (its gradients are in), the parameter is refused on
+    leaving: BrokenWindowError naming it, the block not counted, and finish_mean refuses rather
+    than hand over a window without a microbatch it was given."""
+    acc, net, micros = _started()
+    with pytest.raises(BrokenWindowError, match=r"not tracked: \['second\.extra'\]"):
+        with acc.microbatch(net, weight=micros[3].weight, kind="mean"):
+            _loss(net, micros[3]).backward()
+            net.second.extra = nn.Parameter(torch.ones(OUT))
+    assert acc.state.issued == 1
+    with pytest.raises(BrokenWindowError, match="second.extra"):
+        acc.finish_mean()
+
+
+def test_a_parameter_re_registered_inside_the_block_is_refused_before_anything_is_added() -> None:
+    """A tracked parameter re-registered as another tensor inside a block (its gradient would
+    reach the new tensor's ``.grad`` past the hooks, which sit on the entry's parameters) is
+    refused with ZeroCopyError naming it, before anything is added: with the original put back,
+    the window gives the buffered mode's bits without that microbatch."""
+    acc, net, micros = _started()
+    frozen = Frozen.of(acc, net)
+    original = net.second.bias
+    with pytest.raises(ZeroCopyError, match=r"\['second\.bias'\] were re-registered"):
+        with acc.microbatch(net, weight=micros[2].weight, kind="sum"):
+            net.second.bias = nn.Parameter(original.detach().clone())
+            _loss(net, micros[2]).backward()
+    net.second.bias = original
+    frozen.check(acc, net)
+    _feed_zero_copy(acc, net, micros[3])
+    _assert_same_grads(acc.finish_mean().grads, _reference_of([micros[0], micros[3]]))
