@@ -378,17 +378,20 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     import or call anything beyond plain containers and tensors is refused with
     :class:`RecordError`, as is a file that is not a torch archive or a damaged one. The
     returned dict is not validated yet; ``load_state_dict`` does that. ``OSError`` (missing
-    file, ...) propagates.
+    file, ...) from opening the file propagates; once it is open, every failure to read a
+    record from it (a truncated or damaged archive included) is :class:`RecordError`.
     """
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as error:
-        # A damaged archive fails anywhere in torch.load's zip reader and unpickler, with many
-        # types (UnpicklingError, RuntimeError, UnicodeDecodeError, KeyError, IndexError,
-        # struct.error, ...): each means the file holds no readable record.
-        raise RecordError(f"record file {os.fspath(path)!r} was refused: {error!r}") from error
+    # Opened here, so that an OSError means the file could not be opened: torch.load's zip
+    # reader itself raises OSError (EINVAL) for an archive truncated past its first 4096 bytes
+    # or with a damaged end record, which is damage, not a missing file.
+    with open(path, "rb") as file:
+        try:
+            record = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:
+            # A damaged archive fails anywhere in torch.load's zip reader and unpickler, with
+            # many types (OSError, UnpicklingError, RuntimeError, UnicodeDecodeError, KeyError,
+            # IndexError, struct.error, ...): each means the file holds no readable record.
+            raise RecordError(f"record file {os.fspath(path)!r} was refused: {error!r}") from error
     if not isinstance(record, dict) or not all(isinstance(key, str) for key in record):
         raise RecordError(
             f"record file {os.fspath(path)!r} does not hold a dict with str keys "

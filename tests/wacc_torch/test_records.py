@@ -387,6 +387,47 @@ def test_damaged_record_file_is_refused(tmp_path: Path) -> None:
             load_record(tmp_path / name)
 
 
+def test_record_file_truncated_anywhere_or_with_a_damaged_end_record_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A real record file (a Linear(64, 64) window after a real backward, well past torch's
+    4096-byte first read) cut at a stride of offsets, at every offset of its first and last 100
+    bytes and of the 100 after byte 4096, or with its zip end record's signature damaged, raises
+    RecordError naming the file every time: torch's zip reader answers part of this damage with
+    OSError (EINVAL), which is not a missing file. A missing file still raises
+    FileNotFoundError."""
+    module = nn.Linear(64, 64)
+    module(torch.randn(3, 64)).sum().backward()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    accumulator.accumulate_sum(module, 3)
+    path = tmp_path / "record.pt"
+    save_record(accumulator.state_dict(), path)
+    intact = path.read_bytes()
+    assert len(intact) > 4096 + 100
+    cuts = (
+        set(range(0, len(intact), 61))
+        | set(range(100))
+        | set(range(4096, 4196))
+        | set(range(len(intact) - 100, len(intact)))
+    )
+    damaged = {f"cut-{cut}.pt": intact[:cut] for cut in sorted(cuts)}
+    # The zip end-of-central-directory record's signature, each byte flipped (zip64's end
+    # records are not read for an archive this small: damaging them changes nothing).
+    end = intact.rfind(b"PK\x05\x06")
+    assert end > 0, "the archive has no end-of-central-directory record"
+    for offset in range(end, end + 4):
+        content = bytearray(intact)
+        content[offset] ^= 0xFF
+        damaged[f"end-{offset}.pt"] = bytes(content)
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(RecordError, match=re.escape(name)):
+            load_record(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        load_record(tmp_path / "absent.pt")
+    assert_records_equal(load_record(path), accumulator.state_dict())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_dict_async_equals_state_dict(device: str) -> None:
     """state_dict_async().result() holds the same record as state_dict() at the call."""
