@@ -13,7 +13,7 @@ import math
 from fractions import Fraction
 
 from wacc_ref.errors import InvalidLossScaleError, WeightedAccumulationError
-from wacc_ref.formats import Format, round_to
+from wacc_ref.formats import FLOAT64, Format, round_to
 from wacc_ref.records import format_value, read_real, validate_loss_scale, validate_work_dtype
 
 __all__ = ["ReferenceLossScaler"]
@@ -30,7 +30,9 @@ def _factor(value: object, *, what: str, above_one: bool) -> float:
         raise WeightedAccumulationError(
             f"{what} must be a finite number {wanted}, got {format_value(value)}"
         )
-    if Fraction(number) != Fraction(float(number)):
+    # An int beyond float64's range (10**400, 2**1024) is not a float64 either: round_64 gives inf.
+    as_float64 = round_to(number, FLOAT64)
+    if not math.isfinite(as_float64) or Fraction(number) != Fraction(as_float64):
         raise WeightedAccumulationError(f"{what} {format_value(value)} is not exactly a float64")
     return float(number)
 

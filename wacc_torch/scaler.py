@@ -100,7 +100,10 @@ def _read_factor(value: object, *, what: str, above_one: bool) -> float:
         raise WeightedAccumulationError(f"{what} must be a finite number {wanted}, got {value!r}")
     if not (number > 1 if above_one else 0 < number < 1):
         raise WeightedAccumulationError(f"{what} must be a finite number {wanted}, got {value!r}")
-    factor = float(number)
+    try:
+        factor = float(number)
+    except OverflowError:  # an int beyond float64's range (10**400, 2**1024)
+        factor = math.inf
     if factor != number:
         raise WeightedAccumulationError(f"{what} {value!r} is not exactly a float64")
     return factor

@@ -10,6 +10,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -209,8 +210,29 @@ def test_backoff_below_the_bottom_of_d_keeps_the_scale_or_takes_min_scale(
         ({"min_scale": 3.0000001}, InvalidLossScaleError, "3.0000001"),
         ({"dtype": torch.int32}, WeightedAccumulationError, "int32"),
         ({"dtype": "float16"}, TypeError, "float16"),
+        # Ints beyond float64's range: refused as the argument's §11 error, never OverflowError.
+        ({"init_scale": 10**400}, InvalidLossScaleError, "1" + "0" * 400),
+        ({"growth_factor": 10**400}, WeightedAccumulationError,
+         r"growth_factor 1" + "0" * 400 + " is not exactly a float64"),
+        ({"growth_factor": 2**1024}, WeightedAccumulationError,
+         rf"growth_factor {2**1024} is not exactly a float64"),
+        ({"growth_factor": -(2**1024)}, WeightedAccumulationError, rf"> 1.*-{2**1024}"),
+        ({"backoff_factor": 2**1024}, WeightedAccumulationError, rf"between 0 and 1.*{2**1024}"),
+        ({"min_scale": 2**1024}, InvalidLossScaleError, str(2**1024)),
+        ({"max_scale": 10**400}, InvalidLossScaleError, "1" + "0" * 400),
+        # Numpy ints and 0-d tensors: read exactly, so one that is no float64 is refused.
+        ({"growth_factor": np.uint64(2**64 - 1)}, WeightedAccumulationError,
+         str(2**64 - 1)),
+        ({"growth_factor": torch.tensor(2**62 + 1)}, WeightedAccumulationError,
+         str(2**62 + 1)),
+        ({"backoff_factor": torch.tensor(1)}, WeightedAccumulationError, r"between 0 and 1"),
+        ({"init_scale": torch.tensor(2**53 + 1)}, InvalidLossScaleError, str(2**53 + 1)),
+        ({"max_scale": np.int64(2**53 + 1)}, InvalidLossScaleError, str(2**53 + 1)),
+        # The counts are Python ints, as GradScaler's growth_interval.
+        ({"growth_interval": np.int64(3)}, TypeError, "growth_interval.*3"),
+        ({"hysteresis": torch.tensor(2)}, TypeError, "hysteresis.*2"),
     ],
-    ids=lambda value: repr(value) if isinstance(value, dict) else '',
+    ids=lambda value: repr(value)[:60] if isinstance(value, dict) else '',
 )  # fmt: skip
 def test_bad_options_are_refused_naming_the_value(
     options: dict[str, Any], error: type[Exception], message: str
@@ -379,12 +401,25 @@ def test_the_reference_scaler_takes_the_same_decisions_and_scales(
         {"hysteresis": 0},
         {"min_scale": 4.0, "max_scale": 2.0},
         {"init_scale": 2.0**20, "max_scale": 2.0**10},
+        {"init_scale": 10**400},
+        {"init_scale": 2**1024},
+        {"growth_factor": 10**400},
+        {"growth_factor": 2**1024},
+        {"backoff_factor": 10**400},
+        {"backoff_factor": -(2**1024)},
+        {"min_scale": 2**1024},
+        {"max_scale": 10**400},
+        {"growth_factor": np.uint64(2**64 - 1)},
+        {"init_scale": np.int64(2**53 + 1)},
+        {"growth_interval": np.int64(3)},
+        {"hysteresis": np.int32(2)},
     ],
-    ids=str,
+    ids=lambda options: repr(options)[:60],
 )
 def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[str, Any]) -> None:
-    """The two packages accept the same options and refuse a bad one with the same class name
-    (semantics §4's one rule for numbers applies to both)."""
+    """The two packages accept the same options and refuse a bad one with the same class name,
+    a §11 error or TypeError (semantics §4's one rule for numbers applies to both; an int beyond
+    float64's range included)."""
     from wacc_ref.scaler import ReferenceLossScaler
 
     torch_options = dict(options)
@@ -394,7 +429,59 @@ def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[
         WindowLossScaler(**torch_options)
     with pytest.raises(Exception) as reference:
         ReferenceLossScaler(**options)
+    # A §11 error (or TypeError for a wrong type), never a raw OverflowError from both.
+    assert isinstance(ours.value, WeightedAccumulationError | TypeError)
     assert type(ours.value).__name__ == type(reference.value).__name__
+
+
+_HUGE_OR_EXOTIC = [10**400, 2**1024, 2**53 + 1, 3, 2**62]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "min_scale",
+        "max_scale",
+        "growth_interval",
+        "hysteresis",
+    ],
+)
+@pytest.mark.parametrize("value", _HUGE_OR_EXOTIC, ids=["10^400", "2^1024", "2^53+1", "3", "2^62"])
+@pytest.mark.parametrize("kind", ["int", "numpy", "tensor"])
+def test_every_numeric_option_is_read_by_one_rule_in_both_packages(
+    option: str, value: int, kind: str
+) -> None:
+    """Every numeric option of both scalers, given a huge int, a numpy int or a 0-d tensor (the
+    reference's counterpart: a 0-d numpy array), is accepted by both or refused by both with the
+    same class, never with a raw OverflowError; an accepted one gives the same state."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    if kind != "int" and value >= 2**63:
+        pytest.skip("no 64-bit integer holds it")
+    ours_value: object = value
+    reference_value: object = value
+    if kind == "numpy":
+        ours_value = reference_value = np.int64(value)
+    elif kind == "tensor":
+        ours_value, reference_value = torch.tensor(value), np.array(value, dtype=np.int64)
+    # init_scale 2.0 so that a large bound is consistent with it.
+    base = {"init_scale": 2.0} if option != "init_scale" else {}
+    outcomes = []
+    try:
+        ours = WindowLossScaler(**base, **{option: ours_value})
+        outcomes.append(repr([ours.update(False) for _ in range(3)] + [ours.state_dict()["scale"]]))
+    except Exception as error:  # the class is what is compared
+        outcomes.append(type(error).__name__)
+    try:
+        reference = ReferenceLossScaler(**base, **{option: reference_value})
+        outcomes.append(repr([reference.update(False) for _ in range(3)] + [reference.scale]))
+    except Exception as error:
+        outcomes.append(type(error).__name__)
+    assert "OverflowError" not in outcomes
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize(
