@@ -1,8 +1,9 @@
 """The reference model of the window loss scaler (semantics §13): decisions and scales, exactly.
 
 :class:`ReferenceLossScaler` is ``wacc_torch.WindowLossScaler`` without torch: the same options,
-the same validation classes, the same ``update`` rule, and every new scale computed as the exact
-product rounded once to D by :func:`wacc_ref.formats.round_to`. The suite runs both on the same
+the same validation classes, the same ``update`` rule, and every new scale computed as
+GradScaler computes it: the exact product rounded to float64, then to D, both roundings by
+:func:`wacc_ref.formats.round_to`. The suite runs both on the same
 overflow decisions and compares the scales bit for bit; the judge's dynamic-scaling scenarios
 (issue 17) take their expected scale sequence from it.
 """
@@ -114,7 +115,9 @@ class ReferenceLossScaler:
         return True
 
     def _next(self, factor: float) -> float:
-        proposed = round_to(Fraction(self._scale) * Fraction(factor), self._format)
+        # semantics §13: round_D(round_64(scale × factor)), GradScaler's two roundings.
+        product = round_to(Fraction(self._scale) * Fraction(factor), FLOAT64)
+        proposed = round_to(product, self._format)
         if math.isinf(proposed):
             return self._scale if self._max is None else self._max
         if proposed == 0.0:
