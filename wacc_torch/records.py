@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from wacc_torch._dtypes import WORK_DTYPES, dtype_name
-from wacc_torch.errors import RecordError
+from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale, dtype_name
+from wacc_torch.errors import InvalidLossScaleError, RecordError
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -95,6 +95,13 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_empty_window(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` is of a window that has issued nothing (``issued`` the int 0 and no
+    pending buffer): the one record whose loss scale need not be the accumulator's."""
+    issued, pending = record["issued"], record["pending"]
+    return _is_int(issued) and issued == 0 and isinstance(pending, Mapping) and not pending
 
 
 def check_counters(
@@ -196,10 +203,18 @@ def validate_record(
             f"field 'dtype' is {record_dtype!r} but this accumulator works in {dtype_name(dtype)!r}"
         )
     record_scale = record["loss_scale"]
-    if not _is_real(record_scale) or record_scale != loss_scale:
+    if _is_empty_window(record):
+        # Nothing of the window was scaled yet: any loss scale of D may continue it (the
+        # accumulator keeps its own), as set_loss_scale may change it there (§4, §9).
+        try:
+            check_loss_scale(record_scale, dtype)
+        except InvalidLossScaleError as error:
+            raise RecordError(f"field 'loss_scale': {error}") from None
+    elif not _is_real(record_scale) or record_scale != loss_scale:
         raise RecordError(
             f"field 'loss_scale' is {record_scale!r} but this accumulator's loss scale is "
-            f"{loss_scale!r}"
+            f"{loss_scale!r} (only a record of an empty window, issued == 0, loads at another "
+            f"scale)"
         )
     record_fused = record["fused"]
     if not isinstance(record_fused, bool) or record_fused != fused:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import re
 from collections.abc import Callable
@@ -385,6 +386,70 @@ def test_damaged_record_file_is_refused(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(RecordError, match=name):
             load_record(tmp_path / name)
+
+
+def _batch(
+    accumulator: WeightedGradientsAccumulator, module: nn.Module, x: torch.Tensor, scale: float
+) -> None:
+    """One microbatch of ``len(x)`` tokens, a real backward of ``scale`` times its loss sum, in
+    the accumulator's mode (buffered: accumulate_sum after; zero-copy: inside a block)."""
+    if accumulator.state.zero_copy:
+        with accumulator.microbatch(module, weight=len(x), kind="sum"):
+            (scale * module(x).sum()).backward()
+    else:
+        (scale * module(x).sum()).backward()
+        accumulator.accumulate_sum(module, len(x))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["buffered", "zero_copy"])
+def test_a_record_of_an_empty_window_loads_at_any_loss_scale_and_keeps_the_accumulators(
+    tmp_path: Path, zero_copy: bool
+) -> None:
+    """A record of an empty window (issued == 0: after a finish, bound to a module) taken at one
+    scale loads, through a real file, into an accumulator at another: nothing of the window was
+    scaled. The accumulator keeps its own scale; its next window gives the bits of an
+    accumulator that never stopped, run at that scale. A record whose window issued a batch
+    (one of zero weight included) is still refused at another scale, and an empty record whose
+    loss_scale is no loss scale of D is refused naming the field, nothing changed."""
+    module = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    source = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=4.0, zero_copy=zero_copy)
+    _batch(source, module, x[:3], 4.0)
+    source.finish_mean()
+    module.zero_grad(set_to_none=True)  # as a loop does after its step
+    save_record(source.state_dict(), tmp_path / "empty.pt")
+    record = load_record(tmp_path / "empty.pt")
+    assert record["issued"] == 0 and record["param_names"] and record["loss_scale"] == 4.0
+
+    def next_window(accumulator: WeightedGradientsAccumulator) -> list[torch.Tensor]:
+        _batch(accumulator, module, x[:2], 8.0)
+        _batch(accumulator, module, x, 8.0)
+        grads = accumulator.finish_mean().grads
+        finished = [g.clone() for g in grads.values() if g is not None]
+        module.zero_grad(set_to_none=True)
+        return finished
+
+    resumed = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy)
+    resumed.load_state_dict(record, module)
+    assert resumed.state.loss_scale == 8.0 and resumed.state.issued == 0
+    never_stopped = WeightedGradientsAccumulator(
+        dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy
+    )
+    got, expected = next_window(resumed), next_window(never_stopped)
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, b, "the window after the resume")
+
+    # One zero-weight batch is a batch of the window: that record keeps its scale.
+    zero = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=4.0, zero_copy=zero_copy)
+    _batch(zero, module, x[:0], 4.0)
+    other = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy)
+    with pytest.raises(RecordError, match=r"loss_scale.*4\.0.*8\.0"):
+        other.load_state_dict(zero.state_dict(), module)
+    for bad in (-4.0, 0.0, math.inf, 1 + 2**-30, "4.0"):
+        with pytest.raises(RecordError, match=f"loss_scale.*{re.escape(str(bad))}"):
+            other.load_state_dict({**record, "loss_scale": bad}, module)
+    assert other.state.issued == 0 and other.state.loss_scale == 8.0
 
 
 def test_record_file_truncated_anywhere_or_with_a_damaged_end_record_is_refused(
