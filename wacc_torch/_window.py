@@ -29,7 +29,7 @@ from wacc_torch._dtypes import check_loss_scale, dtype_name
 from wacc_torch._finite import found_inf
 from wacc_torch._snapshots import Snapshots, StateDictHandle
 from wacc_torch._weights import count_weight
-from wacc_torch.errors import InvalidLossScaleError, ZeroTotalWeightError
+from wacc_torch.errors import InvalidLossScaleError, ParameterMismatchError, ZeroTotalWeightError
 from wacc_torch.normalize import divide_sums
 from wacc_torch.records import FORMAT_VERSION, ValidatedRecord, validate_record
 from wacc_torch.results import AccumulatedGradients
@@ -255,6 +255,15 @@ class WindowMode:
         binding: Binding | None = None
         if validated.param_names:
             device_of = {name: parameter.device for name, parameter in parameters}
+            for name in validated.pending:
+                if device_of[name].type == "meta":
+                    # Restored "on the parameter's device" would drop the values (semantics §9).
+                    raise ParameterMismatchError(
+                        f"parameter {name!r} is on the {device_of[name]} device, which holds no "
+                        f"values, and the record holds a pending buffer for it: loading it "
+                        f"there would drop the window's sums. Materialize the module "
+                        f"(module.to_empty(device=...)) before loading the record"
+                    )
             binding = Binding(
                 names=validated.param_names,
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),

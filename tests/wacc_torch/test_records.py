@@ -452,6 +452,32 @@ def test_a_record_of_an_empty_window_loads_at_any_loss_scale_and_keeps_the_accum
     assert other.state.issued == 0 and other.state.loss_scale == 8.0
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["buffered", "zero_copy"])
+def test_a_record_with_pending_sums_is_refused_onto_meta_parameters(zero_copy: bool) -> None:
+    """A record holding a window's sums (a real backward of a Linear) loaded into a fresh
+    accumulator for the same module built on device="meta" raises ParameterMismatchError naming
+    the parameter and the meta device, and nothing changes: on the meta device the sums would be
+    dropped, and finish_mean would hand over meta tensors with found_inf=False. The record of a
+    window with no pending buffer still loads there (it holds no values)."""
+    module = nn.Linear(4, 3)
+    source = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    (SCALE * module(torch.randn(5, 4)).sum()).backward()
+    source.accumulate_sum(module, 5)
+    record = source.state_dict()
+    meta = nn.Linear(4, 3, device="meta")
+    target = WeightedGradientsAccumulator(
+        dtype=torch.float32, loss_scale=SCALE, zero_copy=zero_copy
+    )
+    before = target.state_dict()
+    with pytest.raises(ParameterMismatchError, match=r"parameter 'weight' is on the meta device"):
+        target.load_state_dict(record, meta)
+    assert_unchanged(target, before)
+    assert all(parameter.grad is None for parameter in meta.parameters())
+    source.finish_sums()
+    target.load_state_dict(source.state_dict(), meta)  # bound, issued == 0, nothing pending
+    assert target.state.issued == 0
+
+
 def test_record_file_truncated_anywhere_or_with_a_damaged_end_record_is_refused(
     tmp_path: Path,
 ) -> None:
