@@ -25,6 +25,7 @@ from tests.wacc_torch.support import (
 from wacc_torch import (
     AccumulatedGradients,
     InvalidLossScaleError,
+    ParameterMismatchError,
     WeightedGradientsAccumulator,
     WindowLossScaler,
     ZeroCopyError,
@@ -524,3 +525,65 @@ def test_the_loop_in_the_scaler_docstring_runs() -> None:
     }
     exec(compile(code, "wacc_torch.scaler docstring", "exec"), namespace)  # noqa: S102
     assert isinstance(namespace["result"], AccumulatedGradients)
+
+
+def _float16_linear() -> nn.Module:
+    module = nn.Linear(4, 2).half()
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+        module.bias.fill_(0.0)
+    return module
+
+
+def test_a_mean_that_overflows_the_parameters_float16_is_found_and_the_window_skipped() -> None:
+    """float16 parameters, a float32 work dtype and a loss scale below 1 (a scaler that backed
+    off): every gradient of the real backward is finite in float16 (37504) and so is the mean in
+    D (75008), but apply_to would write it into a float16 .grad as inf. found_inf says what the
+    optimizer would see, so the §13 loop skips the window: the parameters do not move and the
+    scale backs off; a window of small gradients after it is applied."""
+    module = _float16_linear()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+    scaler = WindowLossScaler(0.5, dtype=torch.float32)
+    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=scaler.scale)
+    decisions = []
+    for size in (300.0, 1.0):  # d(loss)/d(weight) = S * 250 * size
+        acc.set_loss_scale(scaler.scale)
+        x = torch.full((1, 4), size, dtype=torch.float16)
+        (scaler.scale * (module(x) * 250).sum()).backward()
+        assert all(
+            bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None
+        )
+        acc.accumulate_sum(module, 1)
+        result = acc.finish_mean()
+        before = [p.detach().clone() for p in module.parameters()]
+        applied = scaler.update(result.found_inf)
+        if applied:
+            result.apply_to(module)
+            optimizer.step()
+        module.zero_grad(set_to_none=True)
+        after = list(module.parameters())
+        moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
+        assert moved == applied
+        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+        decisions.append((applied, result.grads["weight"].abs().max().item()))
+    assert decisions[0] == (False, 75008.0)  # finite in D, inf in float16: skipped
+    assert decisions[1][0] and scaler.scale == 0.25
+
+
+def test_apply_to_refuses_a_value_that_overflows_the_parameters_dtype_when_found_inf_is_false() -> (
+    None
+):
+    """A result whose found_inf was judged for other parameters (here float32 ones, as a result
+    of the distributed helpers is judged in D) and holds a mean above 65504 is refused by
+    apply_to on a float16 module with ParameterMismatchError naming the parameter, and no
+    .grad is written: the optimizer would step on inf."""
+    wide = nn.Linear(4, 2)
+    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=0.5)
+    (0.5 * (wide(torch.full((1, 4), 300.0)) * 250).sum()).backward()
+    acc.accumulate_sum(wide, 1)
+    result = acc.finish_mean()
+    assert not result.found_inf  # finite in float32, its parameters' dtype
+    narrow = _float16_linear()
+    with pytest.raises(ParameterMismatchError, match=r"'weight'.*torch\.float16"):
+        result.apply_to(narrow)
+    assert all(p.grad is None for p in narrow.parameters())
