@@ -17,6 +17,7 @@ a commit phase, after the division has written the buffers, without allocating.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -31,6 +32,7 @@ __all__ = ["FiniteCheck", "flag_of", "found_in", "found_inf"]
 _Key = tuple[torch.device, torch.dtype, torch.dtype]
 
 
+@functools.cache  # called per piece: two finfo look-ups would cost more than the rest of add
 def narrower(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
     """The dtype a value of ``dtype`` is judged in when it will be converted to ``target``:
     ``target`` when its range is narrower (a finite value may become ±inf there), else ``dtype``
