@@ -99,10 +99,20 @@ AGNOSTIC_CORRUPTIONS: tuple[str, ...] = (
 _EXTRA_KEY = "__wacc_unknown_key__"
 
 
-def build_module(parameters: Mapping[str, tuple[int, ...]], *, device: torch.device) -> nn.Module:
-    """A module whose ``named_parameters()`` are exactly ``parameters`` (dotted names nest)."""
+def build_module(
+    parameters: Mapping[str, tuple[int, ...]],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A module whose ``named_parameters()`` are exactly ``parameters`` (dotted names nest), of
+    ``dtype``: the run's work dtype D, so that ``found_inf`` of the means, which also speaks of
+    the parameters' dtypes (semantics §8), is the reference's, of D."""
     return module_of(
-        {name: nn.Parameter(torch.zeros(s, device=device)) for name, s in parameters.items()}
+        {
+            name: nn.Parameter(torch.zeros(s, dtype=dtype, device=device))
+            for name, s in parameters.items()
+        }
     )
 
 
@@ -188,7 +198,8 @@ class ImplementationRun:
 
     def _fresh(self, loss_scale: float) -> tuple[Any, nn.Module]:
         accumulator = self.implementation.make(self._dtype, loss_scale)
-        return accumulator, build_module(self.scenario.params, device=self.device)
+        module = build_module(self.scenario.params, device=self.device, dtype=self._dtype)
+        return accumulator, module
 
     def _fresh_scaler(self) -> Any:
         options = self.scenario.scaler

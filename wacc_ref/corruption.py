@@ -49,7 +49,8 @@ CORRUPTION_FIELDS: Mapping[str, str] = MappingProxyType(
         "dtype_unknown": "dtype",
         # dtype = another work dtype (the next one in WORK_DTYPES).
         "dtype_wrong": "dtype",
-        # loss_scale doubled (halved if doubling overflows float64).
+        # loss_scale doubled (halved if doubling overflows float64); in a record of an empty
+        # window (issued == 0, no pending), which loads at any loss scale of D (§9), negated.
         "loss_scale_wrong": "loss_scale",
         # fused flag flipped.
         "fused_flipped": "fused",
@@ -184,8 +185,12 @@ def corrupt_record(record: Mapping[str, Any], kind: str) -> dict[str, Any]:
         current = dtypes.index(record["dtype"]) if record["dtype"] in dtypes else -1
         out["dtype"] = dtypes[(current + 1) % len(dtypes)]
     elif kind == "loss_scale_wrong":
-        doubled = record["loss_scale"] * 2.0
-        out["loss_scale"] = doubled if math.isfinite(doubled) else record["loss_scale"] / 2.0
+        if record["issued"] == 0 and not record["pending"]:
+            # Another valid scale would load (§9): only a scale that is none stays wrong.
+            out["loss_scale"] = -record["loss_scale"]
+        else:
+            doubled = record["loss_scale"] * 2.0
+            out["loss_scale"] = doubled if math.isfinite(doubled) else record["loss_scale"] / 2.0
     elif kind == "fused_flipped":
         out["fused"] = not record["fused"]
     elif kind == "missing_key":

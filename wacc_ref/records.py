@@ -580,13 +580,22 @@ def validate_record(
     if not isinstance(record["dtype"], str) or record["dtype"] != dtype.name:
         raise RecordError(f"dtype is {record['dtype']!r}; this accumulator works in {dtype.name!r}")
     scale = record["loss_scale"]
-    if (
+    issued, pending_field = record["issued"], record["pending"]
+    if _is_int(issued) and issued == 0 and isinstance(pending_field, Mapping) and not pending_field:
+        # An empty window: nothing was scaled yet, so any loss scale of D may continue it (the
+        # accumulator keeps its own), as set_loss_scale may change it there (§4, §9).
+        try:
+            validate_loss_scale(scale, dtype)
+        except InvalidLossScaleError as error:
+            raise RecordError(f"loss_scale: {error}") from None
+    elif (
         isinstance(scale, bool)
         or not isinstance(scale, float | int)
         or (math.isnan(scale) or scale != loss_scale)
     ):
         raise RecordError(
-            f"loss_scale is {scale!r}; this accumulator's loss scale is {loss_scale!r}"
+            f"loss_scale is {scale!r}; this accumulator's loss scale is {loss_scale!r} (only a "
+            f"record of an empty window, issued == 0, loads at another scale)"
         )
     if not isinstance(record["fused"], bool) or record["fused"] != fused:
         raise RecordError(f"fused is {record['fused']!r}; this accumulator has fused={fused}")
@@ -623,7 +632,7 @@ def validate_record(
             raise RecordError(f"checksum must be 'sha256:' and 64 hex digits, got {stored!r}")
         computed = record_checksum(
             dtype=dtype,
-            loss_scale=loss_scale,
+            loss_scale=float(scale),
             fused=fused,
             issued=issued,
             zero_weight=zero_weight,

@@ -1,8 +1,9 @@
 """The reference model of the window loss scaler (semantics §13): decisions and scales, exactly.
 
 :class:`ReferenceLossScaler` is ``wacc_torch.WindowLossScaler`` without torch: the same options,
-the same validation classes, the same ``update`` rule, and every new scale computed as the exact
-product rounded once to D by :func:`wacc_ref.formats.round_to`. The suite runs both on the same
+the same validation classes, the same ``update`` rule, and every new scale computed as
+GradScaler computes it: the exact product rounded to float64, then to D, both roundings by
+:func:`wacc_ref.formats.round_to`. The suite runs both on the same
 overflow decisions and compares the scales bit for bit; the judge's dynamic-scaling scenarios
 (issue 17) take their expected scale sequence from it.
 """
@@ -13,7 +14,7 @@ import math
 from fractions import Fraction
 
 from wacc_ref.errors import InvalidLossScaleError, WeightedAccumulationError
-from wacc_ref.formats import Format, round_to
+from wacc_ref.formats import FLOAT64, Format, round_to
 from wacc_ref.records import format_value, read_real, validate_loss_scale, validate_work_dtype
 
 __all__ = ["ReferenceLossScaler"]
@@ -30,7 +31,9 @@ def _factor(value: object, *, what: str, above_one: bool) -> float:
         raise WeightedAccumulationError(
             f"{what} must be a finite number {wanted}, got {format_value(value)}"
         )
-    if Fraction(number) != Fraction(float(number)):
+    # An int beyond float64's range (10**400, 2**1024) is not a float64 either: round_64 gives inf.
+    as_float64 = round_to(number, FLOAT64)
+    if not math.isfinite(as_float64) or Fraction(number) != Fraction(as_float64):
         raise WeightedAccumulationError(f"{what} {format_value(value)} is not exactly a float64")
     return float(number)
 
@@ -112,7 +115,9 @@ class ReferenceLossScaler:
         return True
 
     def _next(self, factor: float) -> float:
-        proposed = round_to(Fraction(self._scale) * Fraction(factor), self._format)
+        # semantics §13: round_D(round_64(scale × factor)), GradScaler's two roundings.
+        product = round_to(Fraction(self._scale) * Fraction(factor), FLOAT64)
+        proposed = round_to(product, self._format)
         if math.isinf(proposed):
             return self._scale if self._max is None else self._max
         if proposed == 0.0:

@@ -28,7 +28,7 @@ Parameters = list[tuple[str, nn.Parameter]]
 
 @dataclass(frozen=True)
 class Binding:
-    """The tracked parameter set: names in registration order, shapes, devices; derived from
+    """The tracked parameter set: names in registration order, shapes, devices, dtypes; derived from
     them: the name set, the small parameters per device (:func:`small_groups`), whether any
     is on the CPU, the largest piece per device (:func:`wacc_torch._work.chunk_numel`). It
     holds no tensor and no module, so it may outlive the window."""
@@ -36,6 +36,8 @@ class Binding:
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     devices: tuple[torch.device, ...]
+    # The parameters' dtypes when the window bound: what apply_to will write (found_inf, §8).
+    dtypes: tuple[torch.dtype, ...]
     name_set: frozenset[str] = field(init=False)
     small: dict[torch.device, tuple[int, ...]] = field(init=False)
     small_count: int = field(init=False)
@@ -83,6 +85,7 @@ def binding_of(parameters: Parameters) -> Binding:
         names=tuple(name for name, _ in parameters),
         shapes=tuple(parameter.shape for _, parameter in parameters),
         devices=tuple(parameter.device for _, parameter in parameters),
+        dtypes=tuple(parameter.dtype for _, parameter in parameters),
     )
 
 

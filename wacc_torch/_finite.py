@@ -17,6 +17,7 @@ a commit phase, after the division has written the buffers, without allocating.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -26,21 +27,42 @@ from wacc_torch._work import piece_count, pieces
 
 __all__ = ["FiniteCheck", "flag_of", "found_in", "found_inf"]
 
-_Key = tuple[torch.device, torch.dtype]
+# (device, dtype of the tensor, dtype its values are judged in): the last is the tensor's own
+# dtype, or a narrower one its values will be converted to (the parameter's, semantics §8).
+_Key = tuple[torch.device, torch.dtype, torch.dtype]
+
+
+@functools.cache  # called per piece: two finfo look-ups would cost more than the rest of add
+def narrower(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a value of ``dtype`` is judged in when it will be converted to ``target``:
+    ``target`` when its range is narrower (a finite value may become ±inf there), else ``dtype``
+    (the conversion keeps every finite value finite)."""
+    if target is None or not target.is_floating_point:
+        return dtype
+    return target if torch.finfo(target).max < torch.finfo(dtype).max else dtype
 
 
 class FiniteCheck:
     """Collects, piece by piece, whether tensors hold a NaN or an infinity.
 
     ``tensors`` are the tensors that will be added, whole or in the pieces of
-    :func:`wacc_torch._work.pieces`: their slots are reserved now.
+    :func:`wacc_torch._work.pieces`: their slots are reserved now. ``targets``, aligned with
+    them, gives for each the dtype its values will be written in (a parameter's, by ``apply_to``
+    or the DDP hook), or None: a finite value that the conversion to it makes ±inf counts as an
+    infinity. The conversion is monotone, so converting a piece's extrema (the slots) decides it.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor],
+        targets: Iterable[torch.dtype | None] | None = None,
+    ) -> None:
         counts: dict[_Key, int] = {}
-        for tensor in tensors:
+        every = list(tensors)
+        aims = [None] * len(every) if targets is None else list(targets)
+        for tensor, target in zip(every, aims, strict=True):
             if tensor.numel() and not tensor.is_meta:
-                key = (tensor.device, tensor.dtype)
+                key = (tensor.device, tensor.dtype, narrower(tensor.dtype, target))
                 counts[key] = counts.get(key, 0) + piece_count(tensor.shape)
         self._extrema = {
             key: torch.empty((count, 2), dtype=key[1], device=key[0])
@@ -50,38 +72,51 @@ class FiniteCheck:
             key: [(row[0], row[1]) for row in extrema.unbind(0)]
             for key, extrema in self._extrema.items()
         }
-        self._differences = {key: torch.empty_like(e) for key, e in self._extrema.items()}
-        self._totals = {key: e.new_empty(()) for key, e in self._extrema.items()}
+        # The extrema as written in the target dtype (itself when it is the tensor's own).
+        self._judged = {
+            key: e if key[2] == key[1] else torch.empty_like(e, dtype=key[2])
+            for key, e in self._extrema.items()
+        }
+        self._differences = {key: torch.empty_like(e) for key, e in self._judged.items()}
+        self._totals = {key: e.new_empty(()) for key, e in self._judged.items()}
         self._used = dict.fromkeys(self._extrema, 0)
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """Take ``tensor`` (a whole tensor or one piece of one) into the answer."""
+    def add(self, tensor: torch.Tensor, target: torch.dtype | None = None) -> None:
+        """Take ``tensor`` (a whole tensor or one piece of one) into the answer; ``target`` as
+        given for it when the check was made."""
         device = tensor.device
         if math.prod(tensor.shape) == 0 or device.type == "meta":
             # aminmax refuses an empty tensor; a meta tensor (shape tracing) holds no values.
             # Neither has an element that is NaN or an infinity.
             return
-        key = (device, tensor.dtype)
+        key = (device, tensor.dtype, narrower(tensor.dtype, target))
         index = self._used[key]
         torch.aminmax(tensor, out=self._slots[key][index])
         self._used[key] = index + 1
 
-    def found(self) -> bool:
-        """Whether any element added was NaN or ±inf."""
-        found = False
+    def _judge(self) -> Iterable[tuple[_Key, torch.Tensor]]:
         for key, extrema in self._extrema.items():
+            judged = self._judged[key]
+            if judged is not extrema:
+                judged.copy_(extrema)  # rounds as the conversion to the target does
+            yield key, judged
+
+    def found(self) -> bool:
+        """Whether any element added was NaN or ±inf (in its target dtype)."""
+        found = False
+        for key, judged in self._judge():
             # Every slot is filled: each reserved piece was added (finite - finite = 0; inf - inf
             # and NaN - NaN are NaN, and a NaN makes the sum NaN).
             differences, total = self._differences[key], self._totals[key]
-            torch.sub(extrema, extrema, out=differences)
+            torch.sub(judged, judged, out=differences)
             torch.sum(differences, dim=(0, 1), out=total)
             value = total.item()
             found = found or value != value
         return found
 
     def _flags(self) -> Iterable[tuple[torch.device, torch.Tensor]]:
-        for (device, _), extrema in self._extrema.items():
-            yield device, ~torch.isfinite(extrema).all()
+        for (device, _, _), judged in self._judge():
+            yield device, ~torch.isfinite(judged).all()
 
 
 def flag_of(checks: Iterable[FiniteCheck], device: torch.device) -> torch.Tensor:
@@ -103,12 +138,17 @@ def found_in(checks: Iterable[FiniteCheck]) -> bool:
     return any(bool(torch.stack(found).any()) for found in flags.values())
 
 
-def found_inf(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """Whether any element of the given tensors (None entries skipped) is NaN or ±inf: one read
-    of each, piece by piece, and one synchronisation per device and dtype."""
-    present = [tensor for tensor in tensors if tensor is not None]
-    check = FiniteCheck(present)
-    for tensor in present:
+def found_inf(
+    tensors: Iterable[torch.Tensor | None], targets: Iterable[torch.dtype | None] | None = None
+) -> bool:
+    """Whether any element of the given tensors (None entries skipped) is NaN or ±inf (in its
+    target dtype, aligned with ``tensors``, when given: :class:`FiniteCheck`): one read of each,
+    piece by piece, and one synchronisation per device and dtype."""
+    every = list(tensors)
+    aims = [None] * len(every) if targets is None else list(targets)
+    present = [(t, aim) for t, aim in zip(every, aims, strict=True) if t is not None]
+    check = FiniteCheck([t for t, _ in present], [aim for _, aim in present])
+    for tensor, aim in present:
         for (piece,) in pieces(tensor):
-            check.add(piece)
+            check.add(piece, aim)
     return check.found()

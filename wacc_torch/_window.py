@@ -26,10 +26,10 @@ from torch import nn
 from wacc_torch import _commit
 from wacc_torch._binding import Binder, Binding, Parameters, tracked_parameters
 from wacc_torch._dtypes import check_loss_scale, dtype_name
-from wacc_torch._finite import found_inf
+from wacc_torch._finite import found_inf, narrower
 from wacc_torch._snapshots import Snapshots, StateDictHandle
 from wacc_torch._weights import count_weight
-from wacc_torch.errors import InvalidLossScaleError, ZeroTotalWeightError
+from wacc_torch.errors import InvalidLossScaleError, ParameterMismatchError, ZeroTotalWeightError
 from wacc_torch.normalize import divide_sums
 from wacc_torch.records import FORMAT_VERSION, ValidatedRecord, validate_record
 from wacc_torch.results import AccumulatedGradients
@@ -201,14 +201,29 @@ class WindowMode:
                 f"zero_weight={window.zero_weight}); nothing was cleared"
             )
         window.snapshots.await_copies()  # the in-place division must wait for snapshot copies
+        # What apply_to will write: found_inf also of the means in the parameters' dtypes
+        # (a finite float32 mean above 65504 is inf in a float16 .grad), semantics §8.
+        binding = window.binding
+        dtype_of = {} if binding is None else dict(zip(binding.names, binding.dtypes, strict=True))
+        division = self.division_targets()
         _, check = divide_sums(
-            self.division_targets(),
+            division,
             loss_scale=window.loss_scale,
             total_weight=window.total_weight,
             in_place=True,
             find_inf=True,
+            targets=dtype_of,
         )
         overflowed = check is not None and check.found()
+        # The small buffers divided as one arena (of mixed parameters): their narrower dtypes
+        # are judged on their own, a read of small tensors only.
+        narrow = [
+            (buffer, dtype_of[name])
+            for name, buffer in window.pending.items()
+            if name not in division and narrower(buffer.dtype, dtype_of[name]) != buffer.dtype
+        ]
+        if narrow and not overflowed:
+            overflowed = found_inf([b for b, _ in narrow], [aim for _, aim in narrow])
         with _commit.COMMIT:
             result = window.result(normalized=True, found_inf=overflowed)
             self._end()
@@ -261,10 +276,21 @@ class WindowMode:
         binding: Binding | None = None
         if validated.param_names:
             device_of = {name: parameter.device for name, parameter in parameters}
+            for name in validated.pending:
+                if device_of[name].type == "meta":
+                    # Restored "on the parameter's device" would drop the values (semantics §9).
+                    raise ParameterMismatchError(
+                        f"parameter {name!r} is on the {device_of[name]} device, which holds no "
+                        f"values, and the record holds a pending buffer for it: loading it "
+                        f"there would drop the window's sums. Materialize the module "
+                        f"(module.to_empty(device=...)) before loading the record"
+                    )
+            dtype_of = {name: parameter.dtype for name, parameter in parameters}
             binding = Binding(
                 names=validated.param_names,
                 shapes=tuple(torch.Size(shape) for shape in validated.param_shapes),
                 devices=tuple(device_of[name] for name in validated.param_names),
+                dtypes=tuple(dtype_of[name] for name in validated.param_names),
             )
         restored, commit = self.prepare_restore(validated, binding, parameters)
         # The module as checked here, so that the window's next calls compare rather than walk

@@ -252,6 +252,8 @@ class WeightedAllReduceHook:
                 total_weight=layout.weight,
                 in_place=True,
                 find_inf=True,
+                # The bucket holds the parameters' dtype: found_inf of what it will hold.
+                targets={"bucket": buffer.dtype},
             )
             assert check is not None
             armed.checks.append(check)  # asked once, when the last bucket is in

@@ -68,11 +68,13 @@ def divide_sums(
     total_weight: float | torch.Tensor,
     in_place: bool,
     find_inf: bool,
+    targets: Mapping[str, torch.dtype] | None = None,
 ) -> tuple[dict[str, torch.Tensor | None], FiniteCheck | None]:
     """:func:`normalize_sums`, and with ``find_inf`` a check of the quotients for NaN and ±inf
     (else None; ask it with ``.found()``): each finished piece is checked right after its
     division, while it is in cache, so ``found_inf`` of the means costs no pass of its own
-    (:mod:`wacc_torch._finite`)."""
+    (:mod:`wacc_torch._finite`). ``targets`` names the dtype a quotient will be written in (its
+    parameter's): a finite quotient that becomes ±inf there counts too (semantics §8)."""
     if not isinstance(grads, Mapping):
         raise TypeError(
             f"grads must be a mapping name -> tensor or None, got {type(grads).__name__}"
@@ -138,7 +140,12 @@ def divide_sums(
             else torch.empty_like(grad, memory_format=torch.contiguous_format)
             for name, grad in tensors
         }
-        check = FiniteCheck(outputs.values()) if find_inf else None
+        aims = {} if targets is None else targets
+        check = (
+            FiniteCheck(outputs.values(), [aims.get(name) for name in outputs])
+            if find_inf
+            else None
+        )
         with _commit.COMMIT:
             for name, grad in tensors:
                 scale_tensor, weight_tensor = divisors[(grad.device, grad.dtype)]
@@ -159,7 +166,7 @@ def divide_sums(
                         quotient.copy_(out_piece).div_(weight_tensor)
                         out_piece.copy_(quotient)
                     if check is not None:
-                        check.add(out_piece)
+                        check.add(out_piece, aims.get(name))
     return {name: None if grad is None else outputs[name] for name, grad in grads.items()}, check
 
 

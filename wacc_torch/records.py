@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from wacc_torch._dtypes import WORK_DTYPES, dtype_name
-from wacc_torch.errors import RecordError
+from wacc_torch._dtypes import WORK_DTYPES, check_loss_scale, dtype_name
+from wacc_torch.errors import InvalidLossScaleError, RecordError
 
 __all__ = [
     "CHECKSUM_KEY",
@@ -95,6 +95,13 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_empty_window(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` is of a window that has issued nothing (``issued`` the int 0 and no
+    pending buffer): the one record whose loss scale need not be the accumulator's."""
+    issued, pending = record["issued"], record["pending"]
+    return _is_int(issued) and issued == 0 and isinstance(pending, Mapping) and not pending
 
 
 def check_counters(
@@ -196,10 +203,18 @@ def validate_record(
             f"field 'dtype' is {record_dtype!r} but this accumulator works in {dtype_name(dtype)!r}"
         )
     record_scale = record["loss_scale"]
-    if not _is_real(record_scale) or record_scale != loss_scale:
+    if _is_empty_window(record):
+        # Nothing of the window was scaled yet: any loss scale of D may continue it (the
+        # accumulator keeps its own), as set_loss_scale may change it there (§4, §9).
+        try:
+            check_loss_scale(record_scale, dtype)
+        except InvalidLossScaleError as error:
+            raise RecordError(f"field 'loss_scale': {error}") from None
+    elif not _is_real(record_scale) or record_scale != loss_scale:
         raise RecordError(
             f"field 'loss_scale' is {record_scale!r} but this accumulator's loss scale is "
-            f"{loss_scale!r}"
+            f"{loss_scale!r} (only a record of an empty window, issued == 0, loads at another "
+            f"scale)"
         )
     record_fused = record["fused"]
     if not isinstance(record_fused, bool) or record_fused != fused:
@@ -378,17 +393,20 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     import or call anything beyond plain containers and tensors is refused with
     :class:`RecordError`, as is a file that is not a torch archive or a damaged one. The
     returned dict is not validated yet; ``load_state_dict`` does that. ``OSError`` (missing
-    file, ...) propagates.
+    file, ...) from opening the file propagates; once it is open, every failure to read a
+    record from it (a truncated or damaged archive included) is :class:`RecordError`.
     """
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as error:
-        # A damaged archive fails anywhere in torch.load's zip reader and unpickler, with many
-        # types (UnpicklingError, RuntimeError, UnicodeDecodeError, KeyError, IndexError,
-        # struct.error, ...): each means the file holds no readable record.
-        raise RecordError(f"record file {os.fspath(path)!r} was refused: {error!r}") from error
+    # Opened here, so that an OSError means the file could not be opened: torch.load's zip
+    # reader itself raises OSError (EINVAL) for an archive truncated past its first 4096 bytes
+    # or with a damaged end record, which is damage, not a missing file.
+    with open(path, "rb") as file:
+        try:
+            record = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:
+            # A damaged archive fails anywhere in torch.load's zip reader and unpickler, with
+            # many types (OSError, UnpicklingError, RuntimeError, UnicodeDecodeError, KeyError,
+            # IndexError, struct.error, ...): each means the file holds no readable record.
+            raise RecordError(f"record file {os.fspath(path)!r} was refused: {error!r}") from error
     if not isinstance(record, dict) or not all(isinstance(key, str) for key in record):
         raise RecordError(
             f"record file {os.fspath(path)!r} does not hold a dict with str keys "

@@ -9,6 +9,7 @@ from torch import nn
 
 from wacc_torch import _commit
 from wacc_torch._environment import check_gradual_underflow
+from wacc_torch._finite import narrower
 from wacc_torch.errors import ParameterMismatchError
 
 __all__ = ["AccumulatedGradients", "AccumulatorState"]
@@ -42,8 +43,9 @@ class AccumulatedGradients:
     ``loss_scale`` and not divided by ``weight``) and True for means. ``found_inf`` says whether
     any element of any of these tensors is NaN or ±inf (for sums, of the scaled sums; for means,
     of the means): the window overflowed, and a dynamic loss scale skips it
-    (:class:`wacc_torch.WindowLossScaler`). The distributed helpers answer it for the reduced
-    result, the same on every rank.
+    (:class:`wacc_torch.WindowLossScaler`). For ``finish_mean`` and the DDP hook it is also True
+    when a mean becomes ±inf in its parameter's dtype, where the optimizer reads it (semantics
+    §8). The distributed helpers answer it for the reduced result, the same on every rank.
     """
 
     grads: dict[str, torch.Tensor | None]
@@ -63,7 +65,10 @@ class AccumulatedGradients:
         checked and every conversion made before any ``.grad`` is written
         (:class:`ParameterMismatchError`; a failed conversion writes nothing either). A
         conversion of dtype on the CPU rounds with gradual underflow, so it refuses
-        flush-to-zero in the calling thread (:class:`UnsupportedEnvironmentError`).
+        flush-to-zero in the calling thread (:class:`UnsupportedEnvironmentError`). With
+        ``found_inf`` False, a gradient that the conversion to a narrower parameter dtype makes
+        ±inf is refused (:class:`ParameterMismatchError`, nothing written): the optimizer would
+        step on an inf the result said was not there.
         """
         parameters = dict(module.named_parameters())
         converting_on_cpu = False
@@ -89,6 +94,23 @@ class AccumulatedGradients:
                 else grad.to(dtype=parameters[name].dtype, device=parameters[name].device)
                 for name, grad in self.grads.items()
             }
+        if not self.found_inf:
+            # found_inf False promises finite gradients to the optimizer: a value that the
+            # conversion to a narrower parameter dtype made ±inf is refused, nothing written.
+            for name, grad in self.grads.items():
+                written = converted[name]
+                if (
+                    grad is not None
+                    and written is not None
+                    and narrower(grad.dtype, written.dtype) != grad.dtype
+                    and not bool(torch.isfinite(written).all())
+                ):
+                    raise ParameterMismatchError(
+                        f"gradient {name!r} is finite in {grad.dtype} (found_inf is False) but "
+                        f"overflows the parameter's dtype {written.dtype} (largest magnitude "
+                        f"{grad.abs().max().item()!r}): the optimizer would step on inf. Skip "
+                        f"the window or keep {name!r} in a wider dtype"
+                    )
         with _commit.COMMIT:
             for name, grad in converted.items():
                 parameters[name].grad = grad

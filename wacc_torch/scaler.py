@@ -100,7 +100,10 @@ def _read_factor(value: object, *, what: str, above_one: bool) -> float:
         raise WeightedAccumulationError(f"{what} must be a finite number {wanted}, got {value!r}")
     if not (number > 1 if above_one else 0 < number < 1):
         raise WeightedAccumulationError(f"{what} must be a finite number {wanted}, got {value!r}")
-    factor = float(number)
+    try:
+        factor = float(number)
+    except OverflowError:  # an int beyond float64's range (10**400, 2**1024)
+        factor = math.inf
     if factor != number:
         raise WeightedAccumulationError(f"{what} {value!r} is not exactly a float64")
     return factor
@@ -209,17 +212,18 @@ class WindowLossScaler:
 
         * Overflow: the run of clean windows restarts (``growth_tracker = 0``) and
           ``hysteresis_left`` drops by one (not below 0); when it reaches 0 the scale backs off to
-          ``round_D(scale * backoff_factor)``, at least ``min_scale``.
+          ``round_D(round_64(scale * backoff_factor))``, at least ``min_scale``.
         * Clean: ``growth_tracker`` counts it; at ``growth_interval`` it restarts at 0,
           ``hysteresis_left`` is restored to ``hysteresis`` and the scale grows to
-          ``round_D(scale * growth_factor)``, at most ``max_scale``.
+          ``round_D(round_64(scale * growth_factor))``, at most ``max_scale``.
 
-        The product is exact and rounded once to D (nearest, ties to even; a power-of-two factor
-        never rounds). A new scale that D cannot hold is not taken: growth beyond D's largest
-        finite value gives ``max_scale`` when set, else the scale stays (as GradScaler keeps its
-        scale when growth would make it infinite); a backoff that underflows to 0 gives
-        ``min_scale`` when set, else the scale stays. Raises ``TypeError`` (nothing changed) when
-        ``found_inf`` is not a bool.
+        The product is GradScaler's: the float64 product, then rounded to D (each rounding to
+        nearest, ties to even; a power-of-two factor never rounds), so for D = float32 every scale
+        is ``torch._amp_update_scale_``'s bit for bit. A new scale that D cannot hold is not
+        taken: growth beyond D's largest finite value gives ``max_scale`` when set, else the
+        scale stays (as GradScaler keeps its scale when growth would make it infinite); a backoff
+        that underflows to 0 gives ``min_scale`` when set, else the scale stays. Raises
+        ``TypeError`` (nothing changed) when ``found_inf`` is not a bool.
         """
         if not isinstance(found_inf, bool):
             raise TypeError(
@@ -239,7 +243,13 @@ class WindowLossScaler:
         return True
 
     def _next(self, factor: float) -> float:
-        proposed = round_to_dtype(Fraction(self._scale) * Fraction(factor), self._dtype)
+        # GradScaler's arithmetic (_amp_update_scale_, CPU and CUDA): the float64 product of the
+        # scale and the float64 factor, then converted to the scale's dtype: two roundings.
+        product = self._scale * factor  # round_64 of the exact product (inf past float64's top)
+        if product == math.inf or product == 0.0:
+            proposed = product
+        else:
+            proposed = round_to_dtype(Fraction(product), self._dtype)
         if proposed == math.inf:
             return self._scale if self._max is None else self._max
         if proposed == 0.0:

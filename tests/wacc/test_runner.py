@@ -125,3 +125,21 @@ def test_checkpoints_change_nothing_and_records_round_trip(asynchronous: bool) -
     assert checkpoint.record is not None
     assert checkpoint.record.key() == trace.outcomes[0].state.key()
     assert trace.outcomes[2].state.key() != checkpoint.record.key()
+
+
+def test_a_float64_mean_beyond_float32_is_judged_like_the_reference() -> None:
+    """The judge's module holds its parameters in the work dtype: a float64 window whose mean
+    (1e300) lies beyond float32 passes with found_inf False, as the reference says of D, where
+    float32 parameters would make wacc_torch's found_inf speak of float32 (semantics §8)."""
+    scenario = Scenario(
+        work_dtype="float64",
+        grad_dtype="float64",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(Accumulate.of("sum", 1.0, {"weight": (1e300, -2.0)}), Finish("mean")),
+    )
+    trace, _ = run_implementation(load_implementation(DEFAULT_IMPL), scenario)
+    finished = trace.outcomes[-1].result
+    assert finished is not None and finished.found_inf is False
+    assert not judge(load_implementation(DEFAULT_IMPL), scenario).failed

@@ -353,3 +353,34 @@ def test_from_pending_keeps_the_requested_precision() -> None:
     want = mpmath.libmp.from_rational(1, 3, 64, "n")
     assert third[0]._mpf_ == want
     assert want != mpmath.libmp.from_rational(1, 3, 256, "n")  # the default would differ
+
+
+def test_a_record_of_an_empty_window_loads_at_any_loss_scale_of_d() -> None:
+    """semantics §9: a record of a window that issued nothing (here after a finish, bound to
+    PARAMS, with its checksum) loads into an accumulator at another loss scale, which keeps its
+    own scale and continues exactly like one that never stopped; a record whose window issued a
+    batch (one of zero weight included) is refused at another scale, and an empty record whose
+    loss_scale is no loss scale of D is refused naming the field, nothing changed."""
+    source = ReferenceAccumulator(dtype="float16", loss_scale=4.0)
+    run(source, six_steps()[:2])
+    source.finish_mean()
+    record = source.state_dict()
+    assert record["issued"] == 0 and record["param_names"] and "checksum" in record
+    resumed = ReferenceAccumulator(dtype="float16", loss_scale=8.0)
+    resumed.load_state_dict(record, PARAMS)
+    assert resumed.state.loss_scale == 8.0 and resumed.state.issued == 0
+    never_stopped = ReferenceAccumulator(dtype="float16", loss_scale=8.0)
+    for acc in (resumed, never_stopped):
+        run(acc, six_steps()[2:])
+    assert result_bits(resumed.finish_mean()) == result_bits(never_stopped.finish_mean())
+
+    zero = ReferenceAccumulator(dtype="float16", loss_scale=4.0)
+    run(zero, [("accumulate_sum", 0, {"w": np.ones((2, 3))})])
+    other = ReferenceAccumulator(dtype="float16", loss_scale=8.0)
+    with pytest.raises(RecordError, match="loss_scale"):
+        other.load_state_dict(zero.state_dict(), PARAMS)
+    before = snapshot(other)
+    for bad in (-4.0, 0.0, math.inf, 2049.0, "4.0"):
+        with pytest.raises(RecordError, match=f"loss_scale.*{bad}"):
+            other.load_state_dict({**record, "loss_scale": bad}, PARAMS)
+    assert snapshot(other) == before

@@ -38,6 +38,15 @@ def _record_bound_without_pending() -> dict[str, object]:
     return source.state_dict()
 
 
+def _record_of_a_finished_window() -> dict[str, object]:
+    """Bound, and empty (issued == 0): the record taken between windows, which loads at any loss
+    scale of D (§9), so its wrong loss scale must be one of no D."""
+    source = ReferenceAccumulator(dtype="bfloat16", loss_scale=4.0)
+    source.accumulate_sum(two_params(), 2.0, grads={"bias": np.ones(3)})
+    source.finish_sums()
+    return source.state_dict()
+
+
 def _record_unbound() -> dict[str, object]:
     return ReferenceAccumulator(dtype="bfloat16", loss_scale=4.0).state_dict()
 
@@ -52,6 +61,7 @@ def _busy_target() -> ReferenceAccumulator:
 RECORDS = {
     "with_pending": record_with_pending,
     "bound_without_pending": _record_bound_without_pending,
+    "finished_window": _record_of_a_finished_window,
     "unbound": _record_unbound,
 }
 

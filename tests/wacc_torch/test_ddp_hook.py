@@ -1130,3 +1130,33 @@ def test_ranks_disagreeing_on_scale_dtype_or_device_type_raise_alike_in_a_simula
     monkeypatch.setattr(dist, "all_gather_object", exchange)
     for rank, hook in enumerate(hooks):
         assert _captured(functools.partial(hook.last_microbatch_sum, 1.0)) == expected, rank
+
+
+def test_a_mean_that_overflows_the_float16_bucket_is_found(one_rank_group: None) -> None:
+    """A float16 model under DDP with a float32 work dtype and a loss scale below 1: every
+    gradient of the real backwards is finite in float16, and so is the mean in D (75008), but
+    the hook writes it into DDP's float16 bucket, where it is inf. The hook's found_inf speaks of
+    what it wrote: True, so the §13 loop skips the window; a small window is found clean."""
+    module = nn.Linear(4, 2).half()
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+        module.bias.fill_(0.0)
+    model = DistributedDataParallel(module)
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=0.5)
+    hook = WeightedAllReduceHook(model, accumulator)
+    found = []
+    for size in (300.0, 1.0):  # d(loss)/d(weight) = S * 250 * size: 37500 finite in float16
+        x = torch.full((1, 4), size, dtype=torch.float16)
+        with model.no_sync():
+            (0.5 * (model(x) * 250).sum()).backward()
+            accumulator.accumulate_sum(module, 1.0)
+        loss = 0.5 * (model(x) * 250).sum()
+        hook.last_microbatch_sum(1.0)
+        loss.backward()
+        assert hook.result is not None
+        grad = module.weight.grad
+        assert grad is not None and grad.dtype == torch.float16
+        found.append((hook.result.found_inf, bool(torch.isfinite(grad).all())))
+        model.zero_grad(set_to_none=True)
+    # Two microbatches of 37504 / S / W = 75008: inf in the float16 bucket, found.
+    assert found == [(True, False), (False, True)]

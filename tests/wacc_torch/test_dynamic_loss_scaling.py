@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -24,6 +25,7 @@ from tests.wacc_torch.support import (
 from wacc_torch import (
     AccumulatedGradients,
     InvalidLossScaleError,
+    ParameterMismatchError,
     WeightedGradientsAccumulator,
     WindowLossScaler,
     ZeroCopyError,
@@ -292,9 +294,10 @@ def test_set_loss_scale_inside_a_block_is_refused() -> None:
     assert acc.state.loss_scale == 4.0 and acc.state.issued == 1
 
 
-def test_a_record_of_an_empty_window_loads_under_the_scale_it_was_taken_with() -> None:
-    """A record keeps the window's S: it loads into an accumulator whose scale was set to the
-    same S, and is refused (RecordError naming loss_scale) by one at another scale."""
+def test_a_record_of_a_window_with_a_batch_loads_only_under_the_scale_it_was_taken_with() -> None:
+    """A record of a window that has issued a batch keeps the window's S: it loads into an
+    accumulator whose scale was set to the same S, and is refused (RecordError naming
+    loss_scale) by one at another scale."""
     from wacc_torch import RecordError
 
     acc = _accumulator(torch.float32, 1.0, "buffered")
@@ -355,11 +358,14 @@ def _train(
     mode: Mode,
     *,
     interrupt: tuple[int, int] | None = None,
+    between: tuple[int, Path] | None = None,
 ) -> tuple[nn.Module, list[tuple[bool, float]]]:
     """The documented loop: set the scaler's scale on the empty window, accumulate loss sums,
     finish_mean, update the scaler with found_inf, step only when it says so. With ``interrupt``
     = (window, microbatch) the run saves the model, optimizer, accumulator and scaler there,
-    builds everything anew from the files, and goes on."""
+    builds everything anew from the files, and goes on. With ``between`` = (window, directory)
+    it does so after that window's optimizer.step() and scaler.update(), through a file in the
+    directory: the usual checkpoint place."""
     net = _Net(dtype)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     scaler = WindowLossScaler(2.0**15, growth_interval=2, dtype=dtype)
@@ -390,6 +396,10 @@ def _train(
         moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
         assert moved == applied, f"window {w}: applied {applied}, parameters moved {moved}"
         log.append((applied, scale_used))
+        if between is not None and between[0] == w:
+            net, optimizer, acc, scaler = _resume(
+                net, optimizer, acc, scaler, dtype, mode, path=between[1] / "checkpoint.pt"
+            )
     return net, log
 
 
@@ -400,9 +410,12 @@ def _resume(
     scaler: WindowLossScaler,
     dtype: torch.dtype,
     mode: Mode,
+    *,
+    path: Path | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, WeightedGradientsAccumulator, WindowLossScaler]:
-    """A checkpoint through one file, and everything rebuilt from it in new objects."""
-    buffer = io.BytesIO()
+    """A checkpoint through one file (in memory, or at ``path``), and everything rebuilt from
+    it in new objects: the scaler first, the accumulator at its scale, then the record."""
+    target: io.BytesIO | Path = io.BytesIO() if path is None else path
     torch.save(
         {
             "model": net.state_dict(),
@@ -410,10 +423,12 @@ def _resume(
             "accumulator": acc.state_dict(),
             "scaler": scaler.state_dict(),
         },
-        buffer,
+        target,
     )
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    del net, optimizer, acc, scaler  # nothing of the old objects survives the resume
+    if isinstance(target, io.BytesIO):
+        target.seek(0)
+    saved = torch.load(target, weights_only=True)
     new_net = _Net(dtype)
     new_net.load_state_dict(saved["model"])
     new_optimizer = torch.optim.SGD(new_net.parameters(), lr=1e-3)
@@ -465,6 +480,31 @@ def test_a_resume_mid_window_continues_the_same_scales_bit_for_bit(
         assert_bitwise_equal(a.detach(), b.detach(), name)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_between_windows_after_the_scale_changed_resumes_bit_for_bit(
+    mode: Mode, tmp_path: Path
+) -> None:
+    """The usual checkpoint place, after optimizer.step() and scaler.update(), where update has
+    just changed the scale: the record is of an empty window taken at the old scale, the recipe
+    builds the accumulator at the scaler's new scale, and the record loads (an empty window holds
+    nothing to rescale). Checkpointed into a real file after each window in turn, the resumed
+    float16 run takes the same decisions under the same scales and ends with the same
+    parameters, bit for bit."""
+    straight, straight_log = _train(torch.float16, mode)
+    scales = [scale for _, scale in straight_log]
+    changed = [w for w in range(len(scales) - 1) if scales[w + 1] != scales[w]]
+    assert changed, "no update changed the scale: the test would not test anything"
+    for window in range(len(scales) - 1):
+        directory = tmp_path / f"after-{window}"
+        directory.mkdir()
+        resumed, resumed_log = _train(torch.float16, mode, between=(window, directory))
+        assert resumed_log == straight_log, window
+        for (name, a), (_, b) in zip(
+            resumed.named_parameters(), straight.named_parameters(), strict=True
+        ):
+            assert_bitwise_equal(a.detach(), b.detach(), f"after window {window}: {name}")
+
+
 def test_the_loop_in_the_scaler_docstring_runs() -> None:
     """The example at the top of wacc_torch.scaler, run as written on a tiny model."""
     import wacc_torch.scaler as module
@@ -485,3 +525,65 @@ def test_the_loop_in_the_scaler_docstring_runs() -> None:
     }
     exec(compile(code, "wacc_torch.scaler docstring", "exec"), namespace)  # noqa: S102
     assert isinstance(namespace["result"], AccumulatedGradients)
+
+
+def _float16_linear() -> nn.Module:
+    module = nn.Linear(4, 2).half()
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+        module.bias.fill_(0.0)
+    return module
+
+
+def test_a_mean_that_overflows_the_parameters_float16_is_found_and_the_window_skipped() -> None:
+    """float16 parameters, a float32 work dtype and a loss scale below 1 (a scaler that backed
+    off): every gradient of the real backward is finite in float16 (37504) and so is the mean in
+    D (75008), but apply_to would write it into a float16 .grad as inf. found_inf says what the
+    optimizer would see, so the §13 loop skips the window: the parameters do not move and the
+    scale backs off; a window of small gradients after it is applied."""
+    module = _float16_linear()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+    scaler = WindowLossScaler(0.5, dtype=torch.float32)
+    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=scaler.scale)
+    decisions = []
+    for size in (300.0, 1.0):  # d(loss)/d(weight) = S * 250 * size
+        acc.set_loss_scale(scaler.scale)
+        x = torch.full((1, 4), size, dtype=torch.float16)
+        (scaler.scale * (module(x) * 250).sum()).backward()
+        assert all(
+            bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None
+        )
+        acc.accumulate_sum(module, 1)
+        result = acc.finish_mean()
+        before = [p.detach().clone() for p in module.parameters()]
+        applied = scaler.update(result.found_inf)
+        if applied:
+            result.apply_to(module)
+            optimizer.step()
+        module.zero_grad(set_to_none=True)
+        after = list(module.parameters())
+        moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
+        assert moved == applied
+        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+        decisions.append((applied, result.grads["weight"].abs().max().item()))
+    assert decisions[0] == (False, 75008.0)  # finite in D, inf in float16: skipped
+    assert decisions[1][0] and scaler.scale == 0.25
+
+
+def test_apply_to_refuses_a_value_that_overflows_the_parameters_dtype_when_found_inf_is_false() -> (
+    None
+):
+    """A result whose found_inf was judged for other parameters (here float32 ones, as a result
+    of the distributed helpers is judged in D) and holds a mean above 65504 is refused by
+    apply_to on a float16 module with ParameterMismatchError naming the parameter, and no
+    .grad is written: the optimizer would step on inf."""
+    wide = nn.Linear(4, 2)
+    acc = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=0.5)
+    (0.5 * (wide(torch.full((1, 4), 300.0)) * 250).sum()).backward()
+    acc.accumulate_sum(wide, 1)
+    result = acc.finish_mean()
+    assert not result.found_inf  # finite in float32, its parameters' dtype
+    narrow = _float16_linear()
+    with pytest.raises(ParameterMismatchError, match=r"'weight'.*torch\.float16"):
+        result.apply_to(narrow)
+    assert all(p.grad is None for p in narrow.parameters())

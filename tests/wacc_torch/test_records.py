@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import re
 from collections.abc import Callable
@@ -385,6 +386,137 @@ def test_damaged_record_file_is_refused(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(RecordError, match=name):
             load_record(tmp_path / name)
+
+
+def _batch(
+    accumulator: WeightedGradientsAccumulator, module: nn.Module, x: torch.Tensor, scale: float
+) -> None:
+    """One microbatch of ``len(x)`` tokens, a real backward of ``scale`` times its loss sum, in
+    the accumulator's mode (buffered: accumulate_sum after; zero-copy: inside a block)."""
+    if accumulator.state.zero_copy:
+        with accumulator.microbatch(module, weight=len(x), kind="sum"):
+            (scale * module(x).sum()).backward()
+    else:
+        (scale * module(x).sum()).backward()
+        accumulator.accumulate_sum(module, len(x))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["buffered", "zero_copy"])
+def test_a_record_of_an_empty_window_loads_at_any_loss_scale_and_keeps_the_accumulators(
+    tmp_path: Path, zero_copy: bool
+) -> None:
+    """A record of an empty window (issued == 0: after a finish, bound to a module) taken at one
+    scale loads, through a real file, into an accumulator at another: nothing of the window was
+    scaled. The accumulator keeps its own scale; its next window gives the bits of an
+    accumulator that never stopped, run at that scale. A record whose window issued a batch
+    (one of zero weight included) is still refused at another scale, and an empty record whose
+    loss_scale is no loss scale of D is refused naming the field, nothing changed."""
+    module = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    source = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=4.0, zero_copy=zero_copy)
+    _batch(source, module, x[:3], 4.0)
+    source.finish_mean()
+    module.zero_grad(set_to_none=True)  # as a loop does after its step
+    save_record(source.state_dict(), tmp_path / "empty.pt")
+    record = load_record(tmp_path / "empty.pt")
+    assert record["issued"] == 0 and record["param_names"] and record["loss_scale"] == 4.0
+
+    def next_window(accumulator: WeightedGradientsAccumulator) -> list[torch.Tensor]:
+        _batch(accumulator, module, x[:2], 8.0)
+        _batch(accumulator, module, x, 8.0)
+        grads = accumulator.finish_mean().grads
+        finished = [g.clone() for g in grads.values() if g is not None]
+        module.zero_grad(set_to_none=True)
+        return finished
+
+    resumed = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy)
+    resumed.load_state_dict(record, module)
+    assert resumed.state.loss_scale == 8.0 and resumed.state.issued == 0
+    never_stopped = WeightedGradientsAccumulator(
+        dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy
+    )
+    got, expected = next_window(resumed), next_window(never_stopped)
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected, strict=True):
+        assert_bitwise_equal(a, b, "the window after the resume")
+
+    # One zero-weight batch is a batch of the window: that record keeps its scale.
+    zero = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=4.0, zero_copy=zero_copy)
+    _batch(zero, module, x[:0], 4.0)
+    other = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=8.0, zero_copy=zero_copy)
+    with pytest.raises(RecordError, match=r"loss_scale.*4\.0.*8\.0"):
+        other.load_state_dict(zero.state_dict(), module)
+    for bad in (-4.0, 0.0, math.inf, 1 + 2**-30, "4.0"):
+        with pytest.raises(RecordError, match=f"loss_scale.*{re.escape(str(bad))}"):
+            other.load_state_dict({**record, "loss_scale": bad}, module)
+    assert other.state.issued == 0 and other.state.loss_scale == 8.0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["buffered", "zero_copy"])
+def test_a_record_with_pending_sums_is_refused_onto_meta_parameters(zero_copy: bool) -> None:
+    """A record holding a window's sums (a real backward of a Linear) loaded into a fresh
+    accumulator for the same module built on device="meta" raises ParameterMismatchError naming
+    the parameter and the meta device, and nothing changes: on the meta device the sums would be
+    dropped, and finish_mean would hand over meta tensors with found_inf=False. The record of a
+    window with no pending buffer still loads there (it holds no values)."""
+    module = nn.Linear(4, 3)
+    source = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    (SCALE * module(torch.randn(5, 4)).sum()).backward()
+    source.accumulate_sum(module, 5)
+    record = source.state_dict()
+    meta = nn.Linear(4, 3, device="meta")
+    target = WeightedGradientsAccumulator(
+        dtype=torch.float32, loss_scale=SCALE, zero_copy=zero_copy
+    )
+    before = target.state_dict()
+    with pytest.raises(ParameterMismatchError, match=r"parameter 'weight' is on the meta device"):
+        target.load_state_dict(record, meta)
+    assert_unchanged(target, before)
+    assert all(parameter.grad is None for parameter in meta.parameters())
+    source.finish_sums()
+    target.load_state_dict(source.state_dict(), meta)  # bound, issued == 0, nothing pending
+    assert target.state.issued == 0
+
+
+def test_record_file_truncated_anywhere_or_with_a_damaged_end_record_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A real record file (a Linear(64, 64) window after a real backward, well past torch's
+    4096-byte first read) cut at a stride of offsets, at every offset of its first and last 100
+    bytes and of the 100 after byte 4096, or with its zip end record's signature damaged, raises
+    RecordError naming the file every time: torch's zip reader answers part of this damage with
+    OSError (EINVAL), which is not a missing file. A missing file still raises
+    FileNotFoundError."""
+    module = nn.Linear(64, 64)
+    module(torch.randn(3, 64)).sum().backward()
+    accumulator = WeightedGradientsAccumulator(dtype=torch.float32, loss_scale=SCALE)
+    accumulator.accumulate_sum(module, 3)
+    path = tmp_path / "record.pt"
+    save_record(accumulator.state_dict(), path)
+    intact = path.read_bytes()
+    assert len(intact) > 4096 + 100
+    cuts = (
+        set(range(0, len(intact), 61))
+        | set(range(100))
+        | set(range(4096, 4196))
+        | set(range(len(intact) - 100, len(intact)))
+    )
+    damaged = {f"cut-{cut}.pt": intact[:cut] for cut in sorted(cuts)}
+    # The zip end-of-central-directory record's signature, each byte flipped (zip64's end
+    # records are not read for an archive this small: damaging them changes nothing).
+    end = intact.rfind(b"PK\x05\x06")
+    assert end > 0, "the archive has no end-of-central-directory record"
+    for offset in range(end, end + 4):
+        content = bytearray(intact)
+        content[offset] ^= 0xFF
+        damaged[f"end-{offset}.pt"] = bytes(content)
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(RecordError, match=re.escape(name)):
+            load_record(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        load_record(tmp_path / "absent.pt")
+    assert_records_equal(load_record(path), accumulator.state_dict())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,6 +10,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -58,6 +59,48 @@ def test_the_defaults_follow_grad_scaler_window_by_window(
     expected = _grad_scaler_run(overflows, growth_interval=interval)
     got = [(ours.update(overflow), ours.scale) for overflow in overflows]
     assert got == expected
+
+
+def _amp_update_scale_run(
+    overflows: list[bool], scale: float, growth: float, backoff: float, interval: int
+) -> list[float]:
+    """The scale after each window from torch._amp_update_scale_, GradScaler's own update (its
+    float32 scale tensor, its float64 factors as GradScaler passes them)."""
+    current = torch.tensor([scale], dtype=torch.float32)
+    tracker = torch.zeros(1, dtype=torch.int32)
+    out = []
+    for overflow in overflows:
+        found_inf = torch.tensor([1.0 if overflow else 0.0])
+        torch._amp_update_scale_(current, tracker, found_inf, growth, backoff, interval)
+        out.append(current.item())
+    return out
+
+
+def test_non_power_of_two_factors_give_grad_scalers_scales_bit_for_bit() -> None:
+    """With factors that round (1.0001 and 0.7, as the issue found, and random ones), 400 seeded
+    random decision sequences give, window by window, exactly the float32 scale of
+    torch._amp_update_scale_ on the same found_inf decisions (GradScaler rounds the float64
+    product to float32: two roundings, which the scaler models)."""
+    rng = random.Random(32)
+    for sequence in range(400):
+        growth = [1.0001, 1.5, 3.0, rng.uniform(1.0, 4.0)][sequence % 4]
+        backoff = [0.7, 0.3, 1 / 3, rng.uniform(0.05, 1.0)][(sequence // 4) % 4]
+        interval = rng.randint(1, 3)
+        scale = rng.choice([2.0**16, 1.0, 3.0, 2.0**100])
+        overflows = [rng.random() < 0.4 for _ in range(rng.randint(1, 120))]
+        ours = WindowLossScaler(scale, growth, backoff, interval, dtype=torch.float32)
+        got = []
+        for overflow in overflows:
+            ours.update(overflow)
+            got.append(ours.scale)
+        expected = _amp_update_scale_run(overflows, scale, growth, backoff, interval)
+        assert [value.hex() for value in got] == [value.hex() for value in expected], (
+            sequence,
+            growth,
+            backoff,
+            interval,
+            scale,
+        )
 
 
 def test_growth_to_the_top_of_float32_stops_like_grad_scaler() -> None:
@@ -142,8 +185,9 @@ def test_every_scale_is_a_loss_scale_the_accumulator_accepts(
     dtype: torch.dtype, overflows: list[bool], growth: float, backoff: float
 ) -> None:
     """With any factors, every scale the scaler hands out is finite, > 0 and exactly
-    representable in D (the constructor's check passes), and each new scale is round_D of the
-    exact product with the factor, or the old scale where D cannot hold the product."""
+    representable in D (the constructor's check passes), and each new scale is
+    round_D(round_64(scale x factor)), GradScaler's float64 product rounded to D, or the old
+    scale where D cannot hold the product."""
     fmt = format_of(dtype)
     scaler = WindowLossScaler(
         2.0**8, growth_factor=growth, backoff_factor=backoff, growth_interval=2, dtype=dtype
@@ -155,7 +199,9 @@ def test_every_scale_is_a_loss_scale_the_accumulator_accepts(
         assert torch_ok.scale == scaler.scale
         if scaler.scale != before:
             factor = backoff if overflow else growth
-            assert scaler.scale == formats.round_to(Fraction(before) * Fraction(factor), fmt)
+            # GradScaler's float64 product, then rounded to D (§13).
+            product = formats.round_to(Fraction(before) * Fraction(factor), formats.FLOAT64)
+            assert scaler.scale == formats.round_to(product, fmt)
 
 
 @pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
@@ -209,8 +255,29 @@ def test_backoff_below_the_bottom_of_d_keeps_the_scale_or_takes_min_scale(
         ({"min_scale": 3.0000001}, InvalidLossScaleError, "3.0000001"),
         ({"dtype": torch.int32}, WeightedAccumulationError, "int32"),
         ({"dtype": "float16"}, TypeError, "float16"),
+        # Ints beyond float64's range: refused as the argument's §11 error, never OverflowError.
+        ({"init_scale": 10**400}, InvalidLossScaleError, "1" + "0" * 400),
+        ({"growth_factor": 10**400}, WeightedAccumulationError,
+         r"growth_factor 1" + "0" * 400 + " is not exactly a float64"),
+        ({"growth_factor": 2**1024}, WeightedAccumulationError,
+         rf"growth_factor {2**1024} is not exactly a float64"),
+        ({"growth_factor": -(2**1024)}, WeightedAccumulationError, rf"> 1.*-{2**1024}"),
+        ({"backoff_factor": 2**1024}, WeightedAccumulationError, rf"between 0 and 1.*{2**1024}"),
+        ({"min_scale": 2**1024}, InvalidLossScaleError, str(2**1024)),
+        ({"max_scale": 10**400}, InvalidLossScaleError, "1" + "0" * 400),
+        # Numpy ints and 0-d tensors: read exactly, so one that is no float64 is refused.
+        ({"growth_factor": np.uint64(2**64 - 1)}, WeightedAccumulationError,
+         str(2**64 - 1)),
+        ({"growth_factor": torch.tensor(2**62 + 1)}, WeightedAccumulationError,
+         str(2**62 + 1)),
+        ({"backoff_factor": torch.tensor(1)}, WeightedAccumulationError, r"between 0 and 1"),
+        ({"init_scale": torch.tensor(2**53 + 1)}, InvalidLossScaleError, str(2**53 + 1)),
+        ({"max_scale": np.int64(2**53 + 1)}, InvalidLossScaleError, str(2**53 + 1)),
+        # The counts are Python ints, as GradScaler's growth_interval.
+        ({"growth_interval": np.int64(3)}, TypeError, "growth_interval.*3"),
+        ({"hysteresis": torch.tensor(2)}, TypeError, "hysteresis.*2"),
     ],
-    ids=lambda value: repr(value) if isinstance(value, dict) else '',
+    ids=lambda value: repr(value)[:60] if isinstance(value, dict) else '',
 )  # fmt: skip
 def test_bad_options_are_refused_naming_the_value(
     options: dict[str, Any], error: type[Exception], message: str
@@ -327,7 +394,7 @@ def test_formats_table_matches_the_reference(dtype: torch.dtype) -> None:
     overflows=decisions,
     dtype=st.sampled_from(WORK_DTYPES),
     growth=st.sampled_from([2.0, 1.5, 3.0, 1.0001, 65536.0]),
-    backoff=st.sampled_from([0.5, 0.3, 1 / 3, 0.999, 2.0**-20]),
+    backoff=st.sampled_from([0.5, 0.3, 1 / 3, 0.999, 2.0**-20, 0.7]),
     interval=st.integers(1, 4),
     hysteresis=st.integers(1, 3),
     bounds=st.sampled_from([(None, None), (1.0, 2.0**10), (2.0**-3, None), (None, 2.0**14)]),
@@ -366,6 +433,29 @@ def test_the_reference_scaler_takes_the_same_decisions_and_scales(
         )
 
 
+@pytest.mark.parametrize("dtype", WORK_DTYPE_PARAMS)
+def test_the_reference_scaler_rounds_like_grad_scaler_in_every_work_dtype(
+    dtype: torch.dtype,
+) -> None:
+    """300 seeded random sequences with factors that round (1.0001, 0.7, random ones): wacc_ref's
+    ReferenceLossScaler, which models round_D(round_64(scale x factor)) with wacc_ref.formats,
+    gives every scale of WindowLossScaler bit for bit, in each work dtype."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    rng = random.Random(320 + WORK_DTYPES.index(dtype))
+    for sequence in range(300):
+        growth = [1.0001, rng.uniform(1.0, 4.0)][sequence % 2]
+        backoff = [0.7, rng.uniform(0.05, 1.0)][(sequence // 2) % 2]
+        interval = rng.randint(1, 3)
+        scale = rng.choice([2.0**10, 1.0, 3.0, 0.75])
+        ours = WindowLossScaler(scale, growth, backoff, interval, dtype=dtype)
+        reference = ReferenceLossScaler(scale, growth, backoff, interval, dtype=dtype_name(dtype))
+        for _ in range(rng.randint(1, 120)):
+            overflow = rng.random() < 0.4
+            assert ours.update(overflow) == reference.update(overflow)
+            assert ours.scale.hex() == reference.scale.hex(), (sequence, growth, backoff)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -379,12 +469,25 @@ def test_the_reference_scaler_takes_the_same_decisions_and_scales(
         {"hysteresis": 0},
         {"min_scale": 4.0, "max_scale": 2.0},
         {"init_scale": 2.0**20, "max_scale": 2.0**10},
+        {"init_scale": 10**400},
+        {"init_scale": 2**1024},
+        {"growth_factor": 10**400},
+        {"growth_factor": 2**1024},
+        {"backoff_factor": 10**400},
+        {"backoff_factor": -(2**1024)},
+        {"min_scale": 2**1024},
+        {"max_scale": 10**400},
+        {"growth_factor": np.uint64(2**64 - 1)},
+        {"init_scale": np.int64(2**53 + 1)},
+        {"growth_interval": np.int64(3)},
+        {"hysteresis": np.int32(2)},
     ],
-    ids=str,
+    ids=lambda options: repr(options)[:60],
 )
 def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[str, Any]) -> None:
-    """The two packages accept the same options and refuse a bad one with the same class name
-    (semantics §4's one rule for numbers applies to both)."""
+    """The two packages accept the same options and refuse a bad one with the same class name,
+    a §11 error or TypeError (semantics §4's one rule for numbers applies to both; an int beyond
+    float64's range included)."""
     from wacc_ref.scaler import ReferenceLossScaler
 
     torch_options = dict(options)
@@ -394,7 +497,59 @@ def test_both_scalers_refuse_the_same_options_with_the_same_class(options: dict[
         WindowLossScaler(**torch_options)
     with pytest.raises(Exception) as reference:
         ReferenceLossScaler(**options)
+    # A §11 error (or TypeError for a wrong type), never a raw OverflowError from both.
+    assert isinstance(ours.value, WeightedAccumulationError | TypeError)
     assert type(ours.value).__name__ == type(reference.value).__name__
+
+
+_HUGE_OR_EXOTIC = [10**400, 2**1024, 2**53 + 1, 3, 2**62]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "min_scale",
+        "max_scale",
+        "growth_interval",
+        "hysteresis",
+    ],
+)
+@pytest.mark.parametrize("value", _HUGE_OR_EXOTIC, ids=["10^400", "2^1024", "2^53+1", "3", "2^62"])
+@pytest.mark.parametrize("kind", ["int", "numpy", "tensor"])
+def test_every_numeric_option_is_read_by_one_rule_in_both_packages(
+    option: str, value: int, kind: str
+) -> None:
+    """Every numeric option of both scalers, given a huge int, a numpy int or a 0-d tensor (the
+    reference's counterpart: a 0-d numpy array), is accepted by both or refused by both with the
+    same class, never with a raw OverflowError; an accepted one gives the same state."""
+    from wacc_ref.scaler import ReferenceLossScaler
+
+    if kind != "int" and value >= 2**63:
+        pytest.skip("no 64-bit integer holds it")
+    ours_value: Any = value
+    reference_value: Any = value
+    if kind == "numpy":
+        ours_value = reference_value = np.int64(value)
+    elif kind == "tensor":
+        ours_value, reference_value = torch.tensor(value), np.array(value, dtype=np.int64)
+    # init_scale 2.0 so that a large bound is consistent with it.
+    base: dict[str, Any] = {"init_scale": 2.0} if option != "init_scale" else {}
+    outcomes = []
+    try:
+        ours = WindowLossScaler(**base, **{option: ours_value})
+        outcomes.append(repr([ours.update(False) for _ in range(3)] + [ours.state_dict()["scale"]]))
+    except Exception as error:  # the class is what is compared
+        outcomes.append(type(error).__name__)
+    try:
+        reference = ReferenceLossScaler(**base, **{option: reference_value})
+        outcomes.append(repr([reference.update(False) for _ in range(3)] + [reference.scale]))
+    except Exception as error:
+        outcomes.append(type(error).__name__)
+    assert "OverflowError" not in outcomes
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize(
