@@ -7,6 +7,7 @@ checks answer, before torch or the reference is imported; what needs them import
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES, ORACLE_SET_NAMES
@@ -23,6 +24,7 @@ __all__ = [
     "implementation_from",
     "oracles_from",
     "raised_line",
+    "read_bounded",
 ]
 
 
@@ -87,3 +89,19 @@ def raised_line(verdict: ScenarioVerdict, index: int, message: str) -> str:
     if expected and step is not None and step.expected_error == step.actual_error:
         return f"step {index} raised {message} (expected: the reference raises it too)"
     return f"step {index} raised {message}"
+
+
+def read_bounded(path: Path, limit: int, *, what: str) -> bytes:
+    """The bytes of ``path``, read through one ``open`` and at most ``limit + 1`` bytes of it
+    (a regular file, a FIFO, ``/dev/zero``: a size from ``stat()`` says nothing about the last
+    two), or :class:`UsageError` naming the file: more than ``limit`` bytes, or not readable.
+    ``what`` names what the file should be ("a scenario file")."""
+    name = str(path)
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise UsageError(f"{name!r} has more than {limit} bytes; {what} has at most {limit}")
+    return data

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if len(set(args.impl)) != len(args.impl):
         raise UsageError(f"--impl: {sorted(s for s in args.impl if args.impl.count(s) > 1)[0]!r} "
                          "given twice")  # fmt: skip
-    if args.compare_to is not None and not (args.compare_to / "divergence.csv").is_file():
+    if args.compare_to is not None and not (args.compare_to / "divergence.csv").exists():
         raise UsageError(
             f"--compare-to: no divergence.csv in {str(args.compare_to)!r} (a folder `wacc "
             "report` wrote)"

@@ -240,17 +240,14 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
 def read_gate_file(path: Path, *, kind: str) -> GateFile:
     """Read and validate a gate file of ``kind`` (baseline or results): :class:`UsageError`
     naming the file, the field and the value for anything that breaks the rules above."""
+    from wacc.commands._common import read_bounded
+
     name = str(path)
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise UsageError(f"{name!r} is larger than {_MAX_BYTES} bytes: not a gate file")
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
         raise UsageError(
             f"no gate file at {name!r} (create a baseline with `wacc gate --update-baseline`)"
-        ) from None
-    except OSError as exc:
-        raise UsageError(f"{name!r} is not a readable gate file: {exc.strerror or exc}") from None
+        )
+    data = read_bounded(path, _MAX_BYTES, what="a gate file")
     try:
         return _gate_file(loads(data), kind=kind)
     except FieldError as exc:

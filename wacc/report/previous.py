@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from wacc.commands._common import read_bounded
 from wacc.errors import UsageError
 from wacc.report.rows import Row
 from wacc.report.writer import CSV_NAMES, ROW_FIELDS, Headline, headline
@@ -92,18 +93,14 @@ def read_rows(folder: Path) -> list[Row]:
     name = str(path)
     if not folder.is_dir():
         raise UsageError(f"--compare-to: {str(folder)!r} is not a report folder")
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise UsageError(f"{name!r} is larger than {_MAX_BYTES} bytes: not a report's CSV")
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
+    if not path.exists():
         raise UsageError(
             f"--compare-to: no divergence.csv in {str(folder)!r} (a folder `wacc report` wrote)"
-        ) from None
+        )
+    try:
+        text = read_bounded(path, _MAX_BYTES, what="a report's CSV").decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UsageError(f"{name!r}: not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"{name!r}: cannot be read: {exc.strerror or exc}") from None
     try:
         lines = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
