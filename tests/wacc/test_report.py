@@ -227,6 +227,36 @@ def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) ->
         assert str(raised.value).endswith(f"got '{value}'") and str(bad) in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("column", "value", "fragment"),
+    [
+        ("max_ratio", "\u0661", "max_ratio: not a number"),  # float() takes Arabic-Indic digits
+        ("max_ratio", "1_0", "max_ratio: not a number"),  # and underscores
+        ("implementation", "a|b", "implementation: must not hold '|' or a line break"),
+        ("family", "a\nb", "family: must not hold '|' or a line break"),
+        ("scenario_id", None, "is also on line 2"),  # line 3 repeats line 2's row
+    ],
+)
+def test_a_previous_reports_fields_are_read_strictly(
+    tmp_path: Path, column: str, value: str | None, fragment: str
+) -> None:
+    """--compare-to refuses a number in another script or with underscores, a name that breaks
+    the comparison's markdown table, and a scenario x implementation x device given twice: one
+    UsageError naming the file and the line."""
+    with (PREVIOUS / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))[:3]
+    index = rows[0].index(column)
+    rows[2][index] = rows[1][index] if value is None else value
+    if value is None:  # the same row twice
+        rows[2] = list(rows[1])
+    (tmp_path / "divergence.csv").write_text(
+        "".join(",".join(f'"{c}"' for c in row) + "\n" for row in rows), encoding="utf-8"
+    )
+    with pytest.raises(UsageError, match="line 3: ") as raised:
+        read_rows(tmp_path)
+    assert fragment in str(raised.value) and str(tmp_path) in str(raised.value)
+
+
 def test_a_failing_rows_replay_file_reproduces_the_divergence(report: Path) -> None:
     """The replay file of a failing baseline row fails again under ``wacc replay`` with it."""
     with (report / "divergence.csv").open(encoding="utf-8") as handle:

@@ -7,6 +7,7 @@ checks answer, before torch or the reference is imported; what needs them import
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from wacc.verdict import ScenarioVerdict
 
 __all__ = [
+    "FLOAT_TEXT",
+    "TABLE_BREAKERS",
     "add_impl_arguments",
     "check_device",
     "implementation_from",
@@ -26,6 +29,13 @@ __all__ = [
     "raised_line",
     "read_bounded",
 ]
+
+
+# A float as wacc writes it (``repr``): ASCII only, since ``float()`` also takes other scripts'
+# digits ('١٢'), spaces and underscores ('1_0').
+FLOAT_TEXT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|-?inf|nan")
+# What ends or breaks a cell of a markdown table: a name with one would break the report's.
+TABLE_BREAKERS = re.compile(r"[|\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
 
 
 def add_impl_arguments(parser: argparse.ArgumentParser, *, positional: bool) -> None:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from wacc.commands._common import FLOAT_TEXT, TABLE_BREAKERS, read_bounded
 from wacc.errors import UsageError
 
 __all__ = ["AuditRun", "AuditRow", "audit_markdown", "copy_figure", "read_audit"]
@@ -28,12 +29,8 @@ COLUMNS = (
 )  # fmt: skip
 _DTYPES = ("float32", "bfloat16", "float16")
 _MAX_BYTES = 64 * 2**20  # audit.csv and audit.png: a few kB each for every built-in loop
-# What the audit writes (``repr`` of a float, a count): ASCII only, since ``float`` and
-# ``str.isdigit`` also take other scripts' digits ('١٢') and ``isdigit`` superscripts ('²').
+# A count as the audit writes it: ASCII digits (``str.isdigit`` also takes '²' and '١٢').
 _COUNT = re.compile(r"[0-9]+")
-_FLOAT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|-?inf|nan")
-# A loop or window name is a cell of the markdown table: nothing that ends or breaks one.
-_BREAKS_TABLE = re.compile(r"[|\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ def _fail(path: Path, line: int, column: str, value: str, why: str) -> UsageErro
 def _number(path: Path, line: int, column: str, value: str, *, empty: bool = False) -> float:
     if empty and value == "":
         return math.nan
-    if _FLOAT.fullmatch(value) is None:
+    if FLOAT_TEXT.fullmatch(value) is None:
         raise _fail(path, line, column, value, "is not a number")
     number = float(value)
     if number < 0 and not math.isnan(number):
@@ -83,7 +80,7 @@ def _text(path: Path, line: int, column: str, value: str) -> str:
 
 def _name(path: Path, line: int, column: str, value: str) -> str:
     """A loop or window name: not empty, and nothing that breaks the section's table."""
-    if _BREAKS_TABLE.search(_text(path, line, column, value)):
+    if TABLE_BREAKERS.search(_text(path, line, column, value)):
         raise _fail(path, line, column, value, "holds '|' or a line break (breaks the table)")
     return value
 
@@ -108,8 +105,6 @@ def read_audit(folder: Path) -> AuditRun:
             f"--audit: {str(folder)!r} holds no audit.csv and audit.png (a folder `wacc audit "
             f"--out` wrote)"
         )
-    from wacc.commands._common import read_bounded
-
     data = read_bounded(path, _MAX_BYTES, what="an audit.csv")
     try:
         with io.StringIO(data.decode("utf-8"), newline="") as handle:
@@ -224,8 +219,6 @@ def audit_markdown(run: AuditRun, figure: str) -> list[str]:
 
 def copy_figure(run: AuditRun, figures: Path) -> Path:
     """``audit.png`` into the report's figure folder."""
-    from wacc.commands._common import read_bounded
-
     target = figures / "audit.png"
     target.write_bytes(read_bounded(run.folder / "audit.png", _MAX_BYTES, what="an audit.png"))
     return target
