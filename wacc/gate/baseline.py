@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from importlib import metadata
@@ -290,9 +291,18 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
         _gate_file(loads(text), kind=gate_file.kind)
     except FieldError as exc:
         raise UsageError(f"not writing {str(path)!r}: it could not be read back: {exc}") from None
+    # Atomically: the whole file, synced, replaces the old one (a committed baseline is never
+    # left half written by a kill or a full disk); the temporary file is in the same folder, so
+    # that os.replace is a rename within one file system.
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
     except OSError as exc:
+        temporary.unlink(missing_ok=True)
         raise UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     return path
