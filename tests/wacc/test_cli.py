@@ -80,6 +80,47 @@ def test_check_finds_a_divergence_writes_it_and_its_replay_reproduces_it(tmp_pat
     assert "agrees with the reference" in agrees.stdout
 
 
+@pytest.mark.parametrize("profile", ["ci", "dev"])
+def test_check_writes_nothing_into_the_working_directory(tmp_path: Path, profile: str) -> None:
+    """``wacc check`` run in an empty folder leaves it empty: no ``.hypothesis/`` (Hypothesis'
+    cache of constants, or the dev profile's example database) unless asked for."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYPOTHESIS_STORAGE_DIRECTORY", "WACC_HYPOTHESIS_DB")}  # fmt: skip
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "wacc", "check", "--dtype", "float64", "--family", "windows",
+         "--examples", "3", "--profile", profile, "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_exitfirst_stops_at_the_first_divergence(tmp_path: Path) -> None:
+    """``-x`` stops after the first family that finds a divergence (pytest's convention): one
+    divergence block and one file, the dtypes and families after it never run; without it the
+    same check goes on to the next dtype."""
+    impl = "tests.wacc.impls:double_unscale"  # divides by S twice: fails in every dtype
+    args = ["check", impl, "--dtype", "float32", "--dtype", "float16", "--family", "windows",
+            "--examples", "20", "--quiet"]  # fmt: skip
+    first = wacc(*args, "-x", "--out", str(tmp_path / "x"))
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert first.stdout.count("\nDIVERGENCE ") == 1
+    assert [p.name for p in (tmp_path / "x").iterdir()] == ["divergence-01-float32-windows.json"]
+    assert not re.search(r"^\s*float16 ", first.stdout, re.MULTILINE)  # never ran
+    without = wacc(*args, "--out", str(tmp_path / "none"))
+    assert without.returncode == 1 and len(list((tmp_path / "none").iterdir())) == 2
+
+
+def test_a_factory_that_returns_none_is_named_with_exit_2(tmp_path: Path) -> None:
+    """A factory without its ``return`` (it returns None): exit 2 and one line naming the
+    factory and what it returned, not a list of missing methods."""
+    (tmp_path / "acc.py").write_text("def make(dtype, loss_scale):\n    object()\n")
+    spec = f"{tmp_path / 'acc.py'}:make"
+    message = _one_line_error(wacc("check", spec, "--examples", "1"))
+    assert f"factory {spec!r} returned None" in message, message
+
+
 def test_an_unsupported_feature_fails_unless_allowed(tmp_path: Path) -> None:
     """Missing records is ``unsupported: records`` and exit 1; --allow-missing makes it pass."""
     impl = "tests.wacc.impls:counters_only"

@@ -7,7 +7,11 @@ checks answer, before torch or the reference is imported; what needs them import
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +29,7 @@ __all__ = [
     "add_impl_arguments",
     "check_device",
     "implementation_from",
+    "hypothesis_home",
     "oracles_from",
     "raised_line",
     "read_bounded",
@@ -82,6 +87,25 @@ def implementation_from(args: argparse.Namespace) -> Implementation:
     from wacc.implementation import load_implementation
 
     return load_implementation(args.impl)
+
+
+@contextlib.contextmanager
+def hypothesis_home() -> Iterator[None]:
+    """Hypothesis' storage (its example database's default home, and the cache of constants it
+    collects from the source) in a temporary folder for the command's run, removed after it, not
+    ``.hypothesis/`` in the user's working directory; ``$HYPOTHESIS_STORAGE_DIRECTORY`` names
+    one to keep instead."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="wacc-hypothesis-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)
 
 
 def oracles_from(args: argparse.Namespace) -> tuple[str, ...]:

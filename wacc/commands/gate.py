@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES
-from wacc.commands._common import check_device
+from wacc.commands._common import check_device, hypothesis_home
 from wacc.errors import UsageError
 from wacc.gate.shards import Shard
 from wacc.spec import check_module, check_spec
@@ -280,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_description(key)
 
             _clear_replays(args.out, shard)
-            metrics = measure(loaded, shard=shard, corpus=corpus, out=args.out, progress=progress)
+            with hypothesis_home():  # its cache of constants: not .hypothesis/ in the user's cwd
+                metrics = measure(
+                    loaded, shard=shard, corpus=corpus, out=args.out, progress=progress
+                )
     seconds = time.perf_counter() - started
     provenance = collect_provenance(
         devices=["cpu"], corpus_seed=GATE_CORPUS_SEED, corpus_size=GATE_CORPUS_SIZE,
