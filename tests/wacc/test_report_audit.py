@@ -171,15 +171,20 @@ def test_a_folder_that_is_not_an_audit_is_refused(audit: Path, tmp_path: Path, d
         read_audit(folder)
 
 
+def _report_with_audit(folder: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m wacc report --quick --out OUT --audit FOLDER``."""
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out), "--audit",
+         str(folder)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
 def test_a_bad_audit_folder_is_answered_at_once_by_the_command(tmp_path: Path) -> None:
     """``wacc report --audit`` with a folder that holds no audit: exit 2, one line, before the
     corpus runs."""
     started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(tmp_path / "r"),
-         "--audit", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = _report_with_audit(tmp_path, tmp_path / "r")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "holds no audit.csv and audit.png" in result.stderr
     assert "Traceback" not in result.stderr
@@ -191,12 +196,9 @@ def test_a_count_in_another_script_is_exit_2_from_the_command(audit: Path, tmp_p
     """``wacc report --audit`` on an audit.csv whose tokens_true is '²' (a digit to
     ``str.isdigit``, not to ``int``): exit 2 and one line naming the file, line and column,
     not an internal error."""
-    folder = _corrupt(audit, tmp_path, 2, "tokens_true", "\u00b2")
-    result = subprocess.run(
-        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(tmp_path / "r"),
-         "--audit", str(folder)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = _report_with_audit(
+        _corrupt(audit, tmp_path, 2, "tokens_true", "\u00b2"), tmp_path / "r"
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "line 2, column tokens_true: '\u00b2' is not a count" in result.stderr
