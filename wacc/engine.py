@@ -92,6 +92,8 @@ class CheckConfig:
     families: tuple[str, ...] = (*FAMILIES, MACHINE)
     examples: int | None = None  # per dtype and family; None: the profile's max_examples
     shrink_seconds: float = 30.0  # per failure: the time wacc.shrink may take
+    exit_first: bool = False  # stop at the first family (of any dtype) that finds a divergence
+    example_database: bool = True  # False: none, whatever the profile (the CLI unless asked)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ def _settings(config: CheckConfig, examples: int) -> settings:
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
         report_multiple_bugs=False,
         suppress_health_check=[*base.suppress_health_check, HealthCheck.filter_too_much],
+        database=base.database if config.example_database else None,
     )
 
 
@@ -290,6 +293,9 @@ def run_check(
                         path=write_finding(finding, out, len(report.findings) + 1),
                     )
                 report.findings.append(finding)
+                if config.exit_first:
+                    report.seconds = time.perf_counter() - started
+                    return report
     report.seconds = time.perf_counter() - started
     return report
 

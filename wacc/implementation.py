@@ -213,6 +213,9 @@ def load_implementation(spec: str) -> Implementation:
         raise UsageError(
             f"factory {spec!r} raised for (torch.float32, 1.0): {type(exc).__name__}: {exc}{where}"
         ) from None
+    if probe is None:  # the usual slip: a factory without its `return`
+        raise UsageError(f"factory {spec!r} returned None for (torch.float32, 1.0), not an "
+                         "accumulator (a missing `return`?)")  # fmt: skip
     lacking = [name for name in CORE_METHODS if not callable(getattr(probe, name, None))]
     if lacking:
         raise UsageError(f"{spec!r} made an object without {', '.join(lacking)}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +78,47 @@ def test_check_finds_a_divergence_writes_it_and_its_replay_reproduces_it(tmp_pat
     agrees = wacc("replay", str(scenario_file))  # the default implementation agrees
     assert agrees.returncode == 0, agrees.stdout + agrees.stderr
     assert "agrees with the reference" in agrees.stdout
+
+
+@pytest.mark.parametrize("profile", ["ci", "dev"])
+def test_check_writes_nothing_into_the_working_directory(tmp_path: Path, profile: str) -> None:
+    """``wacc check`` run in an empty folder leaves it empty: no ``.hypothesis/`` (Hypothesis'
+    cache of constants, or the dev profile's example database) unless asked for."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYPOTHESIS_STORAGE_DIRECTORY", "WACC_HYPOTHESIS_DB")}  # fmt: skip
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "wacc", "check", "--dtype", "float64", "--family", "windows",
+         "--examples", "3", "--profile", profile, "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_exitfirst_stops_at_the_first_divergence(tmp_path: Path) -> None:
+    """``-x`` stops after the first family that finds a divergence (pytest's convention): one
+    divergence block and one file, the dtypes and families after it never run; without it the
+    same check goes on to the next dtype."""
+    impl = "tests.wacc.impls:double_unscale"  # divides by S twice: fails in every dtype
+    args = ["check", impl, "--dtype", "float32", "--dtype", "float16", "--family", "windows",
+            "--examples", "20", "--quiet"]  # fmt: skip
+    first = wacc(*args, "-x", "--out", str(tmp_path / "x"))
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert first.stdout.count("\nDIVERGENCE ") == 1
+    assert [p.name for p in (tmp_path / "x").iterdir()] == ["divergence-01-float32-windows.json"]
+    assert not re.search(r"^\s*float16 ", first.stdout, re.MULTILINE)  # never ran
+    without = wacc(*args, "--out", str(tmp_path / "none"))
+    assert without.returncode == 1 and len(list((tmp_path / "none").iterdir())) == 2
+
+
+def test_a_factory_that_returns_none_is_named_with_exit_2(tmp_path: Path) -> None:
+    """A factory without its ``return`` (it returns None): exit 2 and one line naming the
+    factory and what it returned, not a list of missing methods."""
+    (tmp_path / "acc.py").write_text("def make(dtype, loss_scale):\n    object()\n")
+    spec = f"{tmp_path / 'acc.py'}:make"
+    message = _one_line_error(wacc("check", spec, "--examples", "1"))
+    assert f"factory {spec!r} returned None" in message, message
 
 
 def test_an_unsupported_feature_fails_unless_allowed(tmp_path: Path) -> None:
@@ -338,6 +383,70 @@ def test_hostile_replay_files_are_refused_quickly_with_exit_2(tmp_path: Path) ->
         message = _one_line_error(wacc("replay", str(path), timeout=60))
         assert time.perf_counter() - started < 30, name
         assert str(path) in message, (name, message)
+
+
+@contextlib.contextmanager
+def _endless_fifo(path: Path) -> Iterator[Path]:
+    """A FIFO at ``path`` fed zeros without end (until its reader closes it): a file that
+    ``stat()`` calls empty and that a read without a bound never finishes."""
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def feed() -> None:
+        try:
+            with path.open("wb") as sink:  # blocks until the command opens it
+                while not stop.is_set():
+                    sink.write(bytes(2**16))
+        except OSError:  # BrokenPipeError: the reader read its bound and closed
+            pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        # A command that never opened the FIFO leaves the writer blocked in open(): open it
+        # (non-blocking) to let the writer through and end.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join(timeout=10)
+        os.close(descriptor)
+
+
+# (where the unbounded file goes, the command line reading it): every file the CLI reads.
+_UNBOUNDED_READS = {
+    "replay FILE": ("scenario.json", ["replay", "{}"]),
+    "gate --baseline": ("baseline.json", ["gate", "--baseline", "{}"]),
+    "gate --merge": ("shards/s1.json", ["gate", "--merge", "{dir}"]),
+    "report --compare-to": ("before/divergence.csv", ["report", "--compare-to", "{dir}"]),
+    "report --audit": ("audit/audit.csv", ["report", "--audit", "{dir}"]),
+}
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "FIFO"])
+@pytest.mark.parametrize("reader", list(_UNBOUNDED_READS))
+def test_a_file_without_end_is_read_to_a_bound_and_refused(
+    tmp_path: Path, reader: str, source: str
+) -> None:
+    """Every user file the CLI reads is read to a bound, whatever ``stat()`` says: /dev/zero
+    or a FIFO that never ends is refused with exit 2 and one line naming it, in seconds, not read
+    until the machine runs out of memory."""
+    name, template = _UNBOUNDED_READS[reader]
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if name.startswith("audit/"):
+        (path.parent / "audit.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    args = [a.format(path, dir=path.parent) for a in template]
+    if reader.startswith("report"):
+        args += ["--quick", "--out", str(tmp_path / "r")]
+    with contextlib.ExitStack() as stack:
+        if source == "FIFO":
+            stack.enter_context(_endless_fifo(path))
+        else:
+            path.symlink_to("/dev/zero")
+        message = _one_line_error(wacc(*args, timeout=60))
+    assert str(path) in message and "has more than" in message, message
+    assert not (tmp_path / "r").exists()
 
 
 def test_check_prints_an_implementations_exception_with_its_line_and_traceback(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -24,6 +25,93 @@ def gate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "wacc", "gate", "--quiet", *args],
         cwd=cwd, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
+
+
+# The gate through the real command line on its last four units only (corpus scenarios: a
+# run of seconds, not minutes): for the rules of shards and verdicts, not for the numbers.
+_FEW_UNITS = (
+    "import sys, wacc.gate.measure as m; every = m.units; "
+    "m.units = lambda corpus: every(corpus)[-4:]; "
+    "from wacc.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def small_gate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``wacc gate --quiet ARGS`` in a process whose gate runs only its last four units."""
+    return subprocess.run(
+        [sys.executable, "-c", _FEW_UNITS, "gate", "--quiet", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_a_one_runner_matrix_writes_its_results_and_merges_to_the_same_verdict(
+    tmp_path: Path,
+) -> None:
+    """``--shard 1/1 --results FILE`` (a matrix of one runner) writes FILE, and ``--merge`` of
+    its folder gives the unsharded run's verdict and table against the same baseline."""
+    baseline = str(tmp_path / "baseline.json")
+    made = small_gate("--update-baseline", "--baseline", baseline)
+    assert made.returncode == 0, made.stdout + made.stderr
+    whole = small_gate("--baseline", baseline)
+    shard = small_gate("--shard", "1/1", "--results", str(tmp_path / "results" / "shard-1.json"))
+    assert shard.returncode == 0, shard.stdout + shard.stderr
+    assert (tmp_path / "results" / "shard-1.json").is_file()
+    merged = small_gate("--merge", str(tmp_path / "results"), "--baseline", baseline)
+    assert whole.returncode == merged.returncode == 0, whole.stdout + merged.stdout
+    timing = re.compile(r" \([0-9.]+ s\)$", re.MULTILINE)
+    assert timing.sub("", merged.stdout) == timing.sub("", whole.stdout)
+    assert "wacc gate passed" in merged.stdout
+
+
+def test_results_make_a_run_a_shard_whose_verdict_is_the_merges(tmp_path: Path) -> None:
+    """With --results, 1/1 too, the verdict's outputs and --update-baseline belong to --merge:
+    asking a shard for them is exit 2 and one line, before anything runs."""
+    results = ("--results", str(tmp_path / "r.json"))
+    for extra in (["--junit-xml", str(tmp_path / "g.xml")], ["--update-baseline"]):
+        refused = gate("--shard", "1/1", *results, *extra)
+        assert refused.returncode == 2 and "--merge" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and not refused.stdout
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_update_baseline_with_junit_or_summary_is_refused_before_the_run(tmp_path: Path) -> None:
+    """--update-baseline with --junit-xml or --summary-md: exit 2 and one line at once, nothing
+    written (an update judges nothing, so a JUnit file or summary could only say "passed" about
+    a comparison that never ran), rather than the options ignored without a word."""
+    baseline = tmp_path / "baseline.json"
+    for option, name in (("--junit-xml", "gate.xml"), ("--summary-md", "gate.md")):
+        refused = gate(
+            "--update-baseline", "--baseline", str(baseline), option, str(tmp_path / name)
+        )
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert option in refused.stderr and "--update-baseline" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and not refused.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_baseline_write_that_fails_half_way_leaves_the_old_one_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The baseline is replaced only by a complete, synced file: a write that fails after half
+    of it is written (here: the sync, as a full disk or a kill would) is a UsageError naming the
+    file, the old baseline is byte for byte as it was, and no temporary file is left."""
+    from wacc.errors import UsageError
+    from wacc.gate import baseline as gate_baseline
+    from wacc.gate.baseline import BASELINE_FORMAT, GateFile, read_gate_file, write_gate_file
+
+    path = tmp_path / "baseline.json"
+    write_gate_file(GateFile(kind=BASELINE_FORMAT, implementation="old", entries={}), path)
+    before = path.read_bytes()
+
+    def fail(descriptor: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gate_baseline.os, "fsync", fail)
+    with pytest.raises(UsageError, match="cannot write .*baseline.json.*No space left"):
+        write_gate_file(GateFile(kind=BASELINE_FORMAT, implementation="new", entries={}), path)
+    assert path.read_bytes() == before
+    assert read_gate_file(path, kind=BASELINE_FORMAT).implementation == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,13 @@ from wacc.errors import UsageError
 from wacc.report.previous import read_rows
 from wacc.report.rows import IMPLEMENTATIONS
 from wacc.report.sweeps import overflow_map
-from wacc.report.writer import CSV_COLUMNS, ORACLE_COLUMNS, ROW_COLUMNS
+from wacc.report.writer import (
+    CSV_COLUMNS,
+    MANIFEST,
+    ORACLE_COLUMNS,
+    ROW_COLUMNS,
+    record_files,
+)
 from wacc_ref import formats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +38,21 @@ FIGURES = (
 )
 
 
+# A user's files in the report's folder, next to its own: never the report's to delete.
+USERS_FILES = {
+    "scenarios/my-notes.txt": "why these fail\n",
+    "scenarios/my-scenario.json": "{}\n",
+    "figures/my-plot.png": "not a report's figure\n",
+    "notes.md": "mine\n",
+}
+# What an earlier report wrote (its manifest lists them): a replay file and a figure this run
+# does not write (a CPU-only run writes no devices.png).
+STALE_FILES = {
+    "scenarios/float16-windows-0000000000.json": "{}\n",
+    "figures/devices.png": "an earlier run's figure\n",
+}
+
+
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ``wacc audit`` folder (a failing loop and one that raises) for the report's section."""
@@ -41,8 +62,16 @@ def audit(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, audit: Path) -> tuple[Path, str]:
     """A quick report written by the real command, with a user's implementation that diverges
-    (so the command exits 1), compared with the committed report, with an audit's section."""
+    (so the command exits 1), compared with the committed report, with an audit's section.
+
+    The folder already holds a user's files and what an earlier report wrote (listed in its
+    manifest, one of them a replay file this corpus does not write): see
+    test_a_report_removes_only_its_own_stale_files."""
     out = tmp_path_factory.mktemp("report") / "wacc-report"
+    for name, text in {**USERS_FILES, **STALE_FILES}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text, encoding="utf-8")
+    (out / MANIFEST).write_text("".join(f"{name}\n" for name in STALE_FILES), encoding="utf-8")
     result = subprocess.run(
         [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out), "--impl", USER,
          "--compare-to", str(PREVIOUS), "--audit", str(audit)],
@@ -82,6 +111,53 @@ def test_index_has_the_audits_section_and_figure(report: Path, audit: Path) -> N
     assert f"commit `{records[0]['wacc_commit']}`" in section
     assert "(figures/audit.png)" in section
     assert (report / "figures" / "audit.png").read_bytes() == (audit / "audit.png").read_bytes()
+
+
+def test_a_report_removes_only_its_own_stale_files(report: Path) -> None:
+    """A report into a folder with files in it: the user's files (in scenarios/, figures/ and
+    beside them) survive untouched; the files the earlier report listed as its own and this one
+    did not write are gone; the new manifest lists exactly this report's files, each there."""
+    for name, text in USERS_FILES.items():
+        assert (report / name).read_text(encoding="utf-8") == text, name
+    for name in STALE_FILES:
+        assert not (report / name).exists(), name
+    listed = (report / MANIFEST).read_text(encoding="utf-8").splitlines()
+    assert all((report / name).is_file() for name in listed)
+    with (report / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        replays = {row["replay"] for row in csv.DictReader(handle) if row["replay"]}
+    assert {name for name in listed if name.startswith("scenarios/")} == replays
+    assert {p.relative_to(report).as_posix() for p in (report / "scenarios").iterdir()} == (
+        replays | {name for name in USERS_FILES if name.startswith("scenarios/")}
+    )
+    assert {"index.md", "divergence.csv", *(f"figures/{f}" for f in FIGURES)} <= set(listed)
+
+
+def test_a_manifest_never_removes_what_is_not_the_reports(tmp_path: Path) -> None:
+    """Whatever a manifest lists, only a replay file under scenarios/ or a figure under figures/
+    is removed (not another name, a path out of the folder, or a symlink), and only when this
+    report did not write it; the new manifest lists what this report wrote."""
+    outside = tmp_path / "outside.json"
+    out = tmp_path / "report"
+    names = ["notes.md", "../outside.json", "scenarios/../notes.md", "scenarios/link.json",
+             "scenarios/old.json", "scenarios/new.json", "figures/old.png"]  # fmt: skip
+    (out / "scenarios").mkdir(parents=True)
+    (out / "figures").mkdir()
+    for path in (outside, out / "notes.md", out / "scenarios" / "old.json",
+                 out / "scenarios" / "new.json", out / "figures" / "old.png"):  # fmt: skip
+        path.write_text("x", encoding="utf-8")
+    (out / "scenarios" / "link.json").symlink_to(out / "notes.md")
+    (out / MANIFEST).write_text("\n".join(names) + "\n", encoding="utf-8")
+    removed = record_files(out, [out / "scenarios" / "new.json"])
+    assert sorted(p.relative_to(out).as_posix() for p in removed) == [
+        "figures/old.png", "scenarios/old.json"
+    ]  # fmt: skip
+    assert (
+        outside.exists()
+        and (out / "notes.md").exists()
+        and (out / "scenarios" / "new.json").exists()
+    )
+    assert (out / "scenarios" / "link.json").is_symlink()
+    assert (out / MANIFEST).read_text(encoding="utf-8") == "scenarios/new.json\n"
 
 
 def test_index_lists_what_each_implementation_lacks(report: Path) -> None:
@@ -225,6 +301,36 @@ def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) ->
         with pytest.raises(UsageError, match=f"line 3: max_ratio: {fragment}") as raised:
             read_rows(bad)
         assert str(raised.value).endswith(f"got '{value}'") and str(bad) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "fragment"),
+    [
+        ("max_ratio", "\u0661", "max_ratio: not a number"),  # float() takes Arabic-Indic digits
+        ("max_ratio", "1_0", "max_ratio: not a number"),  # and underscores
+        ("implementation", "a|b", "implementation: must not hold '|' or a line break"),
+        ("family", "a\nb", "family: must not hold '|' or a line break"),
+        ("scenario_id", None, "is also on line 2"),  # line 3 repeats line 2's row
+    ],
+)
+def test_a_previous_reports_fields_are_read_strictly(
+    tmp_path: Path, column: str, value: str | None, fragment: str
+) -> None:
+    """--compare-to refuses a number in another script or with underscores, a name that breaks
+    the comparison's markdown table, and a scenario x implementation x device given twice: one
+    UsageError naming the file and the line."""
+    with (PREVIOUS / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))[:3]
+    index = rows[0].index(column)
+    rows[2][index] = rows[1][index] if value is None else value
+    if value is None:  # the same row twice
+        rows[2] = list(rows[1])
+    (tmp_path / "divergence.csv").write_text(
+        "".join(",".join(f'"{c}"' for c in row) + "\n" for row in rows), encoding="utf-8"
+    )
+    with pytest.raises(UsageError, match="line 3: ") as raised:
+        read_rows(tmp_path)
+    assert fragment in str(raised.value) and str(tmp_path) in str(raised.value)
 
 
 def test_a_failing_rows_replay_file_reproduces_the_divergence(report: Path) -> None:

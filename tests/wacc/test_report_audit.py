@@ -93,6 +93,14 @@ def _corrupt(audit: Path, tmp_path: Path, line: int, column: str, value: str) ->
         (2, "tokens_counted", "many", "is not a number"),
         (2, "tokens_true", "-3", "is not a count"),
         (2, "tokens_true", "2.5", "is not a count"),
+        (2, "tokens_true", "\u00b2", "is not a count"),  # '²'.isdigit(), and int('²') raises
+        (2, "tokens_true", "\u0661\u0662", "is not a count"),  # Arabic-Indic 12: int() takes it
+        (2, "tokens_counted", "\u0661\u0662", "is not a number"),  # and float() too
+        (3, "f64_rel_l2", "inf", "is not finite, but the verdict is pass"),
+        (3, "f64_rel_l2", "nan", "is not finite, but the verdict is pass"),
+        (2, "f64_rel_l2", "nan", "is not a number, but the verdict is FAIL"),
+        (2, "loop", "a|b", "holds '|' or a line break (breaks the table)"),
+        (2, "window", "one\ntwo", "holds '|' or a line break (breaks the table)"),
         (3, "dtype", "float8", "differs from line 2's"),
         (2, "dtype", "float8", "is not one of"),
         (2, "verdict", " ", "is empty"),
@@ -111,6 +119,14 @@ def test_every_field_the_section_reads_is_checked(
     message = str(raised.value)
     assert f"line {line}, column {column}: {value!r} {why}" in message
     assert str(folder / "audit.csv") in message
+
+
+def test_a_loop_on_a_window_twice_is_refused(audit: Path, tmp_path: Path) -> None:
+    """Two rows of one (loop, window) are refused, naming both lines: the section shows one
+    cell per loop and window, and would show either silently."""
+    folder = _corrupt(audit, tmp_path, 3, "window", _records(audit)[0]["window"])
+    with pytest.raises(UsageError, match=r"line 3: loop .* on window 'unequal' is also on line 2"):
+        read_audit(folder)
 
 
 def test_a_provenance_field_that_is_bad_on_every_row_is_refused(
@@ -155,17 +171,34 @@ def test_a_folder_that_is_not_an_audit_is_refused(audit: Path, tmp_path: Path, d
         read_audit(folder)
 
 
+def _report_with_audit(folder: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m wacc report --quick --out OUT --audit FOLDER``."""
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(out), "--audit",
+         str(folder)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
 def test_a_bad_audit_folder_is_answered_at_once_by_the_command(tmp_path: Path) -> None:
     """``wacc report --audit`` with a folder that holds no audit: exit 2, one line, before the
     corpus runs."""
     started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "wacc", "report", "--quick", "--out", str(tmp_path / "r"),
-         "--audit", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = _report_with_audit(tmp_path, tmp_path / "r")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "holds no audit.csv and audit.png" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "r").exists()
     assert time.perf_counter() - started < 60  # no corpus was judged (a quick one takes minutes)
+
+
+def test_a_count_in_another_script_is_exit_2_from_the_command(audit: Path, tmp_path: Path) -> None:
+    """``wacc report --audit`` on an audit.csv whose tokens_true is '²' (a digit to
+    ``str.isdigit``, not to ``int``): exit 2 and one line naming the file, line and column,
+    not an internal error."""
+    result = _report_with_audit(
+        _corrupt(audit, tmp_path, 2, "tokens_true", "\u00b2"), tmp_path / "r"
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "line 2, column tokens_true: '\u00b2' is not a count" in result.stderr

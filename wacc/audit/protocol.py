@@ -222,18 +222,22 @@ def user_adapter(spec: str) -> Adapter:
     from wacc.audit.models import MODEL_KINDS
 
     model = getattr(function, "model", "plain")
-    if model not in MODEL_KINDS:
+    if not isinstance(model, str) or model not in MODEL_KINDS:  # a list is not even hashable
         raise ValueError(f"user loop {spec!r}: model {model!r} is not one of {sorted(MODEL_KINDS)}")
-    checkpoint = getattr(function, "checkpoint", False)
-    fp16 = getattr(function, "fp16", False)
+    flags = {name: getattr(function, name, False) for name in ("loss_scale", "checkpoint", "fp16")}
+    for name, value in flags.items():
+        if not isinstance(value, bool):  # "no" or a 0-d tensor would be read as something else
+            raise ValueError(f"user loop {spec!r}: {name} {value!r} is not True or False")
+    checkpoint, fp16 = flags["checkpoint"], flags["fp16"]
+    doc = function.__doc__ if isinstance(function.__doc__, str) else ""
     return Adapter(
         name=spec,
-        title=(function.__doc__ or spec).strip().splitlines()[0][:60],
+        title=doc.strip().splitlines()[0][:60] if doc.strip() else spec,
         requires=(),
         model=model,
         code_path=spec,
         checked="",
-        loss_scale=bool(getattr(function, "loss_scale", False)),
+        loss_scale=flags["loss_scale"],
         checkpoint=None if checkpoint else "not declared by the loop",
         run=function,
         fp16=None if fp16 else "not settable",

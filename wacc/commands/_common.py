@@ -7,6 +7,12 @@ checks answer, before torch or the reference is imported; what needs them import
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES, ORACLE_SET_NAMES
@@ -18,12 +24,23 @@ if TYPE_CHECKING:
     from wacc.verdict import ScenarioVerdict
 
 __all__ = [
+    "FLOAT_TEXT",
+    "TABLE_BREAKERS",
     "add_impl_arguments",
     "check_device",
     "implementation_from",
+    "hypothesis_home",
     "oracles_from",
     "raised_line",
+    "read_bounded",
 ]
+
+
+# A float as wacc writes it (``repr``): ASCII only, since ``float()`` also takes other scripts'
+# digits ('١٢'), spaces and underscores ('1_0').
+FLOAT_TEXT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|-?inf|nan")
+# What ends or breaks a cell of a markdown table: a name with one would break the report's.
+TABLE_BREAKERS = re.compile(r"[|\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
 
 
 def add_impl_arguments(parser: argparse.ArgumentParser, *, positional: bool) -> None:
@@ -72,6 +89,25 @@ def implementation_from(args: argparse.Namespace) -> Implementation:
     return load_implementation(args.impl)
 
 
+@contextlib.contextmanager
+def hypothesis_home() -> Iterator[None]:
+    """Hypothesis' storage (its example database's default home, and the cache of constants it
+    collects from the source) in a temporary folder for the command's run, removed after it, not
+    ``.hypothesis/`` in the user's working directory; ``$HYPOTHESIS_STORAGE_DIRECTORY`` names
+    one to keep instead."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="wacc-hypothesis-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)
+
+
 def oracles_from(args: argparse.Namespace) -> tuple[str, ...]:
     """The oracles ``--oracle`` selects."""
     from wacc.verdict import ORACLE_SETS
@@ -87,3 +123,19 @@ def raised_line(verdict: ScenarioVerdict, index: int, message: str) -> str:
     if expected and step is not None and step.expected_error == step.actual_error:
         return f"step {index} raised {message} (expected: the reference raises it too)"
     return f"step {index} raised {message}"
+
+
+def read_bounded(path: Path, limit: int, *, what: str) -> bytes:
+    """The bytes of ``path``, read through one ``open`` and at most ``limit + 1`` bytes of it
+    (a regular file, a FIFO, ``/dev/zero``: a size from ``stat()`` says nothing about the last
+    two), or :class:`UsageError` naming the file: more than ``limit`` bytes, or not readable.
+    ``what`` names what the file should be ("a scenario file")."""
+    name = str(path)
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise UsageError(f"{name!r} has more than {limit} bytes; {what} has at most {limit}")
+    return data

@@ -29,6 +29,7 @@ allowed), 2 = usage or environment error
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import textwrap
@@ -39,6 +40,7 @@ from wacc.choices import FAMILY_NAMES, PROFILES, WORK_DTYPES
 from wacc.commands._common import (
     add_impl_arguments,
     check_device,
+    hypothesis_home,
     implementation_from,
     oracles_from,
     raised_line,
@@ -82,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where shrunk divergences go (default: ./wacc-check)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "-x", "--exitfirst", action="store_true",
+        help="stop at the first family that finds a divergence (its shrunk scenario is still "
+        "written and printed)",
+    )  # fmt: skip
     parser.add_argument(
         "--traceback",
         action="store_true",
@@ -193,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
         oracles=oracles_from(args),
         families=tuple(args.family or FAMILY_NAMES),
         examples=args.examples,
+        exit_first=args.exitfirst,
+        # Failing examples are kept only where asked ($WACC_HYPOTHESIS_DB): a check writes
+        # nothing into the working directory but --out.
+        example_database="WACC_HYPOTHESIS_DB" in os.environ,
     )
     total = len(config.dtypes) * len(config.families)
     quiet = args.quiet or not sys.stderr.isatty()
@@ -210,9 +221,10 @@ def run(args: argparse.Namespace) -> int:
         def count(verdict: object) -> None:
             counts[started[-1]] += 1
 
-        report = run_check(
-            implementation, config, out=args.out, progress=progress, on_verdict=count
-        )
+        with hypothesis_home():
+            report = run_check(
+                implementation, config, out=args.out, progress=progress, on_verdict=count
+            )
         bar.update(1)
     report.unsupported = unsupported
     _print_report(report, implementation)

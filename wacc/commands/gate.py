@@ -8,7 +8,7 @@ improvements are reported. The baseline changes only with --update-baseline.
 
 Spread it over N runners: each runs `wacc gate --shard K/N --results DIR/shard-K.json` (a
 deterministic slice; exit 1 on a hard failure in it), then one job runs `wacc gate --merge DIR`
-for the verdict against the baseline.
+for the verdict against the baseline. N may be 1: --results makes any run a shard.
 
 A failure is acted on: every failing scenario is written under --out (default ./wacc-gate) as
 a replay file, failures are grouped by signature (one bug in many scenarios, keys and dtypes is
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES
-from wacc.commands._common import check_device
+from wacc.commands._common import check_device, hypothesis_home
 from wacc.errors import UsageError
 from wacc.gate.shards import Shard
 from wacc.spec import check_module, check_spec
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shard", default="1/1", metavar="K/N", help="run shard K of N (default 1/1)"
     )
-    parser.add_argument("--results", type=Path, metavar="FILE", help="write this shard's results")
+    parser.add_argument("--results", type=Path, metavar="FILE", help="write this shard's results "
+                        "for --merge (1/1 included: the verdict is then --merge's)")  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR", help="merge shard results")
     parser.add_argument(
         "--allow-missing", action="append", default=[], choices=tuple(FEATURES),
@@ -200,9 +201,19 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--merge: {str(folder)!r} is not a folder of shard results")
     if args.merge and (shard.count > 1 or args.results):
         raise UsageError("--merge combines shard results: it takes no --shard or --results")
-    if args.update_baseline and shard.count > 1:
+    # --results makes a run one shard of a matrix, 1/1 included (a one-runner matrix): it writes
+    # its results for --merge, which gives the verdict.
+    sharded = shard.count > 1 or args.results is not None
+    if args.update_baseline and sharded:
         raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
-    if shard.count > 1 and (args.junit_xml or args.summary_md):
+    if args.update_baseline and (args.junit_xml or args.summary_md):
+        # Both report a comparison with the baseline, and an update compares with nothing: a
+        # JUnit file that always passes would read as a gate that ran. Refused before the run.
+        raise UsageError(
+            "--junit-xml and --summary-md report the verdict against the baseline; "
+            "--update-baseline writes the baseline and judges nothing: run the gate after it"
+        )
+    if sharded and (args.junit_xml or args.summary_md):
         raise UsageError(
             "--junit-xml and --summary-md are written by the verdict: by --merge of the shards' "
             "results (or a run of the whole gate), not by one shard"
@@ -224,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.merge:
         check_module(args.impl)
     baseline = None
-    if not args.update_baseline and shard.count == 1:
+    if not args.update_baseline and not sharded:
         # Read (and check) the baseline first: a missing or corrupt one answers in a second,
         # not after the whole corpus has run.
         baseline = read_gate_file(args.baseline, kind=BASELINE_FORMAT)
@@ -269,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_description(key)
 
             _clear_replays(args.out, shard)
-            metrics = measure(loaded, shard=shard, corpus=corpus, out=args.out, progress=progress)
+            with hypothesis_home():  # its cache of constants: not .hypothesis/ in the user's cwd
+                metrics = measure(
+                    loaded, shard=shard, corpus=corpus, out=args.out, progress=progress
+                )
     seconds = time.perf_counter() - started
     provenance = collect_provenance(
         devices=["cpu"], corpus_seed=GATE_CORPUS_SEED, corpus_size=GATE_CORPUS_SIZE,
@@ -281,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     )
     failing = sum(m.failing for m in metrics.values())
     groups = group_findings(metrics)
-    if shard.count > 1:
+    if sharded:
         path = (
             args.results or Path("wacc-gate-results") / f"shard-{shard.index}-of-{shard.count}.json"
         )

@@ -31,6 +31,7 @@ from wacc.commands._common import (
     implementation_from,
     oracles_from,
     raised_line,
+    read_bounded,
 )
 from wacc.errors import UsageError
 from wacc.spec import check_spec
@@ -78,16 +79,7 @@ def load_scenario_file(path: Path) -> Scenario:
 def read_scenario_bytes(path: Path) -> bytes:
     """The bytes of ``path`` (at most :data:`MAX_FILE_BYTES`), or :class:`UsageError` naming it:
     nothing but the file system, so it answers before torch or the reference is imported."""
-    name = str(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise UsageError(
-                f"{name!r} has {size} bytes; a scenario file has at most {MAX_FILE_BYTES}"
-            )
-        return path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+    return read_bounded(path, MAX_FILE_BYTES, what="a scenario file")
 
 
 def parse_scenario(path: Path, data: bytes) -> Scenario:

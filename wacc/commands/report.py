@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if len(set(args.impl)) != len(args.impl):
         raise UsageError(f"--impl: {sorted(s for s in args.impl if args.impl.count(s) > 1)[0]!r} "
                          "given twice")  # fmt: skip
-    if args.compare_to is not None and not (args.compare_to / "divergence.csv").is_file():
+    if args.compare_to is not None and not (args.compare_to / "divergence.csv").exists():
         raise UsageError(
             f"--compare-to: no divergence.csv in {str(args.compare_to)!r} (a folder `wacc "
             "report` wrote)"
@@ -125,7 +124,13 @@ def run(args: argparse.Namespace) -> int:
     from wacc.report.provenance import collect_provenance
     from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
     from wacc.report.sweeps import double_rounding_sweep, overflow_map, skew_sweep
-    from wacc.report.writer import headline, write_csv, write_index, write_scenarios
+    from wacc.report.writer import (
+        headline,
+        record_files,
+        write_csv,
+        write_index,
+        write_scenarios,
+    )
     from wacc.tables import format_metric, render_table
 
     users = list(args.impl)  # named in the report by their spec
@@ -146,8 +151,6 @@ def run(args: argparse.Namespace) -> int:
         rows, _ = judge_corpus(
             corpus, implementations=specs, devices=devices, progress=lambda: bar.update(1)
         )
-    if out.exists():
-        shutil.rmtree(out / "scenarios", ignore_errors=True)
     (out / "figures").mkdir(parents=True, exist_ok=True)
     steps = tqdm(total=6, disable=quiet, file=sys.stderr, unit="figure", desc="figures")
     shown: dict[str, tuple[Path, str]] = {}
@@ -248,16 +251,21 @@ def run(args: argparse.Namespace) -> int:
         changes = compare_headlines(rows, previous)
         compared = (str(args.compare_to), COMPARISON_HEADER, comparison_rows(changes))
     audit_lines = None
+    written = [out / "divergence.csv", *(path for path, _ in shown.values())]
+    written += [out / row.replay for row in rows if row.replay]
     if audit is not None:
         from wacc.report.audit_section import audit_markdown, copy_figure
 
         figure = copy_figure(audit, out / "figures")
+        written.append(figure)
         audit_lines = audit_markdown(audit, figure.relative_to(out).as_posix())
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files, compared=compared, audit=audit_lines,
         unsupported={name: [i.unsupported(f) for f in i.missing] for name, i in loaded.items()},
     )  # fmt: skip
+    # The previous report's stale files go (only those it listed as its own), never a user's.
+    record_files(out, [*written, index])
     table = [
         [h.work_dtype, h.implementation, h.device, str(h.scenarios), format_metric(h.max_ulps),
          format_metric(h.max_rel_error), format_metric(h.max_ratio), h.verdict]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from importlib import metadata
@@ -240,17 +241,14 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
 def read_gate_file(path: Path, *, kind: str) -> GateFile:
     """Read and validate a gate file of ``kind`` (baseline or results): :class:`UsageError`
     naming the file, the field and the value for anything that breaks the rules above."""
+    from wacc.commands._common import read_bounded
+
     name = str(path)
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise UsageError(f"{name!r} is larger than {_MAX_BYTES} bytes: not a gate file")
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
         raise UsageError(
             f"no gate file at {name!r} (create a baseline with `wacc gate --update-baseline`)"
-        ) from None
-    except OSError as exc:
-        raise UsageError(f"{name!r} is not a readable gate file: {exc.strerror or exc}") from None
+        )
+    data = read_bounded(path, _MAX_BYTES, what="a gate file")
     try:
         return _gate_file(loads(data), kind=kind)
     except FieldError as exc:
@@ -293,9 +291,18 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
         _gate_file(loads(text), kind=gate_file.kind)
     except FieldError as exc:
         raise UsageError(f"not writing {str(path)!r}: it could not be read back: {exc}") from None
+    # Atomically: the whole file, synced, replaces the old one (a committed baseline is never
+    # left half written by a kill or a full disk); the temporary file is in the same folder, so
+    # that os.replace is a rename within one file system.
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
     except OSError as exc:
+        temporary.unlink(missing_ok=True)
         raise UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     return path

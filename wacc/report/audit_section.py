@@ -10,11 +10,13 @@ folder is answered before the judge is imported."""
 from __future__ import annotations
 
 import csv
+import io
 import math
-import shutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from wacc.commands._common import FLOAT_TEXT, TABLE_BREAKERS, read_bounded
 from wacc.errors import UsageError
 
 __all__ = ["AuditRun", "AuditRow", "audit_markdown", "copy_figure", "read_audit"]
@@ -26,6 +28,9 @@ COLUMNS = (
     "torch", "python", "wall_seconds",
 )  # fmt: skip
 _DTYPES = ("float32", "bfloat16", "float16")
+_MAX_BYTES = 64 * 2**20  # audit.csv and audit.png: a few kB each for every built-in loop
+# A count as the audit writes it: ASCII digits (``str.isdigit`` also takes '²' and '١٢').
+_COUNT = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,9 @@ def _fail(path: Path, line: int, column: str, value: str, why: str) -> UsageErro
 def _number(path: Path, line: int, column: str, value: str, *, empty: bool = False) -> float:
     if empty and value == "":
         return math.nan
-    try:
-        number = float(value)
-    except ValueError:
-        raise _fail(path, line, column, value, "is not a number") from None
+    if FLOAT_TEXT.fullmatch(value) is None:
+        raise _fail(path, line, column, value, "is not a number")
+    number = float(value)
     if number < 0 and not math.isnan(number):
         raise _fail(path, line, column, value, "is negative")
     return number
@@ -74,17 +78,36 @@ def _text(path: Path, line: int, column: str, value: str) -> str:
     return value
 
 
+def _name(path: Path, line: int, column: str, value: str) -> str:
+    """A loop or window name: not empty, and nothing that breaks the section's table."""
+    if TABLE_BREAKERS.search(_text(path, line, column, value)):
+        raise _fail(path, line, column, value, "holds '|' or a line break (breaks the table)")
+    return value
+
+
+def _error(path: Path, line: int, verdict: str, value: str) -> float:
+    """``f64_rel_l2``: a finite error for a pass; finite or inf (a non-finite gradient) for a
+    FAIL; for a loop that did not run, what the audit writes there (nan)."""
+    number = _number(path, line, "f64_rel_l2", value)
+    if verdict == "pass" and not math.isfinite(number):
+        raise _fail(path, line, "f64_rel_l2", value, "is not finite, but the verdict is pass")
+    if verdict == "FAIL" and math.isnan(number):
+        raise _fail(path, line, "f64_rel_l2", value, "is not a number, but the verdict is FAIL")
+    return number
+
+
 def read_audit(folder: Path) -> AuditRun:
     """``folder/audit.csv`` checked field by field (module docstring); ``folder/audit.png``
     must exist. Raises :class:`UsageError` naming what is wrong."""
     path = folder / "audit.csv"
-    if not path.is_file() or not (folder / "audit.png").is_file():
+    if not path.exists() or not (folder / "audit.png").exists():  # a FIFO too: read bounded
         raise UsageError(
             f"--audit: {str(folder)!r} holds no audit.csv and audit.png (a folder `wacc audit "
             f"--out` wrote)"
         )
+    data = read_bounded(path, _MAX_BYTES, what="an audit.csv")
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        with io.StringIO(data.decode("utf-8"), newline="") as handle:
             reader = csv.DictReader(handle)
             missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
             if missing:
@@ -98,6 +121,7 @@ def read_audit(folder: Path) -> AuditRun:
     if not records:
         raise UsageError(f"--audit: {path} has no rows")
     rows = []
+    seen: dict[tuple[str, str], int] = {}
     first = records[0]
     for line, record in enumerate(records, start=2):
         if None in record or any(v is None for v in record.values()):
@@ -110,20 +134,26 @@ def read_audit(folder: Path) -> AuditRun:
             raise _fail(path, line, "dtype", record["dtype"], f"is not one of {_DTYPES}")
         counted = _number(path, line, "tokens_counted", record["tokens_counted"], empty=True)
         true = record["tokens_true"]
-        if not true.isdigit():
+        if _COUNT.fullmatch(true) is None:
             raise _fail(path, line, "tokens_true", true, "is not a count")
+        verdict = _text(path, line, "verdict", record["verdict"])
         rows.append(
             AuditRow(
-                loop=_text(path, line, "loop", record["loop"]),
-                window=_text(path, line, "window", record["window"]),
-                verdict=_text(path, line, "verdict", record["verdict"]),
+                loop=_name(path, line, "loop", record["loop"]),
+                window=_name(path, line, "window", record["window"]),
+                verdict=verdict,
                 version=record["version"],
-                f64_rel_l2=_number(path, line, "f64_rel_l2", record["f64_rel_l2"]),
+                f64_rel_l2=_error(path, line, verdict, record["f64_rel_l2"]),
                 tokens_counted=None if math.isnan(counted) else counted,
                 tokens_true=int(true),
                 mid_window_resume=record["mid_window_resume"],
             )
         )
+        key = (rows[-1].loop, rows[-1].window)
+        if key in seen:  # the section shows one cell per loop and window
+            raise UsageError(f"--audit: {path} line {line}: loop {key[0]!r} on window "
+                             f"{key[1]!r} is also on line {seen[key]}")  # fmt: skip
+        seen[key] = line
     for column in COLUMNS[9:]:
         _text(path, 2, column, first[column])
     _number(path, 2, "wall_seconds", first["wall_seconds"])
@@ -190,5 +220,5 @@ def audit_markdown(run: AuditRun, figure: str) -> list[str]:
 def copy_figure(run: AuditRun, figures: Path) -> Path:
     """``audit.png`` into the report's figure folder."""
     target = figures / "audit.png"
-    shutil.copyfile(run.folder / "audit.png", target)
+    target.write_bytes(read_bounded(run.folder / "audit.png", _MAX_BYTES, what="an audit.png"))
     return target

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from wacc.commands._common import FLOAT_TEXT, TABLE_BREAKERS, read_bounded
 from wacc.errors import UsageError
 from wacc.report.rows import Row
 from wacc.report.writer import CSV_NAMES, ROW_FIELDS, Headline, headline
@@ -38,10 +39,9 @@ class _BadField(Exception):
 
 
 def _float(text: str, column: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _BadField("not a number") from None
+    if FLOAT_TEXT.fullmatch(text) is None:
+        raise _BadField("not a number")
+    value = float(text)
     if math.isnan(value):
         raise _BadField("must not be NaN")
     if column in _METRICS and value < 0:
@@ -79,6 +79,8 @@ def _row(record: dict[str, str]) -> Row:
                 raise _BadField(f"must be a work dtype ({', '.join(formats.WORK_DTYPES)})")
             elif column != "replay" and not text:
                 raise _BadField("must not be empty")
+            elif TABLE_BREAKERS.search(text):  # the comparison is a markdown table in index.md
+                raise _BadField("must not hold '|' or a line break")
             else:
                 values[column] = text
         except _BadField as exc:
@@ -92,18 +94,14 @@ def read_rows(folder: Path) -> list[Row]:
     name = str(path)
     if not folder.is_dir():
         raise UsageError(f"--compare-to: {str(folder)!r} is not a report folder")
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise UsageError(f"{name!r} is larger than {_MAX_BYTES} bytes: not a report's CSV")
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
+    if not path.exists():
         raise UsageError(
             f"--compare-to: no divergence.csv in {str(folder)!r} (a folder `wacc report` wrote)"
-        ) from None
+        )
+    try:
+        text = read_bounded(path, _MAX_BYTES, what="a report's CSV").decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UsageError(f"{name!r}: not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"{name!r}: cannot be read: {exc.strerror or exc}") from None
     try:
         lines = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
@@ -124,6 +122,7 @@ def read_rows(folder: Path) -> list[Row]:
             f"{name!r}: line 1: missing column(s) {', '.join(missing)} (not a report's CSV)"
         )
     rows: list[Row] = []
+    seen: dict[tuple[str, str, str], int] = {}
     for number, cells in enumerate(lines[1:], start=2):
         if len(cells) != len(header):
             raise UsageError(
@@ -135,6 +134,11 @@ def read_rows(folder: Path) -> list[Row]:
             rows.append(_row(record))
         except _BadField as exc:
             raise UsageError(f"{name!r}: line {number}: {exc}") from None
+        key = (rows[-1].scenario_id, rows[-1].implementation, rows[-1].device)
+        if key in seen:  # one row per scenario x implementation x device: counted once
+            raise UsageError(f"{name!r}: line {number}: scenario {key[0]!r} of {key[1]!r} on "
+                             f"{key[2]} is also on line {seen[key]}")  # fmt: skip
+        seen[key] = number
     if not rows:
         raise UsageError(f"{name!r}: no rows to compare with")
     return rows

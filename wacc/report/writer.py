@@ -1,12 +1,15 @@
 """The report's files: ``index.md`` (headline table, figures inline), ``divergence.csv``, and
-``scenarios/`` with the replay file of every failing row."""
+``scenarios/`` with the replay file of every failing row; ``.wacc-report-files`` lists what the
+report wrote, so that the next report into the folder removes its own stale files and no other."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import os
+import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +24,14 @@ from wacc_ref.scenario import to_json
 __all__ = [
     "CSV_COLUMNS",
     "CSV_NAMES",
+    "MANIFEST",
     "ORACLE_COLUMNS",
     "PROVENANCE_COLUMNS",
     "ROW_COLUMNS",
     "ROW_FIELDS",
     "Headline",
     "headline",
+    "record_files",
     "write_csv",
     "write_index",
     "write_scenarios",
@@ -43,6 +48,12 @@ PROVENANCE_COLUMNS: tuple[str, ...] = (
     "wacc_version", "torch_version", "commit", "corpus_seed", "corpus_size", "date",
 )  # fmt: skip
 CSV_COLUMNS: tuple[str, ...] = ROW_COLUMNS + ORACLE_COLUMNS + PROVENANCE_COLUMNS
+
+
+MANIFEST = ".wacc-report-files"  # what the last report wrote, one path (relative, /) a line
+# The files a report writes whose names change from run to run: only these are ever removed.
+_OWN_FILE = re.compile(r"scenarios/[A-Za-z0-9_.+-]+\.json|figures/[A-Za-z0-9_.+-]+\.png")
+_MANIFEST_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -252,3 +263,34 @@ def write_index(
     path = out / "index.md"
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+def record_files(out: Path, written: Iterable[Path]) -> list[Path]:
+    """Remove the files the previous report into ``out`` wrote (listed in its :data:`MANIFEST`)
+    that this one did not, then list this report's ``written`` files there; returns what was
+    removed. Only names of the report's own kinds (a replay file under ``scenarios/``, a figure
+    under ``figures/``) are removed, and only if the manifest lists them: a file the report
+    never wrote is never touched, whatever folder it is in. Called after every file is written,
+    so a report that fails half-way leaves the previous one's files in place."""
+    manifest = out / MANIFEST
+    listed: list[str] = []
+    if manifest.is_file():  # none: a first report, or one by a wacc before 0.3
+        try:
+            with manifest.open("rb") as handle:
+                text = handle.read(_MANIFEST_BYTES).decode("utf-8", errors="replace")
+            listed = text.splitlines()
+        except OSError:
+            listed = []  # unreadable: remove nothing rather than guess
+    keep = {path.relative_to(out).as_posix() for path in written}
+    removed = []
+    for name in dict.fromkeys(listed):
+        path = out / name
+        if name in keep or _OWN_FILE.fullmatch(name) is None or path.is_symlink():
+            continue
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    temporary = manifest.with_name(f"{MANIFEST}.{os.getpid()}.tmp")
+    temporary.write_text("".join(f"{name}\n" for name in sorted(keep)), encoding="utf-8")
+    os.replace(temporary, manifest)
+    return removed

@@ -77,6 +77,50 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], tmp_path: Path) -> No
     assert "Traceback" not in done.stderr
 
 
+_USER_LOOP = """
+from wacc.audit.adapters import ADAPTERS
+
+
+def loop(task):
+    {doc!r}
+    return ADAPTERS["plain"].run(task)
+
+
+{attributes}
+"""
+
+
+def test_a_user_loop_with_a_blank_docstring_runs_under_its_name(tmp_path: Path) -> None:
+    """A user loop whose docstring is only whitespace is titled by its spec and audited (exit
+    0: it is the plain loop), not an internal error."""
+    (tmp_path / "blank.py").write_text(_USER_LOOP.format(doc=" \n\t ", attributes=""))
+    spec = f"{tmp_path / 'blank.py'}:loop"
+    done = _wacc(spec, "--windows", "equal", "--in-process", "--quiet", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert spec in done.stdout and "pass" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("attributes", "fragment"),
+    [
+        ('loop.model = ["plain"]', "model ['plain'] is not one of"),
+        ("loop.model = 3", "model 3 is not one of"),
+        ('loop.fp16 = "no"', "fp16 'no' is not True or False"),
+        ("loop.checkpoint = 1", "checkpoint 1 is not True or False"),
+    ],
+)
+def test_a_user_loops_bad_attribute_is_one_line_and_exit_2(
+    tmp_path: Path, attributes: str, fragment: str
+) -> None:
+    """A user loop's model that is not a model kind's name (a list is not even hashable), or a
+    capability flag that is not a bool: exit 2, one line naming the loop and the value."""
+    (tmp_path / "bad.py").write_text(_USER_LOOP.format(doc="A loop.", attributes=attributes))
+    done = _wacc(f"{tmp_path / 'bad.py'}:loop", "--in-process", "--out", str(tmp_path / "o"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert fragment in done.stderr and "bad.py:loop" in done.stderr
+
+
 def test_out_that_is_a_file_is_exit_2(tmp_path: Path) -> None:
     """--out naming an existing file is a usage error."""
     target = tmp_path / "file"
