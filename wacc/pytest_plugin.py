@@ -9,6 +9,11 @@ their node ids do not change between runs, so ``--lf`` reruns only the failed on
 item shows the shrunk scenario's failure lines and the ``wacc replay`` command for the JSON it
 wrote under ``--wacc-out``. Without an implementation the plugin adds nothing.
 
+Features are judged as ``wacc check`` judges them (:mod:`wacc.contract`): a missing core feature
+fails every item unless ``--wacc-allow-missing`` names it; an item whose family needs a missing
+extension feature (dynamic_scaling without ``set_loss_scale`` or ``loss_scaler``) is skipped
+with the ``not judged: ...`` line, and the terminal summary lists every feature not judged.
+
 Options, each also an ini key (``--wacc-dtype`` -> ``wacc_dtype``; the command line wins):
 ``--wacc-impl IMPL``, ``--wacc-dtype D`` (repeatable, ini: one per line; default all four),
 ``--wacc-device cpu|cuda``, ``--wacc-oracle strict|bound``, ``--wacc-examples N`` (per dtype and
