@@ -20,6 +20,10 @@ from wacc.contract import CONTRACT, Coverage, feature
 from wacc.errors import UsageError
 from wacc.gate.baseline import BASELINE_FORMAT, V2_INFERRED, read_gate_file
 from wacc.implementation import load_implementation
+from wacc.report.previous import read_rows
+from wacc.report.provenance import Provenance
+from wacc.report.rows import NotJudged, Row
+from wacc.report.writer import write_csv
 from wacc_ref.scenario import (
     Accumulate,
     Finish,
@@ -177,6 +181,36 @@ def test_check_gate_and_report_give_the_same_verdict(
     skipped = [row for row in rows if row["verdict"].startswith("not judged")]
     assert skipped and {row["family"] for row in skipped} == {"dynamic_scaling"}
     assert {row["verdict"] for row in skipped} == {"not judged: set_loss_scale, loss_scaler"}
+    # --compare-to reads such a report back: the not-judged lines have no numbers, and are left out.
+    with (out / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        every = list(csv.DictReader(handle))
+    assert len(read_rows(out)) == sum(not r["verdict"].startswith("not judged") for r in every)
+
+
+def test_divergence_csv_says_what_was_not_judged_and_reads_back(tmp_path: Path) -> None:
+    """divergence.csv writes a scenario an implementation was not judged on as a line whose
+    verdict is ``not judged: <features>`` (its oracles ``not judged``, no numbers), and
+    ``--compare-to`` reads such a file back without that line (no numbers to compare)."""
+    row = Row(scenario_id="float32-windows-0123456789", family="windows", implementation="a",
+              device="cpu", work_dtype="float32", grad_dtype="float32", window_length=1,
+              weight_skew=1.0, loss_scale=1.0, max_ulps=0.0, max_rel_error=0.0, max_ratio=0.5,
+              verdict="pass", replay="")  # fmt: skip
+    skipped = NotJudged(scenario_id="float32-dynamic_scaling-0123456789",
+                        family="dynamic_scaling", implementation="a", device="cpu",
+                        work_dtype="float32", grad_dtype="float32",
+                        features=("set_loss_scale", "loss_scaler"))  # fmt: skip
+    provenance = Provenance(versions={}, commit="c", devices={}, corpus_seed=0,
+                            corpus_size="quick", scenarios=2, date="d")  # fmt: skip
+    write_csv([row], tmp_path / "divergence.csv", provenance=provenance, not_judged=[skipped])
+    with (tmp_path / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        lines = list(csv.DictReader(handle))
+    assert [line["verdict"] for line in lines] == [
+        "pass",
+        "not judged: set_loss_scale, loss_scaler",
+    ]
+    assert lines[1]["family"] == "dynamic_scaling" and lines[1]["max_ratio"] == ""
+    assert {lines[1][oracle] for oracle in ("emulation", "bound", "semantics")} == {"not judged"}
+    assert read_rows(tmp_path) == [row]
 
 
 def _entry(scenarios: int) -> dict[str, Any]:
