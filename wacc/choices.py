@@ -2,15 +2,18 @@
 
 ``wacc --help``, a usage error and a path check answer from these alone, in a fraction of a
 second; the commands import torch, ``wacc_ref`` and the judge only when they run. Each name
-here is either the definition (``FEATURES``, ``PROFILES``, ``DEFAULT_IMPL``, ``FAMILY_NAMES``,
-``ORACLE_SET_NAMES``: their modules import them from here) or a copy of a constant of
-``wacc_ref``, which cannot import ``wacc`` (``WORK_DTYPES``): :mod:`wacc.engine` checks the copy
-when it is imported, so a drift fails the first command that runs.
+here is either the definition (``PROFILES``, ``DEFAULT_IMPL``, ``FAMILY_NAMES``,
+``ORACLE_SET_NAMES``: their modules import them from here), the contract's features as the
+command line names them (``FEATURES``, from :mod:`wacc.contract`, as light), or a copy of a
+constant of ``wacc_ref``, which cannot import ``wacc`` (``WORK_DTYPES``): :mod:`wacc.engine`
+checks the copy when it is imported, so a drift fails the first command that runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from wacc.contract import CONTRACT
 
 __all__ = [
     "DEFAULT_IMPL",
@@ -47,15 +50,5 @@ ORACLE_SET_NAMES: Mapping[str, str] = {
 # The Hypothesis profiles a user may pick (wacc.profiles registers them).
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly")
 
-# feature -> what missing it means (the words of ``unsupported: <feature>``)
-FEATURES: Mapping[str, str] = {
-    "records": "no state_dict / load_state_dict, so checkpoint steps are not run",
-    "async_records": "no state_dict_async, so asynchronous checkpoints are taken synchronously",
-    "checksum": "records without an integrity check",
-    "found_inf": "finished results without found_inf, so an overflowing window cannot be skipped "
-    "(dynamic loss scaling) and found_inf is not judged",
-    "set_loss_scale": "no set_loss_scale, so the loss scale cannot change between windows and "
-    "the set_loss_scale steps are not run",
-    "loss_scaler": "no window loss scaler (the factory's loss_scaler attribute), so the "
-    "update_scaler steps are not run",
-}
+# feature -> what missing it means (the words of ``unsupported: <feature>``), in contract order
+FEATURES: Mapping[str, str] = {feature.name: feature.missing for feature in CONTRACT}

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis.errors import HypothesisException
 
 from wacc.choices import FAMILY_NAMES, MACHINE, WORK_DTYPES
+from wacc.contract import needed_by
 from wacc.implementation import Implementation
 from wacc.profiles import profile_settings
 from wacc.shrink import shrink_scenario
@@ -68,9 +69,9 @@ CORPUS_FAMILIES: tuple[str, ...] = (
     "dynamic_scaling",
 )
 # family -> the features without which its scenarios cannot run: the family is then skipped (the
-# features are reported as unsupported).
+# features are reported as not judged). Declared by the contract (wacc.contract).
 FAMILY_FEATURES: Mapping[str, tuple[str, ...]] = {
-    "dynamic_scaling": ("set_loss_scale", "loss_scaler"),
+    family: needed for family in FAMILY_NAMES if (needed := needed_by(family=family))
 }
 if (*FAMILIES, MACHINE) != FAMILY_NAMES or formats.WORK_DTYPES != WORK_DTYPES:
     # wacc.choices names them for a fast command line; a drift would offer the wrong choices.
@@ -211,8 +212,8 @@ def run_family(
                 raise
         return _shrunk(implementation, failures, config, device)
 
-    if not all(implementation.supports(f) for f in FAMILY_FEATURES.get(family, ())):
-        return None  # nothing of it can run; the missing features are reported unsupported
+    if not implementation.coverage().judges_family(family):
+        return None  # nothing of it can run; the missing features are reported not judged
     options = dict(FAMILIES[family])
     if not implementation.supports("records"):
         options["max_interruptions"] = 0

@@ -8,8 +8,9 @@ and returns a fresh accumulator with ``wacc_torch``'s public API (:class:`Accumu
 reproducible order (judged bit for bit), ``True`` the opt-in one-pass mode of the semantics' §6
 (judged per element against the accepted set).
 
-Optional features, each reported as ``unsupported: <feature>`` when missing (a failure unless
-allowed with ``--allow-missing FEATURE``):
+Optional features (:mod:`wacc.contract` declares them: the core ones, each reported as
+``unsupported: <feature>`` when missing, a failure unless allowed with ``--allow-missing
+FEATURE``; the extensions, each reported as ``not judged: <feature> (...)``, a failure never):
 
 * ``records``: ``state_dict()`` and ``load_state_dict(record, module)`` (checkpoint and resume);
 * ``async_records``: ``state_dict_async()`` returning an object with ``.result()``;
@@ -33,7 +34,7 @@ implementation need not import ``wacc_torch`` to raise the right error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,10 +43,12 @@ from torch import nn
 
 import wacc_torch
 from wacc.choices import DEFAULT_IMPL, FEATURES
+from wacc.contract import CONTRACT, Coverage, not_judged_line, unsupported_line
 from wacc.errors import UsageError
 from wacc.integrity import IntegrityProbe, probe_integrity
 from wacc.spec import import_target
 from wacc.zero_copy import ZeroCopyAdapter
+from wacc_ref.scenario import Scenario, without_interruptions
 
 __all__ = [
     "CORE_METHODS",
@@ -165,16 +168,47 @@ class Implementation:
         """Whether the implementation has ``feature`` (its methods; for checksum, the probe's)."""
         return feature not in self.missing
 
-    def unsupported(self, feature: str, *, flag: str = "--allow-missing") -> str:
-        """One line: ``unsupported: <feature>``, what that means for the judge, and its flag."""
-        if feature == "checksum" and self.integrity is not None:
-            what = (
+    def coverage(self, allowed: Iterable[str] = ()) -> Coverage:
+        """What a command judges of this implementation with ``allowed`` features allowed to be
+        missing (:class:`wacc.contract.Coverage`: the one decision of every command)."""
+        return Coverage(missing=self.missing, allowed=tuple(allowed))
+
+    def _missing_text(self, name: str) -> str:
+        """What missing ``name`` means for the judge (for checksum: what the probe saw)."""
+        if name == "checksum" and self.integrity is not None:
+            return (
                 f"{self.integrity.describe()}, so the corruptions only such a check can refuse "
                 f"({', '.join(self.integrity.kinds)}) are not judged"
             )
-        else:
-            what = FEATURES[feature]
-        return f"unsupported: {feature}: {what} (allow with {flag} {feature})"
+        return FEATURES[name]
+
+    def unsupported(self, feature: str, *, flag: str = "--allow-missing") -> str:
+        """One line: ``unsupported: <feature>``, what that means for the judge, and its flag."""
+        return unsupported_line(feature, flag=flag, what=self._missing_text(feature))
+
+    def not_judged(self, name: str, *, flag: str = "--allow-missing") -> str:
+        """One line: ``not judged: <feature> (<why it fails nothing>): <what is not judged>``."""
+        return not_judged_line(name, flag=flag, what=self._missing_text(name))
+
+    def judgeable(self, scenario: Scenario) -> Scenario | None:
+        """``scenario`` as this implementation is judged on it: as it is, or without its
+        checkpoints and restores when the implementation has no records (so the missing feature
+        is reported once, not as a failure of every scenario that checkpoints: what ``wacc
+        check`` generates for it); None when a step needs a missing feature that cannot be
+        taken out (:meth:`wacc.contract.Coverage.lacking`): the scenario is not judged."""
+        if self.coverage().lacking(ops=(step.op for step in scenario.steps)):
+            return None
+        return scenario if self.supports("records") else without_interruptions(scenario)
+
+    def coverage_lines(
+        self, allowed: Iterable[str] = (), *, flag: str = "--allow-missing"
+    ) -> list[str]:
+        """Every line a command prints about missing features: ``unsupported: ...`` for each that
+        fails it, then ``not judged: ...`` for each that does not."""
+        coverage = self.coverage(allowed)
+        return [self.unsupported(n, flag=flag) for n in coverage.unsupported] + [
+            self.not_judged(n, flag=flag) for n in coverage.not_judged
+        ]
 
 
 def _import_target(spec: str) -> Any:
@@ -241,6 +275,7 @@ def load_implementation(spec: str) -> Implementation:
         integrity = probe_integrity(factory, refusal=lambda exc: error_class(exc) is not None)
         if not integrity.has_integrity:
             missing += ("checksum",)
+    missing = tuple(f.name for f in CONTRACT if f.name in missing)  # in contract order
     return Implementation(
         spec=spec, factory=factory, fused=fused, missing=missing, integrity=integrity
     )

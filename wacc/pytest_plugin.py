@@ -9,6 +9,11 @@ their node ids do not change between runs, so ``--lf`` reruns only the failed on
 item shows the shrunk scenario's failure lines and the ``wacc replay`` command for the JSON it
 wrote under ``--wacc-out``. Without an implementation the plugin adds nothing.
 
+Features are judged as ``wacc check`` judges them (:mod:`wacc.contract`): a missing core feature
+fails every item unless ``--wacc-allow-missing`` names it; an item whose family needs a missing
+extension feature (dynamic_scaling without ``set_loss_scale`` or ``loss_scaler``) is skipped
+with the ``not judged: ...`` line, and the terminal summary lists every feature not judged.
+
 Options, each also an ini key (``--wacc-dtype`` -> ``wacc_dtype``; the command line wins):
 ``--wacc-impl IMPL``, ``--wacc-dtype D`` (repeatable, ini: one per line; default all four),
 ``--wacc-device cpu|cuda``, ``--wacc-oracle strict|bound``, ``--wacc-examples N`` (per dtype and
@@ -49,6 +54,7 @@ __all__ = [
     "pytest_make_collect_report",
     "pytest_report_header",
     "pytest_sessionstart",
+    "pytest_terminal_summary",
 ]
 
 _DEVICES = ("cpu", "cuda")
@@ -286,6 +292,19 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     )
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What the wacc items did not judge, and why (a missing extension fails nothing, so this
+    line is where a run says it), when the implementation was loaded."""
+    settings = terminalreporter.config.stash.get(_SETTINGS, None)
+    loaded = _LOADED.get(settings.load) if settings is not None else None
+    if settings is None or loaded is None or isinstance(loaded, UsageError):
+        return
+    for feature in loaded.coverage(settings.allow_missing).not_judged:
+        terminalreporter.write_line(
+            f"wacc: {loaded.not_judged(feature, flag='--wacc-allow-missing')}"
+        )
+
+
 class _WaccFailure(Exception):
     """A divergence found by a wacc item (shown without a traceback)."""
 
@@ -322,10 +341,15 @@ class WaccCheckItem(pytest.Item):
 
         settings = self.settings
         implementation = _implementation(settings.load)
-        missing = [f for f in implementation.missing if f not in settings.allow_missing]
-        if missing:
-            flag = "--wacc-allow-missing"
-            raise _WaccFailure("\n".join(implementation.unsupported(f, flag=flag) for f in missing))
+        coverage = implementation.coverage(settings.allow_missing)
+        flag = "--wacc-allow-missing"
+        if coverage.unsupported:  # a missing core feature fails unless allowed
+            raise _WaccFailure(
+                "\n".join(implementation.unsupported(f, flag=flag) for f in coverage.unsupported)
+            )
+        lacking = coverage.lacking(family=self.family)
+        if lacking:  # a family that needs a missing feature is not judged: skipped, with why
+            pytest.skip("; ".join(implementation.not_judged(f, flag=flag) for f in lacking))
         config = CheckConfig(
             dtypes=(self.dtype,),
             device=settings.device,

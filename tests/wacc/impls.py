@@ -315,6 +315,22 @@ def no_found_inf(dtype: torch.dtype, loss_scale: float) -> Any:
     return _NoFoundInf(dtype, loss_scale)
 
 
+class _SeedApi(_NoFoundInf):
+    """The seed API alone: records (with a checksum) and async records, finished results
+    without found_inf, no set_loss_scale; its factory has no loss_scaler."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "set_loss_scale":  # dynamic loss scaling is not part of the seed API
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def seed_api(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, written to the seed API: no dynamic loss scaling (found_inf, set_loss_scale,
+    loss_scaler), which the seed contract leaves out (the loss scale is fixed at setup)."""
+    return _SeedApi(dtype, loss_scale)
+
+
 class _WidensMeans(_Delegating):
     def finish_mean(self) -> wacc_torch.AccumulatedGradients:
         result = self._inner.finish_mean()
@@ -370,14 +386,15 @@ def _tensor_scaler_scaler(dtype: torch.dtype, init_scale: float, **options: Any)
 
 
 # Every factory here pairs its accumulator with wacc_torch's window loss scaler (the feature
-# loss_scaler), except no_loss_scaler and scaler_forgets_run.
+# loss_scaler), except no_loss_scaler, scaler_forgets_run and seed_api.
 for _name, _factory in list(globals().items()):
     if (
         callable(_factory)
         and not _name.startswith("_")
         and getattr(_factory, "__module__", None) == __name__
         and not isinstance(_factory, type)
-        and _name not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with", "tensor_scaler")
+        and _name
+        not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with", "tensor_scaler", "seed_api")
     ):
         _factory.loss_scaler = wacc_torch_loss_scaler
 scaler_forgets_run.loss_scaler = _scaler_forgets_run_scaler  # type: ignore[attr-defined]

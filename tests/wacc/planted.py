@@ -295,3 +295,8 @@ PLANTED: dict[str, Planted] = {
         Planted(HysteresisKeptAtGrowth, "dynamic_scaling", "float16", "semantics", 0),
     )
 }
+
+# Factories of two planted bugs, for the commands (``tests.wacc.planted:equal_weight_mean``):
+# an accumulator bug of every family and a dynamic-scaling one.
+equal_weight_mean = PLANTED["EqualWeightMean"].implementation.factory
+scale_changed_mid_window = PLANTED["ScaleChangedMidWindow"].implementation.factory

@@ -50,19 +50,16 @@ def test_a_scaler_that_forgets_its_run_at_a_resume_is_flagged() -> None:
 
 def test_without_the_features_the_family_is_skipped_and_reported(tmp_path: Path) -> None:
     """An implementation without loss_scaler runs no dynamic scenario (run_family returns at
-    once) and ``wacc check`` names the feature (exit 1); --allow-missing makes it pass."""
+    once) and ``wacc check`` names the feature as not judged (an extension: exit 0, no flag)."""
     implementation = load_implementation("tests.wacc.impls:no_loss_scaler")
     assert run_family(implementation, "float16", "dynamic_scaling", CheckConfig()) is None
     common = ["--family", "dynamic_scaling", "--dtype", "float16", "--out", str(tmp_path)]
-    refused = wacc("check", "tests.wacc.impls:no_loss_scaler", *common)
-    assert refused.returncode == 1, refused.stdout + refused.stderr
-    (line,) = [x for x in refused.stdout.splitlines() if x.startswith("unsupported:")]
-    assert line.startswith("unsupported: loss_scaler: no window loss scaler"), line
-    assert "--allow-missing loss_scaler" in line
-    allowed = wacc(
-        "check", "tests.wacc.impls:no_loss_scaler", *common, "--allow-missing", "loss_scaler"
-    )
-    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    result = wacc("check", "tests.wacc.impls:no_loss_scaler", *common)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("not judged:")]
+    assert line.startswith("not judged: loss_scaler (the dynamic loss scaling extension"), line
+    assert "no window loss scaler" in line and "unsupported" not in result.stdout
+    assert "family not run: dynamic_scaling (it needs loss_scaler)" in result.stdout
 
 
 def test_a_dynamic_divergence_is_written_as_version_2_and_replays(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES, ORACLE_SET_NAMES
+from wacc.contract import feature
 from wacc.errors import UsageError
 from wacc.spec import check_module
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FLOAT_TEXT",
     "TABLE_BREAKERS",
+    "add_allow_missing",
     "add_impl_arguments",
     "check_device",
     "implementation_from",
@@ -61,13 +63,23 @@ def add_impl_arguments(parser: argparse.ArgumentParser, *, positional: bool) -> 
         help="; ".join(f"{name}: {what}" for name, what in ORACLE_SET_NAMES.items())
         + " (default: strict)",
     )
+    add_allow_missing(parser)
+
+
+def add_allow_missing(parser: argparse.ArgumentParser, *, what: str = "an implementation") -> None:
+    """``--allow-missing FEATURE``, the same in every command (wacc.contract: a missing core
+    feature fails unless allowed; a missing extension fails nothing, without the flag)."""
+    core = [name for name in FEATURES if feature(name).core]
     parser.add_argument(
         "--allow-missing",
         action="append",
         default=[],
         choices=tuple(FEATURES),
         metavar="FEATURE",
-        help=f"accept an implementation without FEATURE ({', '.join(FEATURES)}); repeatable",
+        help=f"accept {what} without the core FEATURE ({', '.join(core)}); repeatable. A "
+        "missing core feature fails (exit 1) unless allowed; a missing extension feature "
+        f"({', '.join(n for n in FEATURES if n not in core)}) fails nothing and is reported "
+        "as not judged",
     )
 
 

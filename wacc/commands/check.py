@@ -9,12 +9,14 @@ signature in several dtypes or families are one block, naming each); an exceptio
 raised is printed with its text and the implementation's own file and line (--traceback: the
 whole traceback).
 
-Features (each missing one fails unless --allow-missing names it): records (state_dict and
-load_state_dict), async_records (state_dict_async), checksum (records that refuse a changed
-value: a probe flips bytes of a probe record; without it the corruptions only an integrity check
-can refuse are not judged, in either record layout), found_inf (a bool on every finished
-result), set_loss_scale and loss_scaler (the factory's attribute loss_scaler(dtype, init_scale,
-**options): a window loss scaler; without both, the dynamic_scaling family is skipped).
+Features (wacc.contract). The core, the seed API (each missing one fails unless --allow-missing
+names it): records (state_dict and load_state_dict), async_records (state_dict_async), checksum
+(records that refuse a changed value: a probe flips bytes of a probe record; without it the
+corruptions only an integrity check can refuse are not judged, in either record layout). The
+dynamic loss scaling extension (each missing one fails nothing: "not judged: FEATURE (...)"):
+found_inf (a bool on every finished result), set_loss_scale and loss_scaler (the factory's
+attribute loss_scaler(dtype, init_scale, **options): a window loss scaler; without both, the
+dynamic_scaling family is not run).
 
 examples:
   wacc check                                   # wacc_torch, all four work dtypes, ci profile
@@ -22,7 +24,7 @@ examples:
   wacc check path/to/my_acc.py:make --oracle bound --allow-missing async_records
   wacc check wacc.baselines:pixparse_loop --out divergences/
 
-exit codes: 0 = every oracle holds, 1 = a divergence (or an unsupported feature that was not
+exit codes: 0 = every oracle holds, 1 = a divergence (or a missing core feature that was not
 allowed), 2 = usage or environment error
 """
 
@@ -97,7 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _print_report(report: CheckReport, implementation: Implementation) -> None:
+def _print_report(
+    report: CheckReport, implementation: Implementation, allowed: tuple[str, ...]
+) -> None:
     import wacc_torch
     from wacc.tables import format_metric, render_table
 
@@ -123,8 +127,8 @@ def _print_report(report: CheckReport, implementation: Implementation) -> None:
             rows,
         )
     )
-    for feature in report.unsupported:
-        print(implementation.unsupported(feature))
+    for line in implementation.coverage_lines(allowed):
+        print(line)
 
 
 def _judged_lines(
@@ -162,11 +166,17 @@ def _judged_lines(
         f"  records: {records}",
         f"  profile: {config.profile}; {seed}",
     ]
+    coverage = implementation.coverage(allowed)
     if implementation.missing:
         missing = ", ".join(
-            f"{f} ({'allowed' if f in allowed else 'not allowed'})" for f in implementation.missing
+            f"{f} ({'not judged' if f in coverage.not_judged else 'not allowed'})"
+            for f in implementation.missing
         )
         lines.append(f"  features missing: {missing}")
+    for family in coverage.skipped_families:
+        if family in config.families:
+            lacking = ", ".join(coverage.lacking(family=family))
+            lines.append(f"  family not run: {family} (it needs {lacking})")
     return lines
 
 
@@ -191,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
     from wacc.engine import CheckConfig, run_check
 
-    unsupported = tuple(f for f in implementation.missing if f not in args.allow_missing)
+    unsupported = implementation.coverage(args.allow_missing).unsupported
     config = CheckConfig(
         dtypes=tuple(args.dtype or WORK_DTYPES),
         device=device,
@@ -227,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             )
         bar.update(1)
     report.unsupported = unsupported
-    _print_report(report, implementation)
+    _print_report(report, implementation, tuple(args.allow_missing))
     for group in _grouped(report.findings):
         finding = group[0]
         verdict = finding.verdict
@@ -246,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
                 print(textwrap.indent(verdict.tracebacks[index].rstrip(), "    "))
         if finding.path is not None:
             command = ["wacc", "replay", str(finding.path), "--impl", args.impl]
+            for name in args.allow_missing:  # the replay judges as this check did
+                command += ["--allow-missing", name]
             if device != "cpu":
                 command += ["--device", device]
             print(f"  replay: {shlex.join(command)}")

@@ -23,11 +23,16 @@ examples:
   wacc gate --shard 2/4 --results gate-results/shard-2.json
   wacc gate --merge gate-results/
 
-An IMPL without a feature (records, async_records, checksum: see `wacc check --help`) fails
-before the run unless --allow-missing FEATURE names it.
+Features (wacc.contract, as in `wacc check`): an IMPL without a core feature (records,
+async_records, checksum) fails before the run unless --allow-missing FEATURE names it; one
+without an extension feature (found_inf, set_loss_scale, loss_scaler: dynamic loss scaling)
+fails nothing, and the keys that need it are not run (rows "not judged" in the table, gate.md
+and the JUnit XML, with why). The baseline records the features it was made with: a feature the
+IMPL has lost since is a regression.
 
-exit codes: 0 = pass, 1 = divergence, regression or unsupported feature, 2 = usage or
-environment error (missing, corrupt or foreign baseline, a baseline of another IMPL, bad shard)
+exit codes: 0 = pass, 1 = divergence, regression (a lost feature included) or a missing core
+feature not allowed, 2 = usage or environment error (missing, corrupt or foreign baseline, a
+baseline of another IMPL, bad shard)
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wacc.choices import DEFAULT_IMPL, FEATURES
-from wacc.commands._common import check_device, hypothesis_home
+from wacc.choices import DEFAULT_IMPL
+from wacc.commands._common import add_allow_missing, check_device, hypothesis_home
 from wacc.errors import UsageError
 from wacc.gate.shards import Shard
 from wacc.spec import check_module, check_spec
@@ -69,12 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, metavar="FILE", help="write this shard's results "
                         "for --merge (1/1 included: the verdict is then --merge's)")  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR", help="merge shard results")
-    parser.add_argument(
-        "--allow-missing", action="append", default=[], choices=tuple(FEATURES),
-        metavar="FEATURE",
-        help=f"accept an IMPL without FEATURE ({', '.join(FEATURES)}); repeatable. Without it a "
-        "missing feature fails the gate (exit 1) before the run",
-    )  # fmt: skip
+    add_allow_missing(parser, what="an IMPL")
     parser.add_argument(
         "--out", type=Path, default=Path("wacc-gate"), metavar="DIR",
         help="where every failing scenario is written as a replay file (default: ./wacc-gate; "
@@ -128,7 +128,7 @@ def _clear_replays(out: Path, shard: Shard) -> None:
             path.unlink(missing_ok=True)
 
 
-def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
+def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics], tuple[str, ...]]:
     from wacc.gate.baseline import RESULTS_FORMAT, read_gate_file
     from wacc.gate.measure import GATE_CORPUS, merge_metrics
     from wacc_ref.strict_json import shown
@@ -146,7 +146,7 @@ def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
             raise UsageError(
                 f"{where}: corpus: recorded on {shown(part.corpus)}, the gate runs {GATE_CORPUS}"
             )
-        for name in ("implementation", "hypothesis"):
+        for name in ("implementation", "hypothesis", "features"):
             if getattr(part, name) != getattr(first, name):
                 raise UsageError(
                     f"{where}: {name}: {shown(getattr(part, name))} differs from "
@@ -176,7 +176,7 @@ def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics]]:
             f"{first_file!r}: shard: {first.shard} is one of {count} shards, and no results file "
             f"holds shard {', '.join(missing[:5])}{more}"
         )
-    return first.implementation, merge_metrics(part.entries for part in parts)
+    return first.implementation, merge_metrics(part.entries for part in parts), first.features
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     from wacc.gate.baseline import (
         BASELINE_FORMAT,
         RESULTS_FORMAT,
+        VERSION,
         GateFile,
         read_gate_file,
         write_gate_file,
@@ -249,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
                                   allowed=args.allow_other_impl)  # fmt: skip
     from tqdm import tqdm
 
+    from wacc.contract import Coverage, features_missing, not_judged_line
     from wacc.gate.compare import compare
     from wacc.gate.groups import group_findings
     from wacc.gate.measure import measure, units
@@ -258,18 +260,23 @@ def run(args: argparse.Namespace) -> int:
     from wacc.report.provenance import collect_provenance
 
     if args.merge:
-        implementation, metrics = _merge(args.merge)
+        implementation, metrics, present = _merge(args.merge)
+        # The shards ran with their features allowed: every missing one is not judged here.
+        missing = features_missing(present)
+        not_judged = [not_judged_line(name) for name in missing]
         if baseline is not None:
             _check_implementation(baseline.implementation, implementation, args.baseline,
                                   allowed=args.allow_other_impl)  # fmt: skip
     else:
         loaded = load_implementation(args.impl)
         implementation = args.impl
-        unsupported = [f for f in loaded.missing if f not in args.allow_missing]
-        if unsupported:  # the same verdict as `wacc check`'s, found before minutes of running
-            for feature in unsupported:
-                print(loaded.unsupported(feature))
+        coverage = loaded.coverage(args.allow_missing)
+        if coverage.unsupported:  # the same verdict as `wacc check`'s, before minutes of running
+            for line in loaded.coverage_lines(args.allow_missing):
+                print(line)
             return 1
+        present, missing = coverage.present, loaded.missing
+        not_judged = [loaded.not_judged(name) for name in coverage.not_judged]
         corpus = build_corpus(size=GATE_CORPUS_SIZE, corpus_seed=GATE_CORPUS_SEED)
         mine = [u for i, u in enumerate(units(corpus)) if shard.takes(i)]
         quiet = args.quiet or not sys.stderr.isatty()
@@ -301,10 +308,10 @@ def run(args: argparse.Namespace) -> int:
         )
         write_gate_file(
             GateFile(kind=RESULTS_FORMAT, implementation=implementation, entries=metrics,
-                     shard=str(shard), provenance=provenance),
+                     shard=str(shard), provenance=provenance, features=present),
             path,
         )  # fmt: skip
-        for line in failure_lines(groups, implementation=implementation):
+        for line in failure_lines(groups, implementation=implementation) + not_judged:
             print(line)
         print(f"wacc gate shard {shard}: {len(metrics)} keys, {failing} failing scenario(s); "
               f"results in {path} ({seconds:.1f} s)")  # fmt: skip
@@ -318,9 +325,11 @@ def run(args: argparse.Namespace) -> int:
         write_gate_file(
             GateFile(kind=BASELINE_FORMAT, entries=metrics,
                      implementation=implementation_identity(implementation, args.baseline),
-                     provenance=provenance),
+                     provenance=provenance, features=present),
             args.baseline,
         )  # fmt: skip
+        for line in not_judged:
+            print(line)
         print(f"baseline written: {args.baseline} ({len(metrics)} keys, {seconds:.1f} s)")
         return 0
     assert baseline is not None  # read above: not an update, not a shard
@@ -329,11 +338,33 @@ def run(args: argparse.Namespace) -> int:
         # The gated corpus is frozen; only the check's examples (never compared) move with it.
         print(f"note: the baseline was recorded with hypothesis {baseline.hypothesis}, "
               f"this run has {hypothesis_version}")  # fmt: skip
+    if baseline.version < VERSION:
+        print(f"note: {args.baseline} records no features (format version {baseline.version}): "
+              f"read as made with {', '.join(baseline.features) or 'none of them'} (what its "
+              "passing keys show); --update-baseline records them all")  # fmt: skip
+    # Keys this run could not judge (a missing feature), and keys the baseline could not have.
+    skipped = set(Coverage(missing=missing).skipped_families)
+    unknown = set(Coverage(missing=features_missing(baseline.features)).skipped_families)
+    lost = [
+        f"lost feature since the baseline: {name}: {args.baseline} was made with it, "
+        f"{implementation} lacks it ({not_judged_line(name)})"
+        for name in baseline.features
+        if name in missing
+    ]
     try:
-        comparison = compare(metrics, baseline.entries)
+        comparison = compare(
+            metrics, baseline.entries,
+            not_judged={key for key in baseline.entries if key.split("/")[1] in skipped},
+            new={key for key in metrics if key.split("/")[1] in unknown},
+            lost=lost,
+        )  # fmt: skip
     except UsageError as exc:
         raise UsageError(f"{str(args.baseline)!r}: {exc}") from None
     print(table(comparison))
+    for line in not_judged:
+        print(line)
+    for line in comparison.lost:
+        print(f"REGRESSION: {line}")
     for line in failure_lines(groups, implementation=implementation):
         print(line)
     # A key that fails a scenario is already a FAILURE above: its metrics' regressions are
@@ -358,10 +389,12 @@ def run(args: argparse.Namespace) -> int:
         artifacts.append(f"JUnit XML {args.junit_xml} (every key)")
     for option, path, write in (
         ("--junit-xml", args.junit_xml,
-         lambda path: write_junit(comparison, path, implementation=implementation)),
+         lambda path: write_junit(comparison, path, implementation=implementation,
+                                  not_judged=not_judged)),
         ("--summary-md", args.summary_md,
          lambda path: write_summary(comparison, path, implementation=implementation,
-                                    seconds=seconds, groups=groups, artifacts=artifacts)),
+                                    seconds=seconds, groups=groups, artifacts=artifacts,
+                                    not_judged=not_judged)),
     ):  # fmt: skip
         if path is None:
             continue

@@ -13,8 +13,14 @@ examples:
 The file is read strictly, as `wacc check` writes it (every float spelled exactly as Python's
 float.hex writes it, no field missing, unknown or repeated): see wacc_ref/strict_json.py.
 
-exit codes: 0 = every step agrees, 1 = a step diverges, 2 = usage error (an unreadable,
-malformed or oversized file: one line naming the file and the field; a bad IMPL)
+Features (wacc.contract, as in `wacc check`): a scenario with a step that needs a missing
+extension (set_loss_scale, update_scaler) is not run ("not judged", exit 0); without records, it
+runs without its checkpoints and restores; a missing core feature fails unless --allow-missing
+names it.
+
+exit codes: 0 = every step agrees (or the scenario needs a missing extension: not judged),
+1 = a step diverges or a core feature is missing and not allowed, 2 = usage error (an
+unreadable, malformed or oversized file: one line naming the file and the field; a bad IMPL)
 """
 
 from __future__ import annotations
@@ -166,11 +172,22 @@ def run(args: argparse.Namespace) -> int:
             f"{str(args.file)!r}: fused: the scenario has {str(scenario.fused).lower()}, but "
             f"{args.impl} declares state.fused={implementation.fused}"
         )
-    verdict = judge(implementation, scenario, device=device, oracles=oracles_from(args))
+    coverage = implementation.coverage(args.allow_missing)
+    judged = implementation.judgeable(scenario)
+    oracles = oracles_from(args)
     print(
         f"wacc replay {args.file} on {args.impl} ({device}): D={scenario.work_dtype}, "
-        f"G={scenario.grad_dtype}, S={scenario.loss_scale!r}; oracles {', '.join(verdict.oracles)}"
+        f"G={scenario.grad_dtype}, S={scenario.loss_scale!r}; oracles {', '.join(oracles)}"
     )
+    for line in implementation.coverage_lines(args.allow_missing):
+        print(line)
+    if judged is None:  # a step needs a missing feature: nothing of the scenario is run
+        lacking = ", ".join(coverage.lacking(ops=(step.op for step in scenario.steps)))
+        print(f"not judged: the scenario has steps that need {lacking}, which {args.impl} lacks")
+        return 1 if coverage.unsupported else 0
+    if judged != scenario:
+        print("note: run without its checkpoints and restores (the implementation has no records)")
+    verdict = judge(implementation, judged, device=device, oracles=oracles)
     print(_table(verdict))
     for line in verdict.describe(limit=20):
         print(line)
@@ -182,4 +199,4 @@ def run(args: argparse.Namespace) -> int:
         for note in step.notes:
             print(f"note: {note}")
     print("DIVERGES" if verdict.failed else "agrees with the reference")
-    return 1 if verdict.failed else 0
+    return 1 if verdict.failed or coverage.unsupported else 0

@@ -23,8 +23,14 @@ examples:
   wacc report --audit reports/audit    # with the committed `wacc audit` run as a section
   wacc report --device all --full      # nightly size, CPU and CUDA
 
+An --impl is judged as `wacc check` judges it (wacc.contract): a missing core feature (records,
+async_records, checksum) fails unless --allow-missing names it; a missing extension (dynamic loss
+scaling: found_inf, set_loss_scale, loss_scaler) fails nothing, and the corpus scenarios that
+need it are not run (index.md, divergence.csv and the terminal say "not judged" and why).
+
 exit codes: 0 = report written (divergences of the baselines are findings, not failures),
-1 = wacc_torch or an --impl diverged (its rows fail), 2 = usage or environment error
+1 = wacc_torch or an --impl diverged (its rows fail) or an --impl lacks a core feature not
+allowed, 2 = usage or environment error
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 
 from wacc.choices import WORK_DTYPES
+from wacc.commands._common import add_allow_missing
 from wacc.errors import UsageError
 from wacc.spec import check_module
 
@@ -65,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also judge this implementation (a factory make(dtype, loss_scale) as module:attr "
         "or path/to/file.py:attr); repeatable",
     )  # fmt: skip
+    add_allow_missing(parser, what="an --impl")
     parser.add_argument(
         "--compare-to", type=Path, metavar="DIR",
         help="a previous report's folder: its headline next to this one's",
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         read_rows,
     )
     from wacc.report.provenance import collect_provenance
-    from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
+    from wacc.report.rows import IMPLEMENTATIONS, NotJudged, judge_corpus
     from wacc.report.sweeps import double_rounding_sweep, overflow_map, skew_sweep
     from wacc.report.writer import (
         headline,
@@ -140,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
     specs = {**IMPLEMENTATIONS, **{spec: spec for spec in users}}
     # Loaded (and probed) once, before minutes of running: a broken IMPL answers now.
     loaded = {name: load_implementation(spec) for name, spec in specs.items()}
+    # The report's own rows are shown as they are; an --impl is judged as `wacc check` judges
+    # it: a missing core feature fails unless allowed, a missing extension is not judged.
+    allowed = {name: tuple(args.allow_missing) if name in users else () for name in loaded}
+    coverage_lines = {name: i.coverage_lines(allowed[name]) for name, i in loaded.items()}
+    unsupported = [spec for spec in users if loaded[spec].coverage(allowed[spec]).unsupported]
     previous = read_rows(args.compare_to) if args.compare_to is not None else None
     corpus = build_corpus(size=size, corpus_seed=args.seed)
     provenance = collect_provenance(
@@ -148,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.quiet or not sys.stderr.isatty()
     total = len(corpus) * len(specs) * len(devices)
     with tqdm(total=total, disable=quiet, file=sys.stderr, unit="run", desc="corpus") as bar:
+        not_judged: list[NotJudged] = []
         rows, _ = judge_corpus(
-            corpus, implementations=specs, devices=devices, progress=lambda: bar.update(1)
-        )
+            corpus, implementations=specs, devices=devices, progress=lambda: bar.update(1),
+            not_judged=not_judged,
+        )  # fmt: skip
     (out / "figures").mkdir(parents=True, exist_ok=True)
     steps = tqdm(total=6, disable=quiet, file=sys.stderr, unit="figure", desc="figures")
     shown: dict[str, tuple[Path, str]] = {}
@@ -244,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     provenance = type(provenance)(
         **{**provenance.__dict__, "wall_seconds": time.perf_counter() - started}
     )
-    write_csv(rows, out / "divergence.csv", provenance=provenance)
+    write_csv(rows, out / "divergence.csv", provenance=provenance, not_judged=not_judged)
     replay_files = write_scenarios(rows, corpus, out)
     compared = None
     if previous is not None:
@@ -262,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files, compared=compared, audit=audit_lines,
-        unsupported={name: [i.unsupported(f) for f in i.missing] for name, i in loaded.items()},
+        unsupported=coverage_lines, not_judged=not_judged,
     )  # fmt: skip
     # The previous report's stale files go (only those it listed as its own), never a user's.
     record_files(out, [*written, index])
@@ -278,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
     if compared is not None:
         print(f"\ncompared with {args.compare_to} (now (before)):")
         print(render_table(compared[1], compared[2]))
-    print(f"report: {index} ({time.perf_counter() - started:.1f} s)")
     judged = ("wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy", *users)
+    for name in judged:  # what was not judged, and why (and what fails for lack of a feature)
+        for line in coverage_lines[name]:
+            print(f"{name}: {line}")
+    print(f"report: {index} ({time.perf_counter() - started:.1f} s)")
     failing = [row for row in rows if row.implementation in judged and row.failed]
-    return 1 if failing else 0
+    return 1 if failing or unsupported else 0

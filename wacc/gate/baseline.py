@@ -2,8 +2,9 @@
 
 Both are JSON objects with exactly these fields::
 
-    {"format": "wacc-gate-baseline" | "wacc-gate-results", "version": 2,
-     "implementation": "<IMPL spec>", "corpus": {"seed": 0, "size": "default"},
+    {"format": "wacc-gate-baseline" | "wacc-gate-results", "version": 3,
+     "implementation": "<IMPL spec>", "features": ["records", ...],
+     "corpus": {"seed": 0, "size": "default"},
      "profile": "ci", "hypothesis": "<version>", "shard": "K/N", "provenance": {...},
      "entries": {"<dtype>/<family>/<source>": {
          "scenarios": int, "failing": int, "max_ulps": "<float.hex>", "max_ratio": "<float.hex>",
@@ -14,15 +15,26 @@ Version 2 (wacc 0.2) added ``milliseconds`` (the measured time of the key: the J
 made a finding an object (its signature groups failures; ``replay`` is the scenario file
 written under ``--out``); a version-1 file is refused with the command that records it anew.
 
+Version 3 (issue 33) added ``features``: the features of the contract (:mod:`wacc.contract`) the
+implementation had when the file was made, in contract order, each once. The gate compares them
+with the judged implementation's: a feature the baseline was made with and the implementation
+has lost is a regression. A version-2 file still loads, and its features are read from what it
+shows (:data:`V2_INFERRED`): a version-2 gate ran the dynamic_scaling corpus keys on every
+implementation and failed each scenario without ``set_loss_scale`` and ``loss_scaler``, and a
+baseline records only a passing run, so a version-2 baseline with judged dynamic_scaling corpus
+keys was made with both; the other features cannot be told from it and are read as absent (their
+loss is not seen until the baseline is recorded anew with ``--update-baseline``).
+
 Reading is strict (:mod:`wacc_ref.strict_json`) and every problem is a
 :class:`~wacc.errors.UsageError` (exit 2) of one line naming the file, the field's path
 (``entries['float32/sums/corpus'].max_ulps``) and the value, shortened. What a file may contain,
 and why (each rule strict where a lenient reading could hide a corrupt or hand-edited file;
 whatever :func:`write_gate_file` writes it reads back, and it checks that before writing):
 
-* ``format`` and ``version``: the kind asked for and the JSON integer 2 (``true`` and ``2.0``,
-  which equal an integer in Python, are refused); a file of another kind is named as such
-  first.
+* ``format`` and ``version``: the kind asked for and the JSON integer 3, or 2 (without
+  ``features``; ``true`` and ``3.0``, which equal an integer in Python, are refused); a file of
+  another kind is named as such first.
+* ``features``: a list of feature names of the contract, in its order, none twice.
 * No field missing, none unknown, no key twice in one object (``json`` would keep the last: a
   merge conflict resolved by keeping both lines would silently change the baseline).
 * ``max_ulps`` and ``max_ratio``: spelled exactly as :meth:`float.hex` writes them (``inf``
@@ -57,12 +69,13 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from wacc.choices import WORK_DTYPES
+from wacc.contract import CONTRACT
 from wacc.errors import UsageError
 from wacc.gate.metrics import GATE_CORPUS, GateFinding, Metrics
 from wacc.gate.shards import Shard
@@ -83,6 +96,7 @@ from wacc_ref.strict_json import (
 __all__ = [
     "BASELINE_FORMAT",
     "RESULTS_FORMAT",
+    "V2_INFERRED",
     "VERSION",
     "GateFile",
     "read_gate_file",
@@ -91,11 +105,14 @@ __all__ = [
 
 BASELINE_FORMAT = "wacc-gate-baseline"
 RESULTS_FORMAT = "wacc-gate-results"
-VERSION = 2
+VERSION = 3
+_OLDEST_READ = 2  # a version-2 file has no features: read as V2_INFERRED says
+# The features a version-2 file shows it was made with when it judged dynamic_scaling corpus keys.
+V2_INFERRED: tuple[str, ...] = ("set_loss_scale", "loss_scaler")
 _MAX_BYTES = 16 * 2**20
 _MAX_COUNT = 2**63 - 1  # a count of scenarios; sums of a few stay printable (int's digit limit)
 _TOP_FIELDS = ("format", "version", "implementation", "corpus", "profile", "hypothesis", "shard",
-               "provenance", "entries")  # fmt: skip
+               "provenance", "entries", "features")  # fmt: skip
 _ENTRY_FIELDS = ("scenarios", "failing", "max_ulps", "max_ratio", "milliseconds", "findings")
 _FINDING_FIELDS = ("signature", "message", "replay", "steps")
 _KEY = re.compile(r"([a-z0-9]+)/([a-z0-9_]+)/(?:corpus|check)")
@@ -115,8 +132,14 @@ class GateFile:
         provenance: Mapping[str, Any] | None = None,
         corpus: Mapping[str, Any] | None = None,
         hypothesis: str | None = None,
+        features: Sequence[str] = (),
+        version: int = VERSION,
     ) -> None:
         self.kind = kind
+        # the contract's features the implementation had (wacc.contract); ``version`` is the
+        # format the file was read in (2: features inferred, see the module docstring)
+        self.features = tuple(features)
+        self.version = version
         self.implementation = implementation
         self.entries = dict(entries)
         self.shard = shard
@@ -192,15 +215,15 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
     if top.get("format") != kind:
         raise FieldError("format", f"expected {kind!r}, got {shown(top.get('format'))}")
     version = top.get("version")
-    if type(version) is int and 0 < version < VERSION:
+    if type(version) is int and 0 < version < _OLDEST_READ:
         raise FieldError(
             "version",
             f"{version} is the format of an older wacc (this one reads {VERSION}): record it "
             "anew (`wacc gate --update-baseline` for a baseline, the shard's run for results)",
         )
-    if type(version) is not int or version != VERSION:  # not true, not 2.0
+    if type(version) is not int or not _OLDEST_READ <= version <= VERSION:  # not true, not 3.0
         raise FieldError("version", f"expected {VERSION}, got {shown(version)}")
-    expect_object(top, "", _TOP_FIELDS)
+    expect_object(top, "", _TOP_FIELDS if version == VERSION else _TOP_FIELDS[:-1])
     implementation = expect_str(top["implementation"], "implementation")
     if not implementation:
         raise FieldError("implementation", "must name the implementation, got ''")
@@ -227,6 +250,12 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
         if match is None or match[1] not in WORK_DTYPES:
             raise FieldError(where, "not a <work dtype>/<family>/corpus|check key")
         entries[key] = _entry(value, where, key=key, kind=kind)
+    if version == VERSION:
+        features = _features(top["features"])
+    else:  # version 2: what its entries show (module docstring)
+        judged = any(k.endswith("/dynamic_scaling/corpus") and m.scenarios
+                     for k, m in entries.items())  # fmt: skip
+        features = V2_INFERRED if judged else ()
     return GateFile(
         kind=kind,
         implementation=implementation,
@@ -235,7 +264,20 @@ def _gate_file(document: object, *, kind: str) -> GateFile:
         provenance=provenance,
         corpus=corpus,
         hypothesis=hypothesis,
+        features=features,
+        version=version,
     )
+
+
+def _features(value: object) -> tuple[str, ...]:
+    names = [
+        expect_str(name, item("features", position), choices=tuple(f.name for f in CONTRACT))
+        for position, name in enumerate(expect_list(value, "features"))
+    ]
+    ordered = tuple(f.name for f in CONTRACT if f.name in names)
+    if tuple(names) != ordered:  # one spelling per set: a hand edit or a merge shows
+        raise FieldError("features", f"must list each feature once, in contract order {ordered}")
+    return ordered
 
 
 def read_gate_file(path: Path, *, kind: str) -> GateFile:
@@ -261,6 +303,7 @@ def write_gate_file(gate_file: GateFile, path: Path) -> Path:
         "format": gate_file.kind,
         "version": VERSION,
         "implementation": gate_file.implementation,
+        "features": list(gate_file.features),
         "corpus": gate_file.corpus,
         "profile": "ci",
         "hypothesis": gate_file.hypothesis,

@@ -16,15 +16,22 @@ beyond ``baseline + headroom`` is a regression; below the baseline, an improveme
 is not fixed bit for bit across CPUs (§6 allows three results per element), so a baseline
 recorded on one CPU may not transfer; record one per runner type to gate a fused implementation.
 
-Hard failures: any oracle violation (a failing scenario in any key). Keys only in the baseline
-or only in the run, or a corpus key with another scenario count, mean the baseline is foreign to
-this run (another corpus or version): exit 2.
+Hard failures: any oracle violation (a failing scenario in any key). A feature the baseline was
+made with and the implementation lacks now (:mod:`wacc.contract`) is a regression (``lost``),
+extension or core: what the implementation promised is gone, and its keys are no longer judged.
+
+Keys only in the baseline that the run did not judge (``not_judged``: their family needs a
+feature the implementation lacks) are rows ``not judged``; keys only in the run that the
+baseline could not have judged (``new``: it was made without a feature their family needs) are
+judged for hard failures, their metrics compared with nothing until the baseline is recorded
+anew. Any other key only in the baseline or only in the run, or a corpus key with another
+scenario count, means the baseline is foreign to this run (another corpus or version): exit 2.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from wacc.errors import UsageError
@@ -54,29 +61,43 @@ class Comparison:
     failures: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
     improvements: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # features the baseline had, gone now
     rows: list[tuple[str, Metrics, Metrics, str]] = field(
         default_factory=list
     )  # key, now, base, status
 
     @property
     def passed(self) -> bool:
-        """No hard failure and no regression."""
-        return not self.failures and not self.regressions
+        """No hard failure, no regression and no lost feature."""
+        return not self.failures and not self.regressions and not self.lost
 
 
-def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comparison:
-    """Judge ``run`` against ``baseline`` (see the module docstring)."""
+def compare(
+    run: Mapping[str, Metrics],
+    baseline: Mapping[str, Metrics],
+    *,
+    not_judged: Collection[str] = (),
+    new: Collection[str] = (),
+    lost: Sequence[str] = (),
+) -> Comparison:
+    """Judge ``run`` against ``baseline`` (see the module docstring): ``not_judged`` the keys
+    the run could not judge, ``new`` those the baseline could not have, ``lost`` one line per
+    feature lost since the baseline."""
     # The UsageErrors name the baseline's field; the command puts the file's name in front.
-    missing, extra = sorted(baseline.keys() - run.keys()), sorted(run.keys() - baseline.keys())
+    missing = sorted(baseline.keys() - run.keys() - set(not_judged))
+    extra = sorted(run.keys() - baseline.keys() - set(new))
     if missing or extra:
         raise UsageError(
             f"entries: do not fit this run: keys only in the baseline {shown(missing[:3])}, only "
             f"in the run {shown(extra[:3])} (update it with `wacc gate --update-baseline`)"
         )
-    result = Comparison()
-    for key in sorted(run):
-        now, base = run[key], baseline[key]
-        gated = key.endswith("/corpus")
+    result = Comparison(lost=list(lost))
+    for key in sorted(run.keys() | baseline.keys()):
+        if key not in run:  # not judged: shown, never compared
+            result.rows.append((key, Metrics(), baseline[key], "not judged"))
+            continue
+        now, base = run[key], baseline.get(key, Metrics())
+        gated = key.endswith("/corpus") and key in baseline
         if gated and now.scenarios != base.scenarios:
             raise UsageError(
                 f"{item('entries', key)}.scenarios: does not fit this run: {now.scenarios} "
@@ -98,5 +119,7 @@ def compare(run: Mapping[str, Metrics], baseline: Mapping[str, Metrics]) -> Comp
             elif value < reference:
                 result.improvements.append(f"{key}: {metric} {value!r} < baseline {reference!r}")
                 status = "improved" if status == "ok" else status
+        if key not in baseline and status == "ok":
+            status = "new"  # judged, its metrics compared with nothing yet
         result.rows.append((key, now, base, status))
     return result

@@ -7,7 +7,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from junitparser import Failure, JUnitXml, TestCase, TestSuite
+from junitparser import Failure, JUnitXml, Skipped, TestCase, TestSuite
 
 from wacc.gate.compare import Comparison
 from wacc.gate.groups import FailureGroup
@@ -101,11 +101,14 @@ def write_summary(
     seconds: float,
     groups: Sequence[FailureGroup] = (),
     artifacts: Sequence[str] = (),
+    not_judged: Sequence[str] = (),
 ) -> Path:
     """A markdown summary for a pull-request comment: the verdict, the keys that are not plainly
-    ok, the largest failure groups with a replay command each, the regressions, and where the
-    artifacts are. The caps on rows, groups and items keep it within :data:`SUMMARY_MAX_LINES`
-    lines (the JUnit XML has every key, the replay folder every failure)."""
+    ok, the largest failure groups with a replay command each, the regressions (a feature lost
+    since the baseline first), what was not judged and why (``not_judged``: one line per missing
+    feature), and where the artifacts are. The caps on rows, groups and items keep it within
+    :data:`SUMMARY_MAX_LINES` lines (the JUnit XML has every key, the replay folder every
+    failure)."""
     verdict = "passed" if comparison.passed else "FAILED"
     failing = sum(group.count for group in groups)
     unchanged = sum(1 for row in comparison.rows if row[3] == "ok")
@@ -133,8 +136,9 @@ def write_summary(
                 lines.append(f"  replay: `{replay_command(group.first.replay, implementation)}`")
         if len(groups) > _SUMMARY_GROUPS:
             lines.append(f"- ... and {len(groups) - _SUMMARY_GROUPS} more (see the artifacts)")
-    for title, items in (("Regressions", comparison.regressions),
-                         ("Improvements", comparison.improvements)):  # fmt: skip
+    for title, items in (("Regressions", comparison.lost + comparison.regressions),
+                         ("Improvements", comparison.improvements),
+                         ("Not judged", not_judged)):  # fmt: skip
         if items:
             lines += ["", f"**{title}**", ""] + [f"- {item}" for item in items[:_SUMMARY_GROUPS]]
             if len(items) > _SUMMARY_GROUPS:
@@ -146,13 +150,28 @@ def write_summary(
     return path
 
 
-def write_junit(comparison: Comparison, path: Path, *, implementation: str) -> Path:
+def write_junit(
+    comparison: Comparison, path: Path, *, implementation: str, not_judged: Sequence[str] = ()
+) -> Path:
     """JUnit XML: one test case per key, its measured time, failed for a hard failure or a
     regression (the failure text: the key's failure and regression lines, and the replay
-    command of its first failing scenarios)."""
+    command of its first failing scenarios), skipped when not judged (the text: ``not_judged``,
+    why); and a test case ``features``, failed for a feature lost since the baseline."""
     suite = TestSuite(f"wacc gate {implementation}")
+    features = TestCase("features", classname="wacc.gate", time=0.0)
+    if comparison.lost:
+        failure = Failure(comparison.lost[0][:200], type_="REGRESSION")
+        failure.text = "\n".join(comparison.lost)
+        features.result = [failure]
+    suite.add_testcase(features)
     for key, now, _, status in comparison.rows:
         case = TestCase(key, classname="wacc.gate", time=now.milliseconds / 1000)
+        if status == "not judged":
+            skipped = Skipped("; ".join(not_judged)[:200] or "not judged")
+            skipped.text = "\n".join(not_judged)
+            case.result = [skipped]
+            suite.add_testcase(case)
+            continue
         problems = [
             line
             for line in comparison.failures + comparison.regressions

@@ -158,21 +158,28 @@ if __name__ == "__main__":
     print(f"wrote {freeze_corpus()}")
 
 
-def judged_scenario(entry: CorpusEntry, implementation: Implementation) -> tuple[Scenario, str]:
-    """The scenario ``implementation`` is judged on, and the suffix of its replay file's name.
+def judged_scenario(
+    entry: CorpusEntry, implementation: Implementation
+) -> tuple[Scenario, str] | None:
+    """The scenario ``implementation`` is judged on, and the suffix of its replay file's name;
+    None when it is not judged (its family, or one of its steps, needs a feature the
+    implementation lacks: ``wacc check`` does not run that family either).
 
     An implementation that declares ``fused`` runs the ``fused=True`` twin; one without records
     (feature ``records``) runs the twin without checkpoints and restores, as ``wacc check``
     generates none for it: the missing feature is reported once as unsupported, not as a
     semantics failure in every scenario that checkpoints.
     """
+    if not implementation.coverage().judges_family(entry.family):
+        return None
     scenario = dataclasses.replace(entry.scenario, fused=implementation.fused)
     suffix = FUSED_SUFFIX if implementation.fused else ""
-    if not implementation.supports("records"):
-        stripped = without_interruptions(scenario)
-        if stripped != scenario:
-            scenario, suffix = stripped, suffix + NO_RECORDS_SUFFIX
-    return scenario, suffix
+    judged = implementation.judgeable(scenario)
+    if judged is None:
+        return None
+    if judged != scenario:
+        suffix += NO_RECORDS_SUFFIX
+    return judged, suffix
 
 
 def scenario_of_replay(entry: CorpusEntry, suffix: str) -> Scenario:

@@ -3,7 +3,8 @@
 The previous report is read from its ``divergence.csv`` (the rows the headline is made of), so
 any report this tool wrote can be compared with, including one from an older version whose CSV
 lacks the oracle and provenance columns and names ``max_rel_error`` so (only the row's own
-columns, :data:`~wacc.report.writer.ROW_COLUMNS`, are read). Reading is strict: a file that
+columns, :data:`~wacc.report.writer.ROW_COLUMNS`, are read; a ``not judged`` line, a scenario
+an implementation was not run on, has no numbers and is skipped). Reading is strict: a file that
 is not such a CSV, a missing column, or a field that does not parse is a
 :class:`~wacc.errors.UsageError` of one line naming the file, the line, the column and the
 value (exit 2), never a traceback or a silently wrong comparison.
@@ -131,6 +132,8 @@ def read_rows(folder: Path) -> list[Row]:
         try:
             record = {by_column[column]: text for column, text in zip(header, cells, strict=True)
                       if column in by_column}  # fmt: skip
+            if record["verdict"].startswith("not judged: "):
+                continue  # a scenario not run (a missing feature): no numbers to compare
             rows.append(_row(record))
         except _BadField as exc:
             raise UsageError(f"{name!r}: line {number}: {exc}") from None

@@ -11,7 +11,15 @@ from wacc.report.corpus import FUSED_SUFFIX, CorpusEntry, judged_scenario
 from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 
-__all__ = ["FUSED_SUFFIX", "IMPLEMENTATIONS", "Row", "judge_corpus", "window_length", "weight_skew"]
+__all__ = [
+    "FUSED_SUFFIX",
+    "IMPLEMENTATIONS",
+    "NotJudged",
+    "Row",
+    "judge_corpus",
+    "window_length",
+    "weight_skew",
+]
 
 # report name -> factory spec, in the order of the headline table
 IMPLEMENTATIONS: Mapping[str, str] = {
@@ -47,6 +55,26 @@ class Row:
     def failed(self) -> bool:
         """Whether an oracle failed on this row."""
         return self.verdict != "pass"
+
+
+@dataclass(frozen=True)
+class NotJudged:
+    """A scenario x implementation x device the corpus has but the implementation is not judged
+    on: its family (or a step) needs features the implementation lacks (:mod:`wacc.contract`).
+    ``divergence.csv`` has a line for it, its verdict ``not judged: <features>``."""
+
+    scenario_id: str
+    family: str
+    implementation: str
+    device: str
+    work_dtype: str
+    grad_dtype: str
+    features: tuple[str, ...]
+
+    @property
+    def verdict(self) -> str:
+        """``not judged: <feature>, ...``: the words of the CSV's verdict column."""
+        return "not judged: " + ", ".join(self.features)
 
 
 def _windows(scenario: Scenario) -> list[list[Accumulate]]:
@@ -103,12 +131,14 @@ def judge_corpus(
     implementations: Mapping[str, str] = IMPLEMENTATIONS,
     devices: Sequence[str] = ("cpu",),
     progress: Callable[[], None] = lambda: None,
+    not_judged: list[NotJudged] | None = None,
 ) -> tuple[list[Row], dict[tuple[str, str, str], ScenarioVerdict]]:
     """Judge every entry on every implementation and device with all three oracles.
 
     Returns the rows and the verdicts keyed by (scenario id, implementation, device). Each
     implementation runs the scenario :func:`~wacc.report.corpus.judged_scenario` gives it (the
-    ``fused=True`` twin for a fused one, no checkpoints for one without records).
+    ``fused=True`` twin for a fused one, no checkpoints for one without records); one it
+    gives none is not run, and appended to ``not_judged`` (with the features it needs).
     """
     loaded: dict[str, Implementation] = {
         name: load_implementation(spec) for name, spec in implementations.items()
@@ -117,7 +147,24 @@ def judge_corpus(
     verdicts: dict[tuple[str, str, str], ScenarioVerdict] = {}
     for entry in corpus:
         for name, implementation in loaded.items():
-            scenario, suffix = judged_scenario(entry, implementation)
+            taken = judged_scenario(entry, implementation)
+            if taken is None:
+                lacking = implementation.coverage().lacking(
+                    family=entry.family, ops=(step.op for step in entry.scenario.steps)
+                )
+                for device in devices:
+                    if not_judged is not None:
+                        not_judged.append(
+                            NotJudged(
+                                scenario_id=entry.scenario_id, family=entry.family,
+                                implementation=name, device=device,
+                                work_dtype=entry.scenario.work_dtype,
+                                grad_dtype=entry.scenario.grad_dtype, features=lacking,
+                            )
+                        )  # fmt: skip
+                    progress()
+                continue
+            scenario, suffix = taken
             for device in devices:
                 verdict = judge(implementation, scenario, device=device, oracles=ORACLES)
                 rows.append(_row(entry, name, device, verdict, suffix))

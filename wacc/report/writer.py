@@ -15,7 +15,7 @@ from pathlib import Path
 
 from wacc.report.corpus import CorpusEntry, scenario_of_replay
 from wacc.report.provenance import Provenance
-from wacc.report.rows import IMPLEMENTATIONS, Row
+from wacc.report.rows import IMPLEMENTATIONS, NotJudged, Row
 from wacc.tables import format_metric
 from wacc.verdict import ORACLES
 from wacc_ref import formats
@@ -126,9 +126,12 @@ def headline_markdown(lines: Sequence[Headline]) -> str:
     return "\n".join(out)
 
 
-def write_csv(rows: Sequence[Row], path: Path, *, provenance: Provenance) -> Path:
+def write_csv(
+    rows: Sequence[Row], path: Path, *, provenance: Provenance, not_judged: Sequence[NotJudged] = ()
+) -> Path:
     """``divergence.csv``: one row per scenario x implementation x device (floats as repr),
-    with :data:`CSV_COLUMNS`."""
+    with :data:`CSV_COLUMNS`; then one per scenario an implementation is not judged on, its
+    verdict ``not judged: <features>``, its oracles ``not judged`` and its metrics empty."""
     stamp = [
         provenance.versions.get("wacc", "?"), provenance.versions.get("torch", "?"),
         provenance.commit, provenance.corpus_seed, provenance.corpus_size, provenance.date,
@@ -141,6 +144,15 @@ def write_csv(rows: Sequence[Row], path: Path, *, provenance: Provenance) -> Pat
             writer.writerow(
                 [getattr(row, name) for name in ROW_FIELDS]
                 + ["fail" if oracle in failed else "pass" for oracle in ORACLE_COLUMNS]
+                + stamp
+            )
+        for skipped in not_judged:
+            writer.writerow(
+                [
+                    skipped.verdict if name == "verdict" else getattr(skipped, name, "")
+                    for name in ROW_FIELDS
+                ]
+                + ["not judged"] * len(ORACLE_COLUMNS)
                 + stamp
             )
     return path
@@ -170,6 +182,7 @@ def write_index(
     variants: Mapping[str, Mapping[str, Counter[str]]],
     replay_files: int,
     unsupported: Mapping[str, Sequence[str]] | None = None,
+    not_judged: Sequence[NotJudged] = (),
     compared: tuple[str, Sequence[str], Sequence[Sequence[str]]] | None = None,
     audit: Sequence[str] | None = None,
 ) -> Path:
@@ -210,14 +223,22 @@ def write_index(
         ]
     lacking = {name: lines for name, lines in (unsupported or {}).items() if lines}
     if lacking:
+        skipped = Counter(s.implementation for s in not_judged)
         parts += [
             "## Features the implementations lack",
             "",
-            "What the judge found missing (`wacc check` fails each unless `--allow-missing` names "
-            "it): the steps that need a missing feature are not run, so the rows above judge "
-            "the rest.",
+            "What the judge found missing (the contract: `wacc.contract`). `unsupported`: a "
+            "missing core feature, which fails that implementation unless `--allow-missing` "
+            "names it; `not judged`: a missing extension (or an allowed core feature), which "
+            "fails nothing. The steps and scenarios that need a missing feature are not run, so "
+            "the rows above judge the rest; `divergence.csv` has a `not judged` line for each "
+            "scenario left out.",
             "",
             *(f"- `{name}`: {line}" for name, lines in lacking.items() for line in lines),
+            *(
+                f"- `{name}`: {count} corpus scenario(s) x device(s) not judged"
+                for name, count in skipped.items()
+            ),
             "",
         ]
     for title, (path, caption) in figures.items():
