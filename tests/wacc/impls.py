@@ -394,7 +394,13 @@ for _name, _factory in list(globals().items()):
         and getattr(_factory, "__module__", None) == __name__
         and not isinstance(_factory, type)
         and _name
-        not in ("no_loss_scaler", "scaler_forgets_run", "refusing_with", "tensor_scaler", "seed_api")
+        not in (
+            "no_loss_scaler",
+            "scaler_forgets_run",
+            "refusing_with",
+            "tensor_scaler",
+            "seed_api",
+        )
     ):
         _factory.loss_scaler = wacc_torch_loss_scaler
 scaler_forgets_run.loss_scaler = _scaler_forgets_run_scaler  # type: ignore[attr-defined]
