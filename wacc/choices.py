@@ -35,6 +35,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "interruptions",
     "non_finite",
     "dynamic_scaling",
+    "structural",
     MACHINE,
 )
 

@@ -57,6 +57,11 @@ FAMILIES: Mapping[str, Mapping[str, Any]] = {
     # dynamic loss scaling (semantics §13): windows at the scaler's scales, overflows, skipped
     # windows, scales set mid-window or invalid, checkpoints anywhere
     "dynamic_scaling": {"dynamic": True},
+    # malformed gradients (semantics §5, §11, wacc_ref.faults): a wrong shape, dtype, device,
+    # layout or type, or an unknown name, refused with ParameterMismatchError at any weight with
+    # nothing changed; non-contiguous, channels-last and missing gradients, accepted as the
+    # dense ones. Not in the frozen corpus (CORPUS_FAMILIES).
+    "structural": {"structural": True, "invalid_weights": False, "max_interruptions": 1},
 }
 # The families of the frozen report corpus (and so of the gate's corpus keys). dynamic_scaling
 # came later: its cells were appended to the frozen file, the older ones kept as they were drawn.
