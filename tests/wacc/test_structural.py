@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.wacc.test_cli import wacc
+from tests.wacc.test_cli import REPO, wacc
 from wacc.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, run_family
 from wacc.implementation import load_implementation
 from wacc.verdict import judge
@@ -173,3 +173,13 @@ def test_check_finds_a_planted_structural_bug_and_its_replay_reproduces_it(
     assert replay.returncode == 1, replay.stdout + replay.stderr
     clean = wacc("replay", str(finding))
     assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+def test_the_gate_check_units_still_fit_the_committed_baseline() -> None:
+    """`wacc gate` runs the same check units as before the structural family, so the committed
+    baseline (reports/baseline.json) keeps fitting a run: its check keys are the gate's."""
+    from wacc.gate.measure import units
+
+    baseline = json.loads((REPO / "reports" / "baseline.json").read_text(encoding="utf-8"))
+    checked = {key for key in baseline["entries"] if key.endswith("/check")}
+    assert {unit.key for unit in units([])} == checked
