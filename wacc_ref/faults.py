@@ -51,6 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ACCEPTED_FAULTS",
     "FAULT_KINDS",
@@ -103,7 +105,7 @@ class MalformedGradient:
 
     fault: Fault
 
-    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         # Never read as values: wacc_ref.records.gradient_array refuses it first.
         raise TypeError(f"a malformed gradient ({self.fault.kind}) has no values")
 

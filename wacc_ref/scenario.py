@@ -72,6 +72,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from wacc_ref import formats
 from wacc_ref.bits import float_key
@@ -497,11 +498,11 @@ class Scenario:
                 arrays[name] = np.array(values, dtype=np.float64).reshape(shapes[name])
         return arrays
 
-    def reference_grads(self, step: Accumulate) -> dict[str, object]:
+    def reference_grads(self, step: Accumulate) -> dict[str, npt.ArrayLike | None]:
         """:meth:`grad_arrays` as the reference must see the step: a refused fault's gradient
         is a :class:`~wacc_ref.faults.MalformedGradient` (an ``unknown`` one an extra name);
         an accepted fault's gradients are :meth:`grad_arrays` themselves."""
-        arrays: dict[str, object] = dict(self.grad_arrays(step))
+        arrays: dict[str, npt.ArrayLike | None] = dict(self.grad_arrays(step))
         if step.fault is not None and step.fault.refused:
             arrays[step.fault.name] = MalformedGradient(step.fault)
         return arrays
