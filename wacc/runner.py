@@ -15,6 +15,9 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
   (``state``), and a corrupted restore applies a format-agnostic corruption
   (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the §11 family.
+* An accumulate step with a fault (:mod:`wacc_ref.faults`, the structural family) hands that
+  gradient in malformed: of another shape, dtype, device or layout, not a tensor, under a name
+  that is not tracked, non-contiguous or channels-last, or left out of the mapping.
 * The corruptions only an integrity check can refuse (:mod:`wacc.integrity`) are skipped for an
   implementation without the feature ``checksum``, in either layout.
 * An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message
@@ -169,14 +172,10 @@ def _faulty_gradient(
         return _gradient_tensor(np.zeros(values.shape), grad_dtype, device)
     if kind == "scalar":
         return _gradient_tensor(np.array(first), grad_dtype, device)
-    if kind == "broadcast":
-        return _gradient_tensor(
-            values.reshape(-1)[: math.prod(broadcast_shape(values.shape))].reshape(
-                broadcast_shape(values.shape)
-            ),
-            grad_dtype,
-            device,
-        )
+    if kind == "broadcast":  # the dims before the cut one are 1: the slice is a flat prefix
+        shape = broadcast_shape(values.shape)
+        cut = values.reshape(-1)[: math.prod(shape)].reshape(shape)
+        return _gradient_tensor(cut, grad_dtype, device)
     if kind == "reshaped":
         return _gradient_tensor(values.reshape(reshaped_shape(values.shape)), grad_dtype, device)
     dense = _gradient_tensor(values, grad_dtype, device)

@@ -44,7 +44,9 @@ of a NaN, which no comparison in this project looks at (a NaN is a NaN).  A fail
 therefore be saved with ``to_json`` and replayed with ``from_json``.  The format is version 1;
 version 2 adds the ``scaler`` field (an object or null) and the two steps of dynamic scaling,
 and is written only for a scenario that has a scaler or such a step (every other scenario's
-JSON is what it always was).
+JSON is what it always was); version 3 is version 2 with a ``fault`` object (``kind``,
+``name``) on the accumulate steps that hand a gradient in malformed (:mod:`wacc_ref.faults`,
+the structural family), written only for a scenario with such a step.
 
 :func:`from_json` reads strictly, by the rules of :mod:`wacc_ref.strict_json`: exactly the fields
 ``to_json`` writes, none missing, unknown or repeated; every float spelled exactly as
@@ -468,7 +470,8 @@ class Scenario:
         assert step.fault is not None
         problem = fault_problem(step.fault, self.params)
         name = step.fault.name
-        if problem is None and step.fault.kind != "unknown" and not step.grads_mapping().get(name):
+        values = step.grads_mapping().get(name)
+        if problem is None and step.fault.kind != "unknown" and values is None:
             # A fault reshapes, retypes or moves the step's values: they must be there.
             problem = f"{step.fault.kind} needs the step's gradient values of {name!r}"
         if problem is not None:
