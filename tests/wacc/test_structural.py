@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 
 from tests.wacc.test_cli import REPO, wacc
+from tests.wacc_ref.scenario_support import fault_scenario
 from wacc.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, run_family
 from wacc.implementation import load_implementation
 from wacc.verdict import judge
-from wacc_ref.faults import ACCEPTED_FAULTS, FAULT_KINDS, REFUSED_FAULTS, Fault
+from wacc_ref.faults import FAULT_KINDS, REFUSED_FAULTS
 from wacc_ref.scenario import (
     JSON_VERSION_STRUCTURAL,
     Accumulate,
-    Finish,
-    Scenario,
     ScenarioError,
     from_json,
     scenarios_identical,
@@ -25,30 +24,6 @@ from wacc_ref.scenario import (
 )
 
 FACTORIES = ("reproducible", "fused", "zero_copy")
-# A parameter each fault kind applies to (wacc_ref.faults.fault_problem).
-SHAPES = {"w": (2, 2), "c": (1, 2, 1, 2)}
-
-
-def _fault_scenario(
-    kind: str, weight: float, op: str, *, work: str = "float32", fused: bool = False
-) -> Scenario:
-    """A window: a dense step, the step with the fault, a dense step, then its mean."""
-    name = "c" if kind == "channels_last" else "w"
-    target = "stray.weight" if kind == "unknown" else name
-    values = {"w": (1.5, -2.0, 3.0, 0.25), "c": (0.5, 1.0, -1.0, 2.0)}
-    return Scenario(
-        work_dtype=work,
-        grad_dtype="bfloat16",
-        loss_scale=1.0,
-        fused=fused,
-        parameters=tuple(SHAPES.items()),
-        steps=(
-            Accumulate.of("sum", 3.0, values),
-            Accumulate(op, weight, tuple(values.items()), fault=Fault(kind, target)),  # type: ignore[arg-type]
-            Accumulate.of("mean", 2.0, values),
-            Finish("mean"),
-        ),
-    )
 
 
 @pytest.mark.parametrize("factory", FACTORIES)
@@ -62,7 +37,7 @@ def test_each_fault_has_the_semantics_outcome_and_wacc_torch_agrees(
     implementation = load_implementation(f"wacc.implementation:wacc_torch_{factory}")
     for weight in (1.0, 0.0):
         for op in ("sum", "mean"):
-            scenario = _fault_scenario(kind, weight, op, fused=implementation.fused)
+            scenario = fault_scenario(kind, weight, op, fused=implementation.fused)
             verdict = judge(implementation, scenario)
             assert not verdict.failed, verdict.describe()
             expected = "ParameterMismatchError" if kind in REFUSED_FAULTS else None
@@ -70,35 +45,10 @@ def test_each_fault_has_the_semantics_outcome_and_wacc_torch_agrees(
             assert verdict.steps[3].expected_error is None  # the window continued to its mean
 
 
-def test_an_accepted_fault_gives_the_dense_gradients_result() -> None:
-    """The reference treats a non-contiguous or channels-last gradient as the dense one, and a
-    missing name as None: the finished window equals the window without the fault (or with
-    the name's entry removed)."""
-    for kind in ACCEPTED_FAULTS:
-        scenario = _fault_scenario(kind, 1.0, "sum")
-        step = scenario.steps[1]
-        assert isinstance(step, Accumulate) and step.fault is not None
-        dense_grads = tuple(g for g in step.grads if not (kind == "missing" and g[0] == "w"))
-        dense = Scenario(
-            **{
-                **scenario.__dict__,
-                "steps": (
-                    scenario.steps[0],
-                    Accumulate("sum", 1.0, dense_grads),
-                    *scenario.steps[2:],
-                ),
-            }  # fmt: skip
-        )
-        implementation = load_implementation("wacc.implementation:wacc_torch_reproducible")
-        faulty, plain = judge(implementation, scenario), judge(implementation, dense)
-        assert not faulty.failed and not plain.failed
-        assert faulty.steps[3].max_ratio == plain.steps[3].max_ratio
-
-
 def test_the_zero_copy_adapter_checks_the_structure_before_w_d() -> None:
     """§5's check order in the zero-copy adapter: a mean whose weight does not survive float16
     (10**6 -> inf) with an int64 gradient is ParameterMismatchError, as in the buffered mode."""
-    scenario = _fault_scenario("int64", 1e6, "mean", work="float16")
+    scenario = fault_scenario("int64", 1e6, "mean", work="float16")
     verdict = judge(load_implementation("wacc.implementation:wacc_torch_zero_copy"), scenario)
     assert verdict.steps[1].expected_error == "ParameterMismatchError"
     assert not verdict.failed, verdict.describe()
@@ -121,12 +71,12 @@ def test_structural_is_a_family_but_not_in_the_frozen_corpus() -> None:
 def test_a_fault_round_trips_through_json_version_3() -> None:
     """A scenario with a fault is written as version 3 and read back identical; the fault is
     part of the scenario's identity."""
-    scenario = _fault_scenario("broadcast", 0.0, "mean")
+    scenario = fault_scenario("broadcast", 0.0, "mean")
     text = to_json(scenario)
     assert json.loads(text)["version"] == JSON_VERSION_STRUCTURAL
     assert json.loads(text)["steps"][1]["fault"] == {"kind": "broadcast", "name": "w"}
     assert scenarios_identical(from_json(text), scenario)
-    other = _fault_scenario("reshaped", 0.0, "mean")
+    other = fault_scenario("reshaped", 0.0, "mean")
     assert not scenarios_identical(other, scenario)
 
 
@@ -146,7 +96,7 @@ def test_from_json_refuses_a_fault_that_does_not_apply(edit: object, fragment: s
     (a broadcast of (1, 2, 1, 2) is fine, of a shape without a dimension above 1 not: here a
     transposed view of a rank-4 one), on an unknown name, or on a step without the name's
     values is a ScenarioError naming the field."""
-    scenario = _fault_scenario("transposed", 1.0, "sum")
+    scenario = fault_scenario("transposed", 1.0, "sum")
     document = json.loads(to_json(scenario))
     edit(document)  # type: ignore[operator]
     with pytest.raises(ScenarioError, match=fragment):
