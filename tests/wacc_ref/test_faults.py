@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import find
 
-from tests.wacc_ref.scenario_support import fault_scenario
-from wacc_ref.faults import ACCEPTED_FAULTS, REFUSED_FAULTS, Fault
+from tests.wacc_ref.scenario_support import FAULT_SHAPES, FAULT_VALUES, fault_scenario
+from wacc_ref.faults import ACCEPTED_FAULTS, FAULT_KINDS, REFUSED_FAULTS, Fault, fault_problem
 from wacc_ref.oracles import run_reference
 from wacc_ref.scenario import Accumulate
+from wacc_ref.strategies import faults
 from wacc_ref.traces import ScenarioTrace
 
 
@@ -71,3 +73,12 @@ def test_a_mean_weight_that_does_not_survive_d_comes_after_the_structure() -> No
     )
     assert run_reference(clean).outcomes[1].error == "InvalidWeightError"
     assert Fault("bool", "w").refused
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_the_strategy_draws_every_fault_kind(kind: str) -> None:
+    """wacc_ref.strategies.faults reaches each kind for a step holding a (2, 2) and a rank-4
+    gradient, and every fault it draws applies (the scenario with it is valid)."""
+    grads = tuple(FAULT_VALUES.items())
+    drawn = find(faults(tuple(FAULT_SHAPES.items()), grads), lambda fault: fault.kind == kind)
+    assert fault_problem(drawn, FAULT_SHAPES) is None
