@@ -56,6 +56,12 @@ _WORK_DTYPES: Mapping[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# Semantics §2 Reading (gradient dtypes): the six formats a gradient may have.
+GRADIENT_DTYPES: tuple[torch.dtype, ...] = (
+    *_WORK_DTYPES.values(),
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
 
 
 def _is_int(value: object) -> bool:
@@ -169,6 +175,24 @@ class SpecAccumulator:
             contribution = contribution * weight  # w_D is exact in D: one rounding
         buffer.add_(contribution)
 
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        """A dense tensor of one of semantics §2's gradient dtypes, with the parameter's shape
+        and device (§5 Readings), else :class:`ParameterMismatchError` naming what differs."""
+        if not isinstance(grad, torch.Tensor):
+            raise ParameterMismatchError(
+                f"gradient of {name!r} must be a tensor or None, got {type(grad).__name__}"
+            )
+        if grad.dtype not in GRADIENT_DTYPES:
+            raise ParameterMismatchError(f"gradient of {name!r} has dtype {grad.dtype}")
+        if grad.layout != torch.strided:
+            raise ParameterMismatchError(f"gradient of {name!r} has layout {grad.layout}")
+        if grad.shape != parameter.shape:
+            raise ParameterMismatchError(
+                f"gradient of {name!r} has shape {list(grad.shape)}, not {list(parameter.shape)}"
+            )
+        if grad.device != parameter.device:
+            raise ParameterMismatchError(f"gradient of {name!r} is on {grad.device}")
+
     def skip_zero_weight(self, gradients: Mapping[str, torch.Tensor | None]) -> None:
         """A zero-weight batch: no gradient is read, only the counters move."""
         self.issued += 1
@@ -242,12 +266,8 @@ class SpecAccumulator:
                 raise ParameterMismatchError(f"grads names untracked parameter(s) {unknown!r}")
             gradients = {name: grads.get(name) for name in parameters}
         for name, grad in gradients.items():
-            if grad is not None and (
-                not isinstance(grad, torch.Tensor)
-                or not grad.is_floating_point()
-                or grad.shape != parameters[name].shape
-            ):
-                raise ParameterMismatchError(f"gradient of {name!r} is not a matching tensor")
+            if grad is not None:
+                self.check_gradient(name, grad, parameters[name])
         counted = self.counted_weight(value, mean=mean) if value != 0 else 0.0
         total = self.updated_total(counted)
         if not math.isfinite(total):
@@ -264,8 +284,9 @@ class SpecAccumulator:
         for name, grad in gradients.items():
             if grad is not None:
                 if name not in self.pending:
+                    parameter = parameters[name]
                     self.pending[name] = torch.zeros(
-                        grad.shape, dtype=self.buffer_dtype, device=grad.device
+                        parameter.shape, dtype=self.buffer_dtype, device=parameter.device
                     )
                 self.add(self.pending[name], grad.detach(), weight=counted, mean=mean)
         self.issued += 1

@@ -38,6 +38,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "interruptions",
     "non_finite",
     "dynamic_scaling",
+    "structural",
     MACHINE,
 )
 

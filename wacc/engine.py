@@ -35,6 +35,7 @@ __all__ = [
     "CORPUS_FAMILIES",
     "FAMILIES",
     "FAMILY_FEATURES",
+    "GATE_FAMILIES",
     "CheckConfig",
     "CheckReport",
     "DtypeSummary",
@@ -58,6 +59,11 @@ FAMILIES: Mapping[str, Mapping[str, Any]] = {
     # dynamic loss scaling (semantics §13): windows at the scaler's scales, overflows, skipped
     # windows, scales set mid-window or invalid, checkpoints anywhere
     "dynamic_scaling": {"dynamic": True},
+    # malformed gradients (semantics §5, §11, wacc_ref.faults): a wrong shape, dtype, device,
+    # layout or type, or an unknown name, refused with ParameterMismatchError at any weight with
+    # nothing changed; non-contiguous, channels-last and missing gradients, accepted as the
+    # dense ones. Not in the frozen corpus (CORPUS_FAMILIES).
+    "structural": {"structural": True, "invalid_weights": False, "max_interruptions": 1},
 }
 # The families of the frozen report corpus (and so of the gate's corpus keys). dynamic_scaling
 # came later: its cells were appended to the frozen file, the older ones kept as they were drawn.
@@ -68,6 +74,10 @@ CORPUS_FAMILIES: tuple[str, ...] = (
     "non_finite",
     "dynamic_scaling",
 )
+# The check units of `wacc gate` (its baseline's "<dtype>/<family>/check" keys): the corpus
+# families and the machine. structural came later and is not gated, so that the committed
+# baseline still fits a run (adding it is a `wacc gate --update-baseline`).
+GATE_FAMILIES: tuple[str, ...] = (*CORPUS_FAMILIES, MACHINE)
 # family -> the features without which its scenarios cannot run: the family is then skipped (the
 # features are reported as not judged). Declared by the contract (wacc.contract).
 FAMILY_FEATURES: Mapping[str, tuple[str, ...]] = {

@@ -15,6 +15,9 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   :mod:`wacc_ref.corruption`. Any other record is opaque: the state after a step is its counters
   (``state``), and a corrupted restore applies a format-agnostic corruption
   (:data:`AGNOSTIC_CORRUPTIONS`), which must raise an error of the §11 family.
+* An accumulate step with a fault (:mod:`wacc_ref.faults`, the structural family) hands that
+  gradient in malformed: of another shape, dtype, device or layout, not a tensor, under a name
+  that is not tracked, non-contiguous or channels-last, or left out of the mapping.
 * The corruptions only an integrity check can refuse (:mod:`wacc.integrity`) are skipped for an
   implementation without the feature ``checksum``, in either layout.
 * An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message
@@ -27,6 +30,7 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sysconfig
 import tempfile
 import threading
@@ -49,6 +53,7 @@ from wacc.integrity import (
 )
 from wacc.modules import module_of
 from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
+from wacc_ref.faults import Fault, broadcast_shape, reshaped_shape
 from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
@@ -149,6 +154,57 @@ def _gradient_tensor(values: np.ndarray, grad_dtype: str, device: torch.device) 
     # float64 holds every value of every format exactly and the scenario guarantees the values
     # are representable in G, so this conversion is exact whatever PyTorch's rounding path.
     return torch.tensor(values, dtype=torch.float64).to(TORCH_DTYPES[grad_dtype]).to(device)
+
+
+def _faulty_gradient(
+    fault: Fault, values: np.ndarray, grad_dtype: str, device: torch.device
+) -> object:
+    """The gradient ``fault`` hands in for ``values`` (the dense values, in the parameter's
+    shape), as :mod:`wacc_ref.faults` describes each kind."""
+    kind = fault.kind
+    dtype = TORCH_DTYPES[grad_dtype]
+    first = float(values.reshape(-1)[0]) if values.size else 0.0
+    if kind == "list":
+        return values.tolist()
+    if kind == "float":
+        return first
+    if kind == "int64":  # truncated; NaN and ±inf (not integers) become 0
+        finite = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        truncated = np.trunc(np.clip(finite, -(2.0**62), 2.0**62))
+        return torch.tensor(truncated, dtype=torch.int64, device=device)
+    if kind == "bool":
+        return torch.tensor(values != 0.0, dtype=torch.bool, device=device)
+    if kind == "complex":
+        return torch.tensor(values, dtype=torch.complex128, device=device)
+    if kind == "float8_e4m3fnuz":
+        return torch.tensor(values, dtype=torch.float32).to(torch.float8_e4m3fnuz).to(device)
+    if kind == "unknown":
+        return _gradient_tensor(np.zeros(values.shape), grad_dtype, device)
+    if kind == "scalar":
+        return _gradient_tensor(np.array(first), grad_dtype, device)
+    if kind == "broadcast":  # the dims before the cut one are 1: the slice is a flat prefix
+        shape = broadcast_shape(values.shape)
+        cut = values.reshape(-1)[: math.prod(shape)].reshape(shape)
+        return _gradient_tensor(cut, grad_dtype, device)
+    if kind == "reshaped":
+        return _gradient_tensor(values.reshape(reshaped_shape(values.shape)), grad_dtype, device)
+    dense = _gradient_tensor(values, grad_dtype, device)
+    if kind == "meta":
+        return dense.to("meta")
+    if kind == "sparse":  # (COO has no float8 kernels: built in float32, then converted)
+        return (
+            dense.float().to_sparse().to(dtype) if dense.element_size() == 1 else dense.to_sparse()
+        )
+    if kind == "transposed":  # the same values, through a transposed view of their transpose
+        return dense.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "strided":  # every second element; the others NaN, so reading them shows
+        wide = torch.full((*values.shape[:-1], 2 * values.shape[-1]), math.nan, device=device)
+        wide = wide.to(dtype)
+        wide[..., ::2] = dense
+        return wide[..., ::2]
+    if kind == "channels_last":
+        return dense.contiguous(memory_format=torch.channels_last)
+    raise AssertionError(f"no tensor for fault kind {kind!r}")  # "missing": never handed in
 
 
 def _wrong_type(value: object) -> object:
@@ -296,12 +352,21 @@ class ImplementationRun:
             ):
                 raise _Unsupported("records")
             if isinstance(step, Accumulate):
-                grads = {
+                arrays = self.scenario.grad_arrays(step)
+                grads: dict[str, object] = {
                     name: None
                     if values is None
                     else _gradient_tensor(values, self.scenario.grad_dtype, self.device)
-                    for name, values in self.scenario.grad_arrays(step).items()
+                    for name, values in arrays.items()
                 }
+                fault = step.fault
+                if fault is not None and fault.kind != "missing":  # (missing: left out already)
+                    source = arrays.get(fault.name)
+                    if source is None:  # unknown: zeros shaped like the first parameter's
+                        source = np.zeros(self.scenario.parameters[0][1])
+                    grads[fault.name] = _faulty_gradient(
+                        fault, source, self.scenario.grad_dtype, self.device
+                    )
                 method = (
                     self.accumulator.accumulate_sum
                     if step.kind == "sum"

@@ -14,12 +14,12 @@ None (or missing) gradient is left out of the backward, so its parameter receive
 The mirror's parameters are reused across calls (their ``.grad`` are the pending buffers) and
 replaced only when the judge's module changed; after a finish the ``.grad`` are set to None, as
 ``optimizer.zero_grad(set_to_none=True)`` does after a step. The gradients' structure is
-checked with the buffered mode's rules and error class (:class:`ParameterMismatchError`) inside
-the block, before the backward; the weight, the tracked set and whether a mean's weight survives
-D are checked first, by entering the block. So one call with both a malformed gradient and a mean
-weight that does not survive D names the weight here and the gradient in the buffered mode
-(semantics §5's check order); the judge never sees that, since a scenario's gradients are
-well-formed by construction (:class:`wacc_ref.scenario.Scenario` validates them).
+checked with the buffered mode's rules and error class (:class:`ParameterMismatchError`) in
+semantics §5's check order: the weight's own validity first (``wacc_torch``'s own rule), then the
+gradients' structure, then, by entering the block, the tracked set (which never changes inside a
+judged scenario), the environment and whether a mean's weight survives D. So a call with both a
+malformed gradient and a mean weight that does not survive D names the gradient, as the buffered
+mode does (the structural family hands such calls: :mod:`wacc_ref.faults`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from wacc_torch import (
     WeightedGradientsAccumulator,
 )
 from wacc_torch._dtypes import GRADIENT_DTYPES
+from wacc_torch._weights import read_weight
 from wacc_torch.zero_copy import Kind
 
 __all__ = ["ZeroCopyAdapter"]
@@ -129,8 +130,9 @@ class ZeroCopyAdapter:
         taken = grads is None
         if grads is None:  # like the buffered mode: the module's .grad, taken out on success
             grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+        read_weight(weight)  # §5's first check, before the gradients' structure
+        roots, seeds = self._seeds(mirrors, grads)
         with self._accumulator.microbatch(shadow, weight=weight, kind=kind):
-            roots, seeds = self._seeds(mirrors, grads)
             if roots:
                 torch.autograd.backward(roots, grad_tensors=seeds)
         self._mirrors = mirrors

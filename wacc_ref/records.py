@@ -61,6 +61,7 @@ from wacc_ref.errors import (
     RecordError,
     WeightedAccumulationError,
 )
+from wacc_ref.faults import MalformedGradient
 from wacc_ref.formats import FLOAT64, WORK_DTYPES, Format, conv_to, get_format, round_to
 
 __all__ = [
@@ -306,6 +307,10 @@ def gradient_array(name: str, value: object, shape: tuple[int, ...]) -> npt.NDAr
     Python floats.  Integer, bool, complex and object dtypes are refused (PyTorch refuses a
     non-floating ``.grad``), as is a shape other than the parameter's.
     """
+    if isinstance(value, MalformedGradient):  # a scenario's refused fault (wacc_ref.faults)
+        raise ParameterMismatchError(
+            f"gradient of {name!r} is malformed ({value.fault.kind}): semantics §5 refuses it"
+        )
     array = _as_array(value, what=f"gradient of {name!r}", error=ParameterMismatchError)
     if array.dtype not in _NUMPY_FLOAT_DTYPES:
         raise ParameterMismatchError(

@@ -44,7 +44,9 @@ of a NaN, which no comparison in this project looks at (a NaN is a NaN).  A fail
 therefore be saved with ``to_json`` and replayed with ``from_json``.  The format is version 1;
 version 2 adds the ``scaler`` field (an object or null) and the two steps of dynamic scaling,
 and is written only for a scenario that has a scaler or such a step (every other scenario's
-JSON is what it always was).
+JSON is what it always was); version 3 is version 2 with a ``fault`` object (``kind``,
+``name``) on the accumulate steps that hand a gradient in malformed (:mod:`wacc_ref.faults`,
+the structural family), written only for a scenario with such a step.
 
 :func:`from_json` reads strictly, by the rules of :mod:`wacc_ref.strict_json`: exactly the fields
 ``to_json`` writes, none missing, unknown or repeated; every float spelled exactly as
@@ -72,10 +74,12 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from wacc_ref import formats
 from wacc_ref.bits import float_key
 from wacc_ref.corruption import CORRUPTION_KINDS
+from wacc_ref.faults import FAULT_KINDS, Fault, MalformedGradient, fault_problem
 from wacc_ref.scaler import ReferenceLossScaler
 from wacc_ref.strict_json import (
     FieldError,
@@ -96,6 +100,7 @@ __all__ = [
     "JSON_VERSION",
     "Accumulate",
     "Checkpoint",
+    "Fault",
     "Finish",
     "GradEntries",
     "GradValues",
@@ -109,8 +114,10 @@ __all__ = [
     "UpdateScaler",
     "INTERRUPTIONS",
     "JSON_VERSION_DYNAMIC",
+    "JSON_VERSION_STRUCTURAL",
     "from_json",
     "is_dynamic",
+    "is_structural",
     "scenarios_identical",
     "to_json",
     "without_interruptions",
@@ -119,6 +126,7 @@ __all__ = [
 JSON_FORMAT = "wacc-scenario"
 JSON_VERSION = 1  # a scenario without a scaler or dynamic-scaling steps (byte for byte as before)
 JSON_VERSION_DYNAMIC = 2  # one with them: the "scaler" field (an object or null) and two ops
+JSON_VERSION_STRUCTURAL = 3  # version 2 plus a "fault" on accumulate steps (wacc_ref.faults)
 
 
 class ScenarioError(ValueError):
@@ -147,12 +155,13 @@ class Accumulate:
 
     ``grads`` holds ``(name, values)`` pairs: ``values`` is the gradient flattened in row-major
     order (a tuple of floats of the parameter's size) or None.  Build it from a mapping with
-    :meth:`of`.
+    :meth:`of`.  ``fault`` (None: none) hands one gradient in malformed (:mod:`wacc_ref.faults`).
     """
 
     kind: Literal["sum", "mean"]
     weight: float
     grads: GradEntries = ()
+    fault: Fault | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("sum", "mean"):
@@ -170,6 +179,8 @@ class Accumulate:
         names = [name for name, _ in self.grads]
         if len(set(names)) != len(names):
             raise ScenarioError(f"Accumulate grads name a parameter twice: {names!r}")
+        if self.fault is not None and not isinstance(self.fault, Fault):
+            raise ScenarioError(f"Accumulate fault must be a Fault or None, got {self.fault!r}")
 
     @classmethod
     def of(
@@ -452,6 +463,19 @@ class Scenario:
                                 f"value {value!r} "
                                 f"({value.hex()}) is not representable in {self.grad_dtype}"
                             )
+                if step.fault is not None:
+                    self._check_fault(step, where)
+
+    def _check_fault(self, step: Accumulate, where: str) -> None:
+        assert step.fault is not None
+        problem = fault_problem(step.fault, self.params)
+        name = step.fault.name
+        values = step.grads_mapping().get(name)
+        if problem is None and step.fault.kind != "unknown" and values is None:
+            # A fault reshapes, retypes or moves the step's values: they must be there.
+            problem = f"{step.fault.kind} needs the step's gradient values of {name!r}"
+        if problem is not None:
+            raise ScenarioError(f"{where}.fault: {problem}")
 
     @property
     def params(self) -> dict[str, tuple[int, ...]]:
@@ -462,14 +486,28 @@ class Scenario:
         """The step's gradients as float64 arrays of each parameter's shape (or None).
 
         Only the names present in the step appear (a missing name is a zero contribution).
+        These are the gradients an accepted step contributes: a ``missing`` fault's name is left
+        out; any other fault is not applied (the runner applies it to the tensors it makes).
         """
         shapes = self.params
         arrays: dict[str, np.ndarray | None] = {}
+        left_out = step.fault.name if step.fault and step.fault.kind == "missing" else None
         for name, values in step.grads:
+            if name == left_out:
+                continue
             if values is None:
                 arrays[name] = None
             else:
                 arrays[name] = np.array(values, dtype=np.float64).reshape(shapes[name])
+        return arrays
+
+    def reference_grads(self, step: Accumulate) -> dict[str, npt.ArrayLike | None]:
+        """:meth:`grad_arrays` as the reference must see the step: a refused fault's gradient
+        is a :class:`~wacc_ref.faults.MalformedGradient` (an ``unknown`` one an extra name);
+        an accepted fault's gradients are :meth:`grad_arrays` themselves."""
+        arrays: dict[str, npt.ArrayLike | None] = dict(self.grad_arrays(step))
+        if step.fault is not None and step.fault.refused:
+            arrays[step.fault.name] = MalformedGradient(step.fault)
         return arrays
 
 
@@ -484,7 +522,7 @@ def _hex(value: float) -> str:
 
 def _step_to_json(step: Step) -> dict[str, Any]:
     if isinstance(step, Accumulate):
-        return {
+        document: dict[str, Any] = {
             "op": step.op,
             "weight": _hex(step.weight),
             "grads": {
@@ -492,6 +530,9 @@ def _step_to_json(step: Step) -> dict[str, Any]:
                 for name, values in step.grads
             },
         }
+        if step.fault is not None:  # (version 3 only: a step without a fault keeps its bytes)
+            document["fault"] = {"kind": step.fault.kind, "name": step.fault.name}
+        return document
     if isinstance(step, Checkpoint):
         return {"op": step.op, "asynchronous": step.asynchronous}
     if isinstance(step, RestoreCorrupted):
@@ -523,14 +564,22 @@ def _scaler_to_json(options: ScalerOptions | None) -> dict[str, Any] | None:
     }
 
 
+def is_structural(scenario: Scenario) -> bool:
+    """Whether a step of the scenario has a fault (JSON version 3)."""
+    return any(isinstance(step, Accumulate) and step.fault for step in scenario.steps)
+
+
 def to_json(scenario: Scenario, *, indent: int | None = None) -> str:
     """The scenario as JSON text; every float as ``float.hex`` (lossless, ±0 and inf included).
     Version 1 unless the scenario is dynamic (:func:`is_dynamic`): then version 2, with
-    ``scaler``."""
-    dynamic = is_dynamic(scenario)
+    ``scaler``; version 3 (version 2 with ``fault`` on accumulate steps) when it is structural
+    (:func:`is_structural`)."""
+    structural = is_structural(scenario)
+    dynamic = structural or is_dynamic(scenario)
+    version = JSON_VERSION_DYNAMIC if dynamic else JSON_VERSION
     document: dict[str, Any] = {
         "format": JSON_FORMAT,
-        "version": JSON_VERSION_DYNAMIC if dynamic else JSON_VERSION,
+        "version": JSON_VERSION_STRUCTURAL if structural else version,
         "work_dtype": scenario.work_dtype,
         "grad_dtype": scenario.grad_dtype,
         "loss_scale": _hex(scenario.loss_scale),
@@ -569,13 +618,14 @@ _DYNAMIC_STEP_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
-def _step_from_json(obj: object, where: str, *, dynamic: bool) -> Step:
+def _step_from_json(obj: object, where: str, *, dynamic: bool, structural: bool) -> Step:
     step = expect_object(obj, where)
     if "op" not in step:
         raise FieldError(field(where, "op"), "missing")
     known = _DYNAMIC_STEP_FIELDS if dynamic else _STEP_FIELDS
     op = expect_str(step["op"], field(where, "op"), choices=known)
-    fields = expect_object(step, where, known[op])
+    faulty = structural and op in ("accumulate_sum", "accumulate_mean") and "fault" in step
+    fields = expect_object(step, where, (*known[op], "fault") if faulty else known[op])
     if op == "set_loss_scale":
         return SetLossScale(parse_hex(fields["loss_scale"], field(where, "loss_scale")))
     if op == "update_scaler":
@@ -595,7 +645,8 @@ def _step_from_json(obj: object, where: str, *, dynamic: bool) -> Step:
             else:
                 raise FieldError(at, f"must be a JSON array or null, got {shown(values)}")
         kind: Literal["sum", "mean"] = "sum" if op == "accumulate_sum" else "mean"
-        return Accumulate(kind=kind, weight=weight, grads=tuple(entries))
+        fault = _fault_from_json(fields["fault"], field(where, "fault")) if faulty else None
+        return Accumulate(kind=kind, weight=weight, grads=tuple(entries), fault=fault)
     if op == "finish_sums":
         return Finish("sums")
     if op == "finish_mean":
@@ -610,6 +661,14 @@ def _step_from_json(obj: object, where: str, *, dynamic: bool) -> Step:
     )
 
 
+def _fault_from_json(obj: object, where: str) -> Fault:
+    fault = expect_object(obj, where, ("kind", "name"))
+    return Fault(
+        kind=expect_str(fault["kind"], field(where, "kind"), choices=FAULT_KINDS),
+        name=expect_str(fault["name"], field(where, "name")),
+    )
+
+
 def _from_document(document: object) -> Scenario:
     top = expect_object(document, "")
     # Format and version first: a file of another kind is named as such, not by its first field.
@@ -617,11 +676,13 @@ def _from_document(document: object) -> Scenario:
         raise FieldError("format", f"must be {JSON_FORMAT!r}, got {shown(top.get('format'))}")
     version = top.get("version")
     # not True, not 1.0
-    if type(version) is not int or version not in (JSON_VERSION, JSON_VERSION_DYNAMIC):
+    versions = (JSON_VERSION, JSON_VERSION_DYNAMIC, JSON_VERSION_STRUCTURAL)
+    if type(version) is not int or version not in versions:
         raise FieldError(
-            "version", f"must be {JSON_VERSION} or {JSON_VERSION_DYNAMIC}, got {shown(version)}"
+            "version", f"must be one of {', '.join(map(str, versions))}, got {shown(version)}"
         )
-    dynamic = version == JSON_VERSION_DYNAMIC
+    structural = version == JSON_VERSION_STRUCTURAL
+    dynamic = structural or version == JSON_VERSION_DYNAMIC
     expect_object(top, "", (*_TOP_FIELDS, "scaler") if dynamic else _TOP_FIELDS)
     parameters: list[tuple[str, tuple[int, ...]]] = []
     for position, entry in enumerate(expect_list(top["parameters"], "parameters")):
@@ -643,7 +704,8 @@ def _from_document(document: object) -> Scenario:
         fused=expect_bool(top["fused"], "fused"),
         parameters=tuple(parameters),
         steps=tuple(
-            _step_from_json(step, item("steps", i), dynamic=dynamic) for i, step in enumerate(steps)
+            _step_from_json(step, item("steps", i), dynamic=dynamic, structural=structural)
+            for i, step in enumerate(steps)
         ),
         scaler=_scaler_from_json(top["scaler"]) if dynamic else None,
     )
@@ -697,7 +759,8 @@ def _step_key(step: Step) -> tuple[object, ...]:
             (name, None if values is None else tuple(float_key(v) for v in values))
             for name, values in step.grads
         )
-        return (step.op, float_key(step.weight), grads)
+        fault = None if step.fault is None else (step.fault.kind, step.fault.name)
+        return (step.op, float_key(step.weight), grads, fault)
     if isinstance(step, Checkpoint):
         return (step.op, step.asynchronous)
     if isinstance(step, RestoreCorrupted):

@@ -46,11 +46,13 @@ from wacc_ref.corruption import (
     CORRUPTION_KINDS,
 )
 from wacc_ref.errors import WeightedAccumulationError
+from wacc_ref.faults import Fault, applicable_faults
 from wacc_ref.scaler import ReferenceLossScaler
 from wacc_ref.scenario import (
     Accumulate,
     Checkpoint,
     Finish,
+    GradEntries,
     GradValues,
     Restore,
     RestoreCorrupted,
@@ -76,6 +78,7 @@ __all__ = [
     "Interruption",
     "checkpoint_interruptions",
     "dynamic_scenarios",
+    "faults",
     "gradient_values",
     "loss_scales",
     "overflow_prone_scales",
@@ -111,6 +114,11 @@ SHORT_DYADIC_BITS = 6
 SHORT_DYADIC_EXPONENT = 8
 
 PARAMETER_NAMES = ("weight", "bias", "encoder.layer.0.weight", "head.bias", "norm.scale")
+# The structural family (wacc_ref.faults): a name no scenario tracks, one fault in 4 steps, and
+# rank-4 shapes (N, C, H, W) whose channels-last layout is not contiguous.
+STRAY_NAME = "stray.weight"
+FAULT_ODDS = 4
+FOUR_D_SHAPES = ((1, 2, 1, 2), (1, 2, 2, 1))
 
 _ZERO_WEIGHTS = (0.0, -0.0)
 _ACCUMULATE_KINDS: dict[str, Literal["sum", "mean"]] = {"sum": "sum", "mean": "mean"}
@@ -455,11 +463,30 @@ def _shapes(draw: st.DrawFn, *, max_elements: int) -> tuple[int, ...]:
 
 
 def _parameters(
-    draw: st.DrawFn, max_parameters: int, max_elements: int
+    draw: st.DrawFn, max_parameters: int, max_elements: int, *, structural: bool = False
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     count = draw(st.integers(1, min(max_parameters, len(PARAMETER_NAMES))))
     names = draw(st.permutations(PARAMETER_NAMES))[:count]
-    return tuple((name, draw(_shapes(max_elements=max_elements))) for name in names)
+    shapes = _shapes(max_elements=max_elements)
+    if structural:
+        shapes = st.one_of(shapes, st.sampled_from(FOUR_D_SHAPES))
+    return tuple((name, draw(shapes)) for name in names)
+
+
+@st.composite
+def faults(
+    draw: st.DrawFn, parameters: Sequence[tuple[str, tuple[int, ...]]], grads: GradEntries
+) -> Fault:
+    """A fault of :mod:`wacc_ref.faults` for a step with ``grads``: any kind that applies to
+    a parameter the step holds values for, or an unknown name."""
+    shapes = dict(parameters)
+    candidates = [
+        Fault(kind, name)
+        for name, values in grads
+        if values is not None
+        for kind in applicable_faults(shapes[name])
+    ]
+    return draw(st.sampled_from([*candidates, Fault("unknown", STRAY_NAME)]))
 
 
 def _interrupted(
@@ -508,6 +535,7 @@ def scenarios(
     max_interruptions: int = MAX_INTERRUPTIONS,
     corruption_kinds: Sequence[str] = CORRUPTION_KINDS,
     dynamic: bool = False,
+    structural: bool = False,
 ) -> Scenario:
     """Complete scenarios: dtypes, loss scale, parameters, windows of microbatches, finishes and
     checkpoint interruptions; with ``dynamic``, :func:`dynamic_scenarios` (which takes the dtypes,
@@ -521,6 +549,8 @@ def scenarios(
     :func:`gradient_values` (and :func:`scaled_gradient_values` when the loss scale is
     overflow-prone); a parameter may be None or absent in a step; an element may repeat the
     negation of one of its earlier values in the window (cancellation).  ``fused`` None draws it.
+    With ``structural``, one accumulate step in :data:`FAULT_ODDS` hands a gradient in malformed
+    (:func:`faults`), and a parameter may have a rank-4 shape (:data:`FOUR_D_SHAPES`).
     """
     if dynamic:
         return draw(
@@ -551,7 +581,7 @@ def scenarios(
     scale = draw(overflow_prone_scales(work) if overflow_prone else loss_scales(work))
     is_fused = draw(st.booleans()) if fused is None else fused
 
-    parameters = _parameters(draw, max_parameters, max_elements)
+    parameters = _parameters(draw, max_parameters, max_elements, structural=structural)
 
     values = gradient_values(
         grad, work_dtype=work, allow_nan=allow_nan, allow_infinity=allow_infinity
@@ -591,7 +621,10 @@ def scenarios(
                     earlier.append(value)
                     element_values.append(value)
                 grads.append((name, tuple(element_values)))
-            base.append(Accumulate(kind=kind, weight=weight, grads=tuple(grads)))
+            fault = None
+            if structural and draw(st.integers(1, FAULT_ODDS)) == 1:
+                fault = draw(faults(parameters, tuple(grads)))
+            base.append(Accumulate(kind=kind, weight=weight, grads=tuple(grads), fault=fault))
         ending = draw(st.sampled_from(("sums", "mean", "open")))
         if ending != "open" and len(base) < max_steps:
             base.append(Finish(_FINISH_KINDS[ending]))

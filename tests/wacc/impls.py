@@ -405,3 +405,11 @@ for _name, _factory in list(globals().items()):
         _factory.loss_scaler = wacc_torch_loss_scaler
 scaler_forgets_run.loss_scaler = _scaler_forgets_run_scaler  # type: ignore[attr-defined]
 tensor_scaler.loss_scaler = _tensor_scaler_scaler  # type: ignore[attr-defined]
+
+
+def broadcast_accepted(dtype: torch.dtype, loss_scale: float) -> Any:
+    """The planted structural bug of :class:`tests.wacc.planted.BroadcastAccepted`: a gradient
+    whose shape broadcasts to its parameter's is added."""
+    from tests.wacc.planted import BroadcastAccepted
+
+    return BroadcastAccepted(dtype=dtype, loss_scale=loss_scale)

@@ -17,7 +17,12 @@ from torch import nn
 
 from wacc.baselines import FusedUndeclared, ScaleTimesWeight, SpecAccumulator
 from wacc.implementation import Implementation
-from wacc_torch import InvalidWeightError, WindowLossScaler, ZeroTotalWeightError
+from wacc_torch import (
+    InvalidWeightError,
+    ParameterMismatchError,
+    WindowLossScaler,
+    ZeroTotalWeightError,
+)
 
 
 class EqualWeightMean(SpecAccumulator):
@@ -239,6 +244,96 @@ class AsyncSnapshotLate(SpecAccumulator):
         return _LazySnapshot(self)
 
 
+# Structural bugs (semantics §5, §11): each skips one check of SpecAccumulator.check_gradient,
+# or refuses what §5 accepts. The structural family (wacc_ref.faults) must find each.
+
+
+class BroadcastAccepted(SpecAccumulator):
+    """A gradient whose shape broadcasts to the parameter's ((1, n) for (m, n)) is added."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.shape != parameter.shape:
+            if torch.broadcast_shapes(grad.shape, parameter.shape) == parameter.shape:
+                grad = grad.expand(parameter.shape)
+        super().check_gradient(name, grad, parameter)
+
+
+class IntegerAccepted(SpecAccumulator):
+    """An integer gradient is converted to D and added."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.dtype in (torch.int32, torch.int64):
+            grad = grad.to(torch.float32)
+        super().check_gradient(name, grad, parameter)
+
+
+class BoolAccepted(SpecAccumulator):
+    """A bool gradient (not a floating dtype) is added as 0.0 / 1.0."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.dtype == torch.bool:
+            grad = grad.to(torch.float32)
+        super().check_gradient(name, grad, parameter)
+
+
+class AnyFloatingAccepted(SpecAccumulator):
+    """Any floating dtype is accepted (``is_floating_point()``), float8_e4m3fnuz included,
+    which §2's Reading "gradient dtypes" refuses."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.is_floating_point():
+            grad = grad.to(torch.float32)
+        super().check_gradient(name, grad, parameter)
+
+
+class MetaAccepted(SpecAccumulator):
+    """The device is not checked: a ``meta`` gradient reaches the addition."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.device.type == "meta":
+            grad = torch.empty_like(grad, device=parameter.device)
+        super().check_gradient(name, grad, parameter)
+
+
+class SparseAccepted(SpecAccumulator):
+    """The layout is not checked: a sparse COO gradient is added (``buf.add_`` takes it)."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        if isinstance(grad, torch.Tensor) and grad.layout == torch.sparse_coo:
+            grad = grad.to_dense()
+        super().check_gradient(name, grad, parameter)
+
+
+class UnknownNameIgnored(SpecAccumulator):
+    """A ``grads`` entry for a name that is not tracked is silently dropped."""
+
+    def accumulate_sum(
+        self, module: nn.Module, weight: object, *, grads: Mapping[str, Any] | None = None
+    ) -> None:
+        super().accumulate_sum(module, weight, grads=self._tracked_only(module, grads))
+
+    def accumulate_mean(
+        self, module: nn.Module, weight: object, *, grads: Mapping[str, Any] | None = None
+    ) -> None:
+        super().accumulate_mean(module, weight, grads=self._tracked_only(module, grads))
+
+    def _tracked_only(
+        self, module: nn.Module, grads: Mapping[str, Any] | None
+    ) -> Mapping[str, Any] | None:
+        names = {name for name, _ in module.named_parameters()}
+        return None if grads is None else {k: v for k, v in grads.items() if k in names}
+
+
+class NonContiguousRefused(SpecAccumulator):
+    """A non-contiguous gradient (a transposed view, a strided slice, channels-last) is
+    refused, where §5 accepts any dense (strided) one."""
+
+    def check_gradient(self, name: str, grad: object, parameter: nn.Parameter) -> None:
+        super().check_gradient(name, grad, parameter)
+        if isinstance(grad, torch.Tensor) and not grad.is_contiguous():
+            raise ParameterMismatchError(f"gradient of {name!r} is not contiguous")
+
+
 @dataclass(frozen=True)
 class Planted:
     """A planted bug, where it shows, the oracle that sees it, the fewest accumulates it needs."""
@@ -293,6 +388,14 @@ PLANTED: dict[str, Planted] = {
         Planted(FoundInfFromInputs, "windows", "float16", "semantics", 1),
         Planted(ScaleChangedMidWindow, "dynamic_scaling", "float16", "semantics", 1),
         Planted(HysteresisKeptAtGrowth, "dynamic_scaling", "float16", "semantics", 0),
+        Planted(BroadcastAccepted, "structural", "float32", "semantics", 1),
+        Planted(IntegerAccepted, "structural", "float32", "semantics", 1),
+        Planted(BoolAccepted, "structural", "float32", "semantics", 1),
+        Planted(AnyFloatingAccepted, "structural", "float32", "semantics", 1),
+        Planted(MetaAccepted, "structural", "float32", "semantics", 1),
+        Planted(SparseAccepted, "structural", "float32", "semantics", 1),
+        Planted(UnknownNameIgnored, "structural", "float32", "semantics", 1),
+        Planted(NonContiguousRefused, "structural", "float32", "semantics", 1),
     )
 }
 

@@ -119,7 +119,7 @@ def test_a_correct_implementation_passes_inside_the_users_run(tmp_path: Path) ->
         "--wacc-dtype", "bfloat16", "--wacc-examples", "10",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 passed" in result.stdout  # the user's test + 5 families + the machine
+    assert "8 passed" in result.stdout  # the user's test + 6 families + the machine
 
 
 def test_a_buggy_implementation_fails_with_a_replay_command(tmp_path: Path) -> None:
@@ -150,7 +150,7 @@ def test_records_without_integrity_fail_unless_allowed_in_the_plugin_too(tmp_pat
     assert "(allow with --wacc-allow-missing checksum)" in refused.stdout
     allowed = _user_pytest(tmp_path, *common, "--wacc-allow-missing", "checksum")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
-    assert "1 passed, 6 deselected" in allowed.stdout  # -k keeps the interruptions item only
+    assert "1 passed, 7 deselected" in allowed.stdout  # -k keeps the interruptions item only
 
 
 _BAD_OPTIONS = [
@@ -241,14 +241,14 @@ def test_collection_counts_exactly_the_items_that_run(tmp_path: Path) -> None:
             "--wacc-dtype", "float32", "--wacc-dtype", "bfloat16"]  # fmt: skip
     listed = _user_pytest(tmp_path, "--collect-only", *args)
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    assert "13 tests collected" in listed.stdout and not _torch_imported(tmp_path)
+    assert "15 tests collected" in listed.stdout and not _torch_imported(tmp_path)
     ids = [line for line in listed.stdout.splitlines() if line.startswith("::wacc::check[")]
-    assert len(ids) == 12
+    assert len(ids) == 14
     assert "::wacc::check[wacc.implementation:wacc_torch_reproducible-bfloat16-stateful]" in ids
 
     ran = _user_pytest(tmp_path, *args, quiet=False, spy=True)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "collected 13 items" in ran.stdout and "13 passed" in ran.stdout
+    assert "collected 15 items" in ran.stdout and "15 passed" in ran.stdout
     assert sorted(entry["nodeid"] for entry in _spied(tmp_path)) == sorted(ids)
 
 
@@ -267,9 +267,9 @@ def test_last_failed_reruns_only_the_failed_items(tmp_path: Path) -> None:
     again = _user_pytest(tmp_path, "--lf", *args, cache=True, quiet=False)
     assert again.returncode == 1, again.stdout + again.stderr
     assert "run-last-failure: rerun previous 1 failure" in again.stdout
-    assert "collected 13 items / 12 deselected / 1 selected" in again.stdout
+    assert "collected 15 items / 14 deselected / 1 selected" in again.stdout
     assert "FAILED ::wacc::check[half_wrong.py:make-float16-windows]" in again.stdout
-    assert "float32-windows" not in again.stdout and "1 failed, 12 deselected" in again.stdout
+    assert "float32-windows" not in again.stdout and "1 failed, 14 deselected" in again.stdout
 
 
 _INI_FILES = {

@@ -9,6 +9,7 @@ import numpy as np
 
 from wacc_ref import formats
 from wacc_ref.accumulator import ReferenceAccumulator
+from wacc_ref.faults import Fault
 from wacc_ref.scenario import Accumulate, Checkpoint, Finish, Restore, RestoreCorrupted, Scenario
 
 TWO_PARAMS = (("weight", (2, 3)), ("bias", (3,)))
@@ -84,3 +85,37 @@ def record_with_pending() -> dict[str, object]:
     source.accumulate_sum(two_params(), 5.0, grads={"weight": np.arange(6.0).reshape(2, 3)})
     source.accumulate_sum(two_params(), 0.0, grads={})
     return source.state_dict()
+
+
+# Parameters every fault kind applies to (wacc_ref.faults.fault_problem), and their values.
+FAULT_SHAPES = {"w": (2, 2), "c": (1, 2, 1, 2)}
+FAULT_VALUES = {"w": (1.5, -2.0, 3.0, 0.25), "c": (0.5, 1.0, -1.0, 2.0)}
+
+
+def fault_scenario(
+    kind: str,
+    weight: float,
+    op: str,
+    *,
+    work: str = "float32",
+    fused: bool = False,
+    middle: bool = True,
+) -> Scenario:
+    """A window: a dense step, the step with a ``kind`` fault (left out when not ``middle``),
+    a dense step, then its mean."""
+    name = "c" if kind == "channels_last" else "w"
+    target = "stray.weight" if kind == "unknown" else name
+    faulty = Accumulate(op, weight, tuple(FAULT_VALUES.items()), fault=Fault(kind, target))  # type: ignore[arg-type]
+    return Scenario(
+        work_dtype=work,
+        grad_dtype="bfloat16",
+        loss_scale=1.0,
+        fused=fused,
+        parameters=tuple(FAULT_SHAPES.items()),
+        steps=(
+            Accumulate.of("sum", 3.0, FAULT_VALUES),
+            *((faulty,) if middle else ()),
+            Accumulate.of("mean", 2.0, FAULT_VALUES),
+            Finish("mean"),
+        ),
+    )

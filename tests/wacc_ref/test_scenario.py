@@ -157,7 +157,7 @@ def test_json_is_plain_json_without_float_literals() -> None:
 @pytest.mark.parametrize(
     ("edit", "fragment"),
     [
-        (lambda d: d.update(version=3), "version"),
+        (lambda d: d.update(version=4), "version"),
         (lambda d: d.update(version=2), "scaler: missing"),
         (lambda d: d["steps"].append({"op": "update_scaler", "found_inf": False}), "update_scaler"),
         (lambda d: d.update(extra=1), "extra"),

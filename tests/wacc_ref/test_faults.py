@@ -1,0 +1,84 @@
+"""The reference's outcome of a structural fault (semantics §5, §11): a refused one is
+ParameterMismatchError at any weight with nothing changed, an accepted one is the dense step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import find
+
+from tests.wacc_ref.scenario_support import FAULT_SHAPES, FAULT_VALUES, fault_scenario
+from wacc_ref.faults import ACCEPTED_FAULTS, FAULT_KINDS, REFUSED_FAULTS, Fault, fault_problem
+from wacc_ref.oracles import run_reference
+from wacc_ref.scenario import Accumulate
+from wacc_ref.strategies import faults
+from wacc_ref.traces import ScenarioTrace
+
+
+def _keys(trace: ScenarioTrace) -> list[tuple[object, ...]]:
+    return [outcome.key()[1:] for outcome in trace.outcomes]  # (the index differs)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+@pytest.mark.parametrize("kind", REFUSED_FAULTS)
+def test_a_refused_fault_raises_parameter_mismatch_and_changes_nothing(
+    kind: str, weight: float, op: str
+) -> None:
+    """The faulty step raises ParameterMismatchError at weight 1 and 0, its state is the state
+    before it, and the rest of the window runs as if the step had not been made."""
+    trace = run_reference(fault_scenario(kind, weight, op))
+    without = run_reference(fault_scenario(kind, weight, op, middle=False))
+    assert trace.outcomes[1].error == "ParameterMismatchError"
+    assert trace.outcomes[1].state.key() == trace.outcomes[0].state.key()
+    assert _keys(trace)[2:] == _keys(without)[1:]
+
+
+@pytest.mark.parametrize("kind", ACCEPTED_FAULTS)
+def test_an_accepted_fault_is_the_dense_step(kind: str) -> None:
+    """A non-contiguous or channels-last gradient gives what the dense one gives; a missing
+    name what the step without that entry gives."""
+    scenario = fault_scenario(kind, 1.0, "mean")
+    step = scenario.steps[1]
+    assert isinstance(step, Accumulate) and step.fault is not None
+    name = step.fault.name
+    grads = tuple(g for g in step.grads if not (kind == "missing" and g[0] == name))
+    dense = dataclasses.replace(step, grads=grads, fault=None)
+    plain = dataclasses.replace(scenario, steps=(scenario.steps[0], dense, *scenario.steps[2:]))
+    assert _keys(run_reference(scenario)) == _keys(run_reference(plain))
+    if kind == "missing":  # the left-out name contributes nothing: not the full step
+        full = dataclasses.replace(step, fault=None)
+        with_all = dataclasses.replace(
+            scenario, steps=(scenario.steps[0], full, *scenario.steps[2:])
+        )
+        assert _keys(run_reference(scenario)) != _keys(run_reference(with_all))
+
+
+def test_the_weight_is_checked_before_the_structure() -> None:
+    """§5's check order: a negative weight with a malformed gradient is InvalidWeightError."""
+    scenario = fault_scenario("int64", -1.0, "sum")
+    assert run_reference(scenario).outcomes[1].error == "InvalidWeightError"
+
+
+def test_a_mean_weight_that_does_not_survive_d_comes_after_the_structure() -> None:
+    """§5's check order: a float16 mean of weight 10**6 (w_D = inf) with a bool gradient is
+    ParameterMismatchError; without the fault it is InvalidWeightError."""
+    faulty = fault_scenario("bool", 1e6, "mean", work="float16")
+    assert run_reference(faulty).outcomes[1].error == "ParameterMismatchError"
+    step = faulty.steps[1]
+    assert isinstance(step, Accumulate)
+    clean = dataclasses.replace(
+        faulty, steps=(faulty.steps[0], dataclasses.replace(step, fault=None), *faulty.steps[2:])
+    )
+    assert run_reference(clean).outcomes[1].error == "InvalidWeightError"
+    assert Fault("bool", "w").refused
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_the_strategy_draws_every_fault_kind(kind: str) -> None:
+    """wacc_ref.strategies.faults reaches each kind for a step holding a (2, 2) and a rank-4
+    gradient, and every fault it draws applies (the scenario with it is valid)."""
+    grads = tuple(FAULT_VALUES.items())
+    drawn = find(faults(tuple(FAULT_SHAPES.items()), grads), lambda fault: fault.kind == kind)
+    assert fault_problem(drawn, FAULT_SHAPES) is None
