@@ -2,7 +2,8 @@
 
 Every strategy family (windows of unequal microbatches with zero weights and overflow-prone
 loss scales, invalid weights, checkpoint interruptions with corrupted restores, NaN/inf
-gradients, dynamic loss scaling) and the stateful machine run on each work dtype; every
+gradients, dynamic loss scaling, malformed gradients that semantics §5 refuses or accepts) and
+the stateful machine run on each work dtype; every
 scenario is compared with the reference step by step. A divergence is shrunk, written as JSON
 under --out, and a one-line `wacc replay` command is printed (divergences with the same
 signature in several dtypes or families are one block, naming each); an exception the implementation
