@@ -21,7 +21,9 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   and the implementation's own file and line in :attr:`ImplementationRun.messages`, the whole
   traceback in :attr:`ImplementationRun.tracebacks`), and a checkpoint or restore step on an
   implementation without records as ``"unsupported: records"``: neither matches the reference,
-  so each is a divergence, never a crash of the judge.
+  so each is a divergence, never a crash of the judge. So is an exception from a call the judge
+  makes outside the step's own method (the factory, at the first step; ``state_dict()`` after a
+  step and an async handle's ``.result()``: ``"unexpected <Class> from <call>"``).
 """
 
 from __future__ import annotations
