@@ -25,7 +25,10 @@ __all__ = ["divergence", "line_signature", "signature"]
 
 # Quoted names first (parameters differ from one family to the next), then hex floats, inf/nan
 # and decimal numbers (a leading sign included: -0.0 and +0.0 are one shape).
-_VALUE = re.compile(r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|inf|nan|\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
+# (inf and nan as words: "found_inf" is a name)
+_VALUE = re.compile(
+    r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|\b(?:inf|nan)\b|\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
+)
 # A step's failure line: "step N (op[, weight W])", then " quantity: ..." or ": what ...".
 _STEP = re.compile(r"^step \d+ \((?P<op>[a-z_]+)[^)]*\)(?P<rest>.*)$", re.DOTALL)
 _SUM_OR_MEAN = re.compile(r"_(?:sum|sums|mean)$")

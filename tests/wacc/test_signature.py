@@ -50,6 +50,12 @@ def test_a_signature_is_what_diverged_not_the_lines_wording_or_numbers() -> None
     assert len({divergence(oracle, line) for oracle, line in sum_and_mean}) == 1
     lines = [SAME_DIVERGENCE[0], *OTHER_DIVERGENCES]
     assert len({divergence(oracle, line) for oracle, line in lines}) == len(lines)
+    # a name that holds "inf" is a name, not a value
+    found_inf = "step 3 (finish_mean): found_inf is False but the gradients hold NaN or ±inf"
+    assert (
+        divergence("semantics", found_inf)
+        == "[semantics] finish: found_inf is False but the gradients hold NaN or ±#"
+    )
 
 
 def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
