@@ -223,9 +223,10 @@ def _reports_found_inf(probe: Any) -> bool:
     bool ``found_inf``; a finish that raises is judged by the run, not here."""
     try:
         result = probe.finish_sums()
+        # (a found_inf property that raises: getattr's default covers AttributeError alone)
+        return isinstance(getattr(result, "found_inf", None), bool)
     except Exception:  # the implementation under test may raise anything
         return False
-    return isinstance(getattr(result, "found_inf", None), bool)
 
 
 def load_implementation(spec: str) -> Implementation:
@@ -238,14 +239,10 @@ def load_implementation(spec: str) -> Implementation:
     try:
         probe = factory(torch.float32, 1.0)
     except Exception as exc:
-        from wacc.runner import implementation_frame, shown_path  # (it imports this module)
+        from wacc.runner import exception_text  # (it imports this module)
 
-        frame = implementation_frame(exc)
-        where = (
-            f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
-        )
         raise UsageError(
-            f"factory {spec!r} raised for (torch.float32, 1.0): {type(exc).__name__}: {exc}{where}"
+            f"factory {spec!r} raised for (torch.float32, 1.0): {exception_text(exc)}"
         ) from None
     if probe is None:  # the usual slip: a factory without its `return`
         raise UsageError(f"factory {spec!r} returned None for (torch.float32, 1.0), not an "

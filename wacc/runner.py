@@ -24,7 +24,9 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   and the implementation's own file and line in :attr:`ImplementationRun.messages`, the whole
   traceback in :attr:`ImplementationRun.tracebacks`), and a checkpoint or restore step on an
   implementation without records as ``"unsupported: records"``: neither matches the reference,
-  so each is a divergence, never a crash of the judge.
+  so each is a divergence, never a crash of the judge. So is an exception from a call the judge
+  makes outside the step's own method (the factory, at the first step; ``state_dict()`` after a
+  step and an async handle's ``.result()``: ``"unexpected <Class> from <call>"``).
 """
 
 from __future__ import annotations
@@ -216,6 +218,15 @@ def _wrong_type(value: object) -> object:
     return 3.5
 
 
+def _unreadable_state(work_dtype: str) -> RecordSnapshot:
+    """The state of a step whose state could not be read (the step's error says why): counters
+    no run can have, so that it never passes for the reference's."""
+    return RecordSnapshot(
+        format_version=None, dtype=work_dtype, loss_scale=math.nan, fused=False, issued=-1,
+        zero_weight=-1, total_weight=math.nan, param_names=(), param_shapes=(), pending=(),
+    )  # fmt: skip
+
+
 class _Unsupported(Exception):
     """A step that needs a feature the implementation lacks (recorded, never raised out)."""
 
@@ -237,11 +248,13 @@ class ImplementationRun:
         self._scratch = scratch
         self._dtype = TORCH_DTYPES[scenario.work_dtype]
         self._scale = scenario.loss_scale  # in force: the last one set without an error
-        self.accumulator, self.module = self._fresh(self._scale)
+        # Made by the first step, inside its guard: a factory (or a scaler factory) that raises
+        # for this dtype or scale is that step's divergence, not a crash of the judge.
+        self.accumulator: Any = None
+        self.module = build_module(scenario.params, device=device)
         # The implementation's window loss scaler, made with the run as a loop makes it.
         self.scaler: Any = None
-        if scenario.scaler is not None and implementation.supports("loss_scaler"):
-            self.scaler = self._fresh_scaler()
+        self._needs_scaler = scenario.scaler is not None and implementation.supports("loss_scaler")
         self._latest: Any = None  # a record, or an async handle not resolved yet
         self._latest_scale = scenario.loss_scale
         self._latest_scaler: Any = None  # the scaler's state_dict() at the latest checkpoint
@@ -250,6 +263,7 @@ class ImplementationRun:
         self.outcomes: list[StepOutcome] = []
         self.messages: dict[int, str] = {}  # step index -> the exception's message
         self.tracebacks: dict[int, str] = {}  # step index -> the whole traceback, formatted
+        self._late_errors: dict[int, str] = {}  # checkpoint index -> its handle's .result() raise
         self.schema = False  # set by the first record taken
 
     def _fresh(self, loss_scale: float) -> tuple[Any, nn.Module]:
@@ -291,12 +305,48 @@ class ImplementationRun:
             return counters
         return counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
 
-    def _state(self) -> RecordSnapshot:
-        if self.implementation.supports("records"):
-            record = self.accumulator.state_dict()
+    def _state(self, record: Any) -> RecordSnapshot:
+        """The state after a step: ``record`` (a ``state_dict()``; None without records)."""
+        if record is not None:
             self.schema = follows_schema(record)
             return self._snapshot(record)
         return counters_snapshot(self.accumulator.state, self.scenario.work_dtype)
+
+    def _raised(self, index: int, exc: Exception, *, source: str = "") -> str:
+        """Record ``exc`` (raised by the implementation at step ``index``; ``source``: a call
+        the judge made after the step itself) and return the step's error.
+
+        The step's own exception is its §11 class or ``unexpected <Class>``; one from a later
+        call (the state read after the step, an async handle's ``.result()``) is never an
+        outcome the reference can have: ``unexpected <Class> from <source>``.
+        """
+        message = exception_text(exc) + (f", from {source}" if source else "")
+        # A step may raise and then its state read raise too: both are kept, in that order.
+        self.messages[index] = "; then ".join(filter(None, (self.messages.get(index), message)))
+        self.tracebacks[index] = self.tracebacks.get(index, "") + "".join(
+            traceback.format_exception(exc)
+        )
+        if source:
+            return f"unexpected {type(exc).__name__} from {source}"
+        spec_error = error_class(exc)
+        return spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"
+
+    def _state_after(self, index: int, error: str | None) -> tuple[RecordSnapshot, str | None]:
+        """The state after step ``index`` and the step's error: a state read that raises is the
+        step's divergence (its counters then come from ``state``, or cannot be read at all)."""
+        if self.accumulator is None:  # the factory raised: the step's error says so
+            return _unreadable_state(self.scenario.work_dtype), error
+        source = "state_dict()" if self.implementation.supports("records") else "state"
+        try:
+            record = self.accumulator.state_dict() if source == "state_dict()" else None
+            source = "reading the record of state_dict()" if record is not None else "state"
+            return self._state(record), error
+        except Exception as exc:  # an implementation under test may raise anything
+            error = self._raised(index, exc, source=source)
+        try:
+            return counters_snapshot(self.accumulator.state, self.scenario.work_dtype), error
+        except Exception:  # the counters cannot be read either: the error above says why
+            return _unreadable_state(self.scenario.work_dtype), error
 
     def _round_trip(self, record: Any, *, damage: str | None = None) -> Any:
         """``record`` through a real file; ``damage`` truncates it or flips a byte first."""
@@ -343,6 +393,10 @@ class ImplementationRun:
         result: FinishOutcome | None = None
         scaler: ScalerSnapshot | None = None
         try:
+            if self.accumulator is None:
+                self.accumulator, self.module = self._fresh(self._scale)
+            if self._needs_scaler and self.scaler is None:
+                self.scaler = self._fresh_scaler()
             if isinstance(step, SetLossScale | UpdateScaler):
                 feature = "set_loss_scale" if isinstance(step, SetLossScale) else "loss_scaler"
                 if not self.implementation.supports(feature):
@@ -426,22 +480,14 @@ class ImplementationRun:
             error = f"unsupported: {exc}"
             self.messages[index] = f"the implementation has no {exc} (state_dict / load_state_dict)"
         except Exception as exc:  # an implementation under test may raise anything
-            spec_error = error_class(exc)
-            error = spec_error if spec_error is not None else f"unexpected {type(exc).__name__}"
-            frame = implementation_frame(exc)
-            where = (
-                f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})"
-                if frame
-                else ""
-            )
-            self.messages[index] = f"{type(exc).__name__}: {exc}{where}"
-            self.tracebacks[index] = "".join(traceback.format_exception(exc))
+            error = self._raised(index, exc)
+        state, error = self._state_after(index, error)
         outcome = StepOutcome(
             index=index,
             op=step.op,
             error=error,
             skipped=skipped,
-            state=self._state(),
+            state=state,
             result=result,
             scaler=scaler,
         )
@@ -451,16 +497,21 @@ class ImplementationRun:
     def trace(self) -> ScenarioTrace:
         """The outcomes so far, with every async checkpoint resolved into its record."""
         for index, (handle, moment) in list(self._unresolved.items()):
-            self._records[index] = self._snapshot(handle.result(), counters=moment)
+            try:
+                self._records[index] = self._snapshot(handle.result(), counters=moment)
+            except Exception as exc:  # the checkpoint's divergence, with its text
+                source = "state_dict_async().result()"
+                self._late_errors[index] = self._raised(index, exc, source=source)
             del self._unresolved[index]
-        outcomes = tuple(
-            dataclasses.replace(outcome, record=self._records.get(outcome.index))
-            if outcome.op == "checkpoint" and outcome.error is None
-            else outcome
-            for outcome in self.outcomes
-        )
+        outcomes = []
+        for outcome in self.outcomes:
+            if outcome.index in self._late_errors:
+                outcome = dataclasses.replace(outcome, error=self._late_errors[outcome.index])
+            elif outcome.op == "checkpoint" and outcome.error is None:
+                outcome = dataclasses.replace(outcome, record=self._records.get(outcome.index))
+            outcomes.append(outcome)
         return ScenarioTrace(
-            outcomes=outcomes, implementation=f"{self.implementation.spec}/{self.device}"
+            outcomes=tuple(outcomes), implementation=f"{self.implementation.spec}/{self.device}"
         )
 
 
@@ -495,6 +546,13 @@ def implementation_frame(exc: BaseException) -> traceback.FrameSummary | None:
         if not any(path.is_relative_to(folder) for folder in _NOT_THE_IMPLEMENTATION):
             return frame
     return None
+
+
+def exception_text(exc: BaseException) -> str:
+    """``<Class>: <text>`` and the implementation's own file and line that raised it."""
+    frame = implementation_frame(exc)
+    where = f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def run_implementation(

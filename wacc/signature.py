@@ -1,10 +1,16 @@
 """What makes two divergences one finding: their signature.
 
 The same bug (a wrong division, say) fails in float32 and in bfloat16, in several families and
-in many corpus scenarios, each time with other values, steps, sizes and parameter names. The
-signature keeps what they share: the oracles that failed and the first failure line with every
-number, hex float and quoted name replaced by ``#``. ``wacc check`` prints one block per
-signature, ``wacc gate`` one group per signature (with counts and one replay command).
+in many corpus scenarios, each time with other values, steps, sizes, parameter names and
+wording. The signature keeps what diverged, not how the line reads: at the first step that
+fails, the oracle that saw it, the kind of step (``accumulate``, ``finish``, ``checkpoint``,
+``restore``, ...: a sum and a mean are one kind) and the quantity compared there (a counter of
+the state, the pending buffers, the finished gradients, the error class expected and raised,
+the error bound). Where one step fails several oracles, the semantics' (an error class or a
+counter) is what diverged, the values (emulation) and their error bound (bound) follow from it;
+where no step fails, the scenario's own finding (resume). ``wacc check`` prints one block per
+signature, ``wacc gate`` one group per signature (with counts and one replay command): both
+call :func:`signature`.
 """
 
 from __future__ import annotations
@@ -15,11 +21,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the judge is imported by the commands when they run (a fast --help)
     from wacc.verdict import ScenarioVerdict
 
-__all__ = ["line_signature", "signature"]
+__all__ = ["divergence", "line_signature", "signature"]
 
 # Quoted names first (parameters differ from one family to the next), then hex floats, inf/nan
 # and decimal numbers (a leading sign included: -0.0 and +0.0 are one shape).
-_VALUE = re.compile(r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|inf|nan|\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
+# (inf and nan as words: "found_inf" is a name)
+_VALUE = re.compile(
+    r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|\b(?:inf|nan)\b|\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
+)
+# A step's failure line: "step N (op[, weight W])", then " quantity: ..." or ": what ...".
+_STEP = re.compile(r"^step \d+ \((?P<op>[a-z_]+)[^)]*\)(?P<rest>.*)$", re.DOTALL)
+_SUM_OR_MEAN = re.compile(r"_(?:sum|sums|mean)$")
+_ERROR = re.compile(r"^(?:error )?expected (?P<expected>.+?), got (?P<actual>.+)$", re.DOTALL)
+_SUBSCRIPT = re.compile(r"\[[^\]]*\]")  # [flat 3], ['w'], [#]: which element, not what
+_END_OF_QUANTITY = re.compile(r":| =| >| expected|,|;")
+_PREFERENCE = ("semantics", "emulation", "bound")  # what diverged first at a failing step
 
 
 def line_signature(line: str) -> str:
@@ -27,11 +43,32 @@ def line_signature(line: str) -> str:
     return _VALUE.sub("#", line)
 
 
+def divergence(oracle: str, line: str) -> str:
+    """``[oracle] kind: quantity`` of one failure line of ``oracle`` (see the module
+    docstring): the values, names and positions in it, and its wording, left out."""
+    match = _STEP.match(line)
+    if match is None:  # a scenario's own line ("resume is not bit-identical: ...")
+        return f"[{oracle}] scenario: {line_signature(line).split(':', 1)[0]}"
+    kind = _SUM_OR_MEAN.sub("", match["op"])
+    rest = match["rest"].removeprefix(":").strip()
+    error = _ERROR.match(rest)
+    if oracle == "bound":  # its one quantity, however the line shows the worst element
+        quantity = "error within the bound"
+    elif error is not None:  # the classes are what diverged (an exception's text is not)
+        expected, actual = error["expected"], error["actual"].split(":", 1)[0]
+        quantity = f"error expected {expected}, got {actual}"
+    else:
+        head = _END_OF_QUANTITY.split(line_signature(rest), maxsplit=1)[0]
+        quantity = _SUBSCRIPT.sub("", head).strip() or line_signature(rest)
+    return f"[{oracle}] {kind}: {quantity}"
+
+
 def signature(verdict: ScenarioVerdict) -> str:
-    """The oracles that failed and the shape of the first failure line."""
+    """What diverged at the first failing step of ``verdict`` (see the module docstring)."""
+    for step in verdict.steps:
+        firsts = dict(step.firsts)
+        for oracle in _PREFERENCE:
+            if oracle in firsts:
+                return divergence(oracle, firsts[oracle])
     lines = verdict.describe(limit=1)
-    first = line_signature(lines[0] if lines else "")
-    oracles = f"[{', '.join(verdict.failed_oracles)}]"
-    if first.startswith(oracles):  # a step's line carries its oracles already
-        return first
-    return f"{oracles} {first}"
+    return divergence("semantics", lines[0]) if lines else "(no divergence)"

@@ -92,6 +92,9 @@ class StepVerdict:
     failed: tuple[str, ...]
     lines: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # (oracle, its first failure line here) for each oracle that failed at this step: what
+    # diverged, by oracle (wacc.signature groups divergences by it)
+    firsts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -544,9 +547,11 @@ def judge(
         failed: list[str] = []
         lines: list[str] = []
         notes: list[str] = []
+        firsts: dict[str, str] = {}
         if "semantics" in applied and semantics[index]:
             failed.append("semantics")
             lines += semantics[index]
+            firsts["semantics"] = semantics[index][0]
         if "emulation" in applied:
             if fused_lines is not None:
                 emulation = fused_lines[index]
@@ -555,6 +560,7 @@ def judge(
             if emulation:
                 failed.insert(0, "emulation")
                 lines = emulation + lines
+                firsts["emulation"] = emulation[0]
         elif "semantics" in applied:
             # Without oracle 1 (and oracle 2 bounds values only), §7's None rule is oracle 3's.
             presence, notes, _ = _presence_differences(exp, act, what=what)
@@ -562,6 +568,7 @@ def judge(
                 if "semantics" not in failed:
                     failed.append("semantics")
                 lines += presence
+                firsts.setdefault("semantics", presence[0])
         ulps = rel = ratio = 0.0
         terms = windows[index]
         observed: list[tuple[str, np.ndarray, np.ndarray | None, bool]] = []
@@ -603,6 +610,7 @@ def judge(
             if step_ratio > 1.0 and "bound" in applied:
                 spacing = formats.get_format(scenario.work_dtype).min_subnormal
                 lines.append(f"{what}: {name!r} {_worst_element(array, exact, bound, spacing)}")
+                firsts.setdefault("bound", lines[-1])
                 if "bound" not in failed:
                     failed.append("bound")
         verdicts.append(
@@ -618,6 +626,7 @@ def judge(
                 failed=tuple(name for name in ORACLES if name in failed),
                 lines=tuple(lines),
                 notes=tuple(notes),
+                firsts=tuple(firsts.items()),
             )
         )
     return ScenarioVerdict(

@@ -257,6 +257,75 @@ def raises_on_mean(dtype: torch.dtype, loss_scale: float) -> Any:
     return _RaisesOnMean(dtype, loss_scale)
 
 
+class _NotImplementedMean(_Delegating):
+    def accumulate_mean(self, module: nn.Module, weight: float, **kwargs: Any) -> None:
+        raise NotImplementedError("means are my text: not written yet")
+
+
+def not_implemented_mean(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Raises ``NotImplementedError`` with a text of its own from every accumulate_mean."""
+    return _NotImplementedMean(dtype, loss_scale)
+
+
+class _StateDictRaises(_Delegating):
+    def state_dict(self, **kwargs: Any) -> dict[str, Any]:
+        if self._inner.state.issued:
+            raise RuntimeError("state_dict cannot write a window with batches in it")
+        return self._inner.state_dict(**kwargs)
+
+
+def state_dict_raises(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``state_dict()`` raises an exception outside §11 once a batch is accumulated."""
+    return _StateDictRaises(dtype, loss_scale)
+
+
+class _FailingHandle:
+    def result(self) -> dict[str, Any]:
+        raise RuntimeError("the async record was lost in transit")
+
+
+class _AsyncResultRaises(_Delegating):
+    def state_dict_async(self, **kwargs: Any) -> _FailingHandle:
+        return _FailingHandle()
+
+
+def async_result_raises(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``state_dict_async()`` returns a handle whose ``.result()`` raises (outside §11)."""
+    return _AsyncResultRaises(dtype, loss_scale)
+
+
+class _WithExtraTensor(_Delegating):
+    """Records of its own layout: wacc_torch's record and one more tensor of an unusual kind
+    (``extra``), checked and dropped on load."""
+
+    def __init__(self, dtype: torch.dtype, loss_scale: float, extra: torch.Tensor) -> None:
+        super().__init__(dtype, loss_scale)
+        self._extra = extra
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"record": self._inner.state_dict(), "extra": self._extra}
+
+    def state_dict_async(self) -> _Ready:
+        return _Ready(self.state_dict())
+
+    def load_state_dict(self, record: Mapping[str, Any], module: nn.Module) -> None:
+        if not isinstance(record, Mapping) or set(record) != {"record", "extra"}:
+            raise wacc_torch.RecordError(f"a record has keys record, extra: {record}")
+        if not isinstance(record["extra"], torch.Tensor):
+            raise wacc_torch.RecordError("field 'extra' is not a tensor")
+        self._inner.load_state_dict(record["record"], module)
+
+
+def sparse_record(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with records of its own layout that hold a sparse COO tensor."""
+    return _WithExtraTensor(dtype, loss_scale, torch.tensor([0.0, 2.5, 0.0, -1.0]).to_sparse())
+
+
+def stride_zero_record(dtype: torch.dtype, loss_scale: float) -> Any:
+    """Correct, with records of its own layout that hold a stride-0 (expanded) tensor."""
+    return _WithExtraTensor(dtype, loss_scale, torch.zeros(1).expand(4))
+
+
 class _StealingZeroCopyMode(ZeroCopyMode):
     """Zero-copy, but the window's first gradient of a parameter becomes its buffer (times the
     weight for a mean) instead of being added to a +0.0 buffer: a -0.0 gradient stays -0.0."""

@@ -481,6 +481,34 @@ def test_check_prints_an_implementations_exception_with_its_line_and_traceback(
     )
 
 
+@pytest.mark.parametrize(
+    ("factory", "code", "shown"),
+    [
+        ("state_dict_raises", 1, "RuntimeError: state_dict cannot write a window with batches in "
+         "it (at tests/wacc/impls.py:"),
+        ("async_result_raises", 1, "RuntimeError: the async record was lost in transit (at "
+         "tests/wacc/impls.py:"),
+        # correct implementations: their records are judged, and pass
+        ("sparse_record", 0, "records: opaque"),
+        ("stride_zero_record", 0, "records: opaque"),
+    ],
+)  # fmt: skip
+def test_an_implementations_exception_anywhere_is_a_divergence_never_exit_3(
+    factory: str, code: int, shown: str, tmp_path: Path
+) -> None:
+    """A state_dict() that raises, an async handle whose .result() raises: `wacc check` exits 1
+    with a DIVERGENCE block that shows the exception's text; records holding a sparse or a
+    stride-0 tensor are judged (the integrity probe compares them): never exit 3."""
+    result = wacc(
+        "check", f"tests.wacc.impls:{factory}", "--dtype", "float32", "--family",
+        "interruptions", "--examples", "20", "--allow-missing", "checksum", "--out",
+        str(tmp_path), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == code, result.stdout + result.stderr
+    assert shown in result.stdout and "internal error" not in result.stderr
+    assert ("DIVERGENCE" in result.stdout) == (code == 1)
+
+
 def test_one_bug_in_several_dtypes_and_families_is_one_block(tmp_path: Path) -> None:
     """The same divergence found in 2 dtypes x 2 families is printed once, naming all four
     cells, with one replay command and the other three scenario files (all written)."""

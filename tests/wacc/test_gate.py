@@ -234,6 +234,28 @@ def test_a_planted_regression_fails_the_gate_with_replayable_grouped_failures(
     assert all(t >= 0 for t in times) and len(set(times)) > 1  # measured per key, not averaged
 
 
+@pytest.mark.slow  # two shards of 1/40 of the gate
+@pytest.mark.parametrize(
+    ("factory", "text"),
+    [
+        ("not_implemented_mean", "NotImplementedError: means are my text: not written yet"),
+        ("state_dict_raises", "RuntimeError: state_dict cannot write a window with batches in it"),
+    ],
+)
+def test_the_gate_prints_the_implementations_exception_text_and_never_exits_3(
+    factory: str, text: str, tmp_path: Path
+) -> None:
+    """An implementation that raises outside §11 (in accumulate_mean; in state_dict() once a
+    batch is in) fails a gate shard with exit 1, and its failure blocks show the exception's
+    own text (not only "got unexpected <Class>"); the judge does not crash (exit 3)."""
+    result = gate(
+        "--impl", f"tests.wacc.impls:{factory}", "--allow-missing", "checksum", "--shard", "1/40",
+        "--results", str(tmp_path / "shard.json"), "--out", str(tmp_path / "replays"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert text in result.stdout and "internal error" not in result.stderr
+
+
 def test_a_baseline_of_another_implementation_is_refused_before_the_run(tmp_path: Path) -> None:
     """Judging IMPL against a baseline recorded for another one is exit 2 at once, naming both
     and --allow-other-impl; an --out that is a file is exit 2 before the run too."""

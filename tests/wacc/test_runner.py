@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from wacc.implementation import DEFAULT_IMPL, load_implementation
+from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
 from wacc.runner import AGNOSTIC_CORRUPTIONS, follows_schema, run_implementation
 from wacc.verdict import judge
 from wacc_ref.corruption import CORRUPTION_KINDS
@@ -143,3 +144,61 @@ def test_a_float64_mean_beyond_float32_is_judged_like_the_reference() -> None:
     finished = trace.outcomes[-1].result
     assert finished is not None and finished.found_inf is False
     assert not judge(load_implementation(DEFAULT_IMPL), scenario).failed
+
+
+def _window_with_checkpoints(*, asynchronous: bool) -> Scenario:
+    return Scenario(
+        work_dtype="float32",
+        grad_dtype="float32",
+        loss_scale=1.0,
+        fused=False,
+        parameters=(("weight", (2,)),),
+        steps=(
+            Accumulate.of("sum", 3.0, {"weight": (1.0, -2.0)}),
+            Checkpoint(asynchronous=asynchronous),
+            Finish("sums"),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("factory", "asynchronous", "index", "error", "text"),
+    [
+        ("state_dict_raises", False, 0, "unexpected RuntimeError from state_dict()",
+         "RuntimeError: state_dict cannot write a window with batches in it"),
+        ("async_result_raises", True, 1,
+         "unexpected RuntimeError from state_dict_async().result()",
+         "RuntimeError: the async record was lost in transit"),
+    ],
+)  # fmt: skip
+def test_a_record_that_cannot_be_taken_is_a_divergence_with_its_text(
+    factory: str, asynchronous: bool, index: int, error: str, text: str
+) -> None:
+    """A ``state_dict()`` that raises when the judge reads the state after a step, or an async
+    handle whose ``.result()`` raises, is that step's divergence (oracle 3) with the
+    exception's text and the implementation's line, not an exception out of the judge."""
+    implementation = load_implementation(f"tests.wacc.impls:{factory}")
+    verdict = judge(implementation, _window_with_checkpoints(asynchronous=asynchronous))
+    step = verdict.steps[index]
+    assert step.actual_error == error and "semantics" in step.failed
+    assert verdict.messages[index].startswith(text)
+    assert "(at tests/wacc/impls.py:" in verdict.messages[index]
+
+
+def test_a_factory_that_raises_for_one_dtype_is_a_divergence_at_the_first_step() -> None:
+    """A factory that builds float32 accumulators (so it loads) and raises for float64 makes
+    every float64 scenario diverge at its first step, with the factory's text."""
+
+    def make(dtype: torch.dtype, loss_scale: float) -> object:
+        if dtype == torch.float64:
+            raise NotImplementedError("no float64 accumulator in this build")
+        return load_implementation(DEFAULT_IMPL).make(dtype, loss_scale)
+
+    implementation = Implementation(spec="local:make", factory=make, fused=False, missing=())
+    scenario = dataclasses.replace(
+        _window_with_checkpoints(asynchronous=False), work_dtype="float64"
+    )
+    verdict = judge(implementation, scenario)
+    assert verdict.steps[0].actual_error == "unexpected NotImplementedError"
+    assert verdict.messages[0].startswith("NotImplementedError: no float64 accumulator")
+    assert "semantics" in verdict.steps[0].failed

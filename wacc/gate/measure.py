@@ -34,10 +34,12 @@ __all__ = [
     "GATE_CORPUS",
     "GATE_CORPUS_SEED",
     "GATE_CORPUS_SIZE",
+    "NOT_RECURRED",
     "GateFinding",
     "Metrics",
     "Shard",
     "Unit",
+    "finding_message",
     "measure",
     "merge_metrics",
     "replay_name",
@@ -107,16 +109,34 @@ def measure(
         progress(unit.key)
         metrics = results.setdefault(unit.key, Metrics())
         started = time.perf_counter()
+        recurred = True
         if taken is not None:
             judged = judge(implementation, taken[0], oracles=ORACLES)
             metrics.add(judged)
             verdict: ScenarioVerdict | None = judged
         else:  # the family's first failure, shrunk (None: none)
+            seen: list[ScenarioVerdict] = []  # the failing scenarios as first judged
+
+            def observe(
+                judged: ScenarioVerdict, seen: list[ScenarioVerdict] = seen,
+                metrics: Metrics = metrics,
+            ) -> None:  # fmt: skip
+                # A family stops at its first failure: one failing scenario, however often it
+                # is judged again before the run ends (then no finding would explain the rest).
+                metrics.add(judged, counted=not (judged.failed and seen))
+                if judged.failed:
+                    seen.append(judged)
+
             verdict = run_family(
-                implementation, unit.dtype, unit.family, config, on_verdict=metrics.add
+                implementation, unit.dtype, unit.family, config, on_verdict=observe
             )
             if verdict is not None:
                 metrics.add(verdict, counted=False)
+            if seen and (verdict is None or not verdict.failed):
+                # Failed, then passed when judged again: the scenario that failed is the
+                # finding, replayable, and says so.
+                verdict = seen[0]
+                recurred = False
         if verdict is not None and verdict.failed:
             replay = None
             if out is not None:
@@ -124,16 +144,42 @@ def measure(
                 path = out / replay_name(position, unit)
                 path.write_text(to_json(verdict.scenario, indent=1) + "\n", encoding="utf-8")
                 replay = str(path)
+            message = finding_message(verdict)
+            if not recurred:
+                message = f"{NOT_RECURRED}: {message}"
             metrics.findings.append(
                 GateFinding(
                     signature=signature(verdict),
-                    message="; ".join(verdict.describe(limit=2)),
+                    message=message,
                     replay=replay,
                     steps=len(verdict.scenario.steps),
                 )
             )
         metrics.milliseconds += round((time.perf_counter() - started) * 1000)
     return results
+
+
+NOT_RECURRED = (
+    "failed, and passed when this scenario was judged again (is the implementation "
+    "deterministic? `wacc replay` judges it once more)"
+)
+_RAISED_CHARS = 160  # an exception's text in a finding's message: its first 160 characters
+
+
+def finding_message(verdict: ScenarioVerdict) -> str:
+    """A failing scenario in one line: its first failure line, the text of the exception the
+    implementation raised at the first failing step that raised one (shortened), and its
+    second failure line."""
+    lines = verdict.describe(limit=2)
+    failing = [step.index for step in verdict.steps if step.failed]
+    raised = next((verdict.messages[i] for i in failing if i in verdict.messages), None)
+    if raised is not None:
+        text = " ".join(raised.split())  # one line, whatever the exception's text holds
+        if len(text) > _RAISED_CHARS:
+            text = text[: _RAISED_CHARS - 3] + "..."
+        index = next(i for i in failing if i in verdict.messages)
+        lines.insert(min(1, len(lines)), f"step {index} raised {text}")
+    return "; ".join(lines)
 
 
 def merge_metrics(parts: Iterable[Mapping[str, Metrics]]) -> dict[str, Metrics]:

@@ -1,0 +1,150 @@
+"""wacc/signature.py: one bug is one signature, in the gate as in ``wacc check``; the gate's
+findings of a check family are replayable and carry the implementation's exception text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.wacc.planted import PLANTED
+from wacc.commands.check import _grouped
+from wacc.engine import CheckConfig, run_check
+from wacc.gate import measure as gate_measure
+from wacc.gate.compare import compare
+from wacc.gate.groups import UNREPRODUCED, group_findings
+from wacc.gate.metrics import Metrics
+from wacc.gate.outputs import failure_lines, write_junit, write_summary
+from wacc.implementation import load_implementation
+from wacc.report.corpus import CorpusEntry, build_corpus
+from wacc.signature import divergence, signature
+from wacc.verdict import judge
+from wacc_ref.scenario import from_json
+
+SAME_DIVERGENCE = [
+    # one quantity at one kind of step, whatever the values, names, positions and wording
+    ("emulation", "step 3 (finish_mean) grads['a'][flat 0]: expected 0x1p+0 (1), got 2"),
+    ("emulation", "step 9 (finish_mean) grads['b.w'][flat 17]: expected 3, got 0x1.8p+1 (3.0)"),
+]
+OTHER_DIVERGENCES = [
+    ("bound", "step 3 (finish_mean): 'a' error/bound = 3.2 > 1: [flat 0] = 1.0, exact 2.0"),
+    ("emulation", "step 2 (accumulate_sum, weight 2.0) pending['a'][flat 0]: expected 1, got 2"),
+    ("semantics", "step 2 (accumulate_sum) state.total_weight: expected 3.0 (3), got 2.0"),
+    ("semantics", "step 2 (accumulate_sum) state.zero_weight: expected 1, got 0"),
+    ("semantics", "step 2 (accumulate_mean): error expected InvalidWeightError, got None"),
+    ("semantics", "step 2 (accumulate_mean): error expected None, got unexpected RuntimeError"),
+    ("semantics", "step 4 (restore_corrupted): expected RecordError, got None"),
+    ("semantics", "resume is not bit-identical: the finished results differ"),
+]
+
+
+def test_a_signature_is_what_diverged_not_the_lines_wording_or_numbers() -> None:
+    """Two lines of one oracle about one quantity at one kind of step (a sum and a mean are one
+    kind) are one signature, whatever their numbers, names and positions; another oracle,
+    quantity, error class or kind of step is another signature."""
+    assert len({divergence(oracle, line) for oracle, line in SAME_DIVERGENCE}) == 1
+    sum_and_mean = [
+        ("semantics", "step 1 (accumulate_sum) state.zero_weight: expected 1, got 0"),
+        ("semantics", "step 5 (accumulate_mean) state.zero_weight: expected 2, got 1"),
+    ]
+    assert len({divergence(oracle, line) for oracle, line in sum_and_mean}) == 1
+    lines = [SAME_DIVERGENCE[0], *OTHER_DIVERGENCES]
+    assert len({divergence(oracle, line) for oracle, line in lines}) == len(lines)
+    # a name that holds "inf" is a name, not a value
+    found_inf = "step 3 (finish_mean): found_inf is False but the gradients hold NaN or ±inf"
+    assert (
+        divergence("semantics", found_inf)
+        == "[semantics] finish: found_inf is False but the gradients hold NaN or ±#"
+    )
+
+
+def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
+    """The gate's check units of ``families`` only (its corpus units are the ``corpus``
+    passed to ``measure``)."""
+    monkeypatch.setattr(gate_measure, "family_names", lambda: families)
+
+
+def _corpus_of(family: str, per_cell: int) -> list[CorpusEntry]:
+    """The gate's corpus scenarios of ``family``: the first ``per_cell`` of each work dtype x
+    gradient dtype cell."""
+    taken: dict[tuple[str, str], int] = {}
+    entries = []
+    for entry in build_corpus(size="default", corpus_seed=0):
+        cell = (entry.scenario.work_dtype, entry.scenario.grad_dtype)
+        if entry.family == family and taken.get(cell, 0) < per_cell:
+            taken[cell] = taken.get(cell, 0) + 1
+            entries.append(entry)
+    return entries
+
+
+@pytest.mark.slow  # a gate over one family's corpus and checks, and `wacc check`, per bug
+@pytest.mark.parametrize(
+    "name", ["ScaleTimesWeight", "ZeroWeightNotCounted", "DoubleUnscale", "ReciprocalDivision"]
+)
+def test_one_planted_bug_is_one_group_in_the_gate_and_one_block_in_check(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planted bug judged by the gate over its family's corpus scenarios (every dtype) and
+    check units fails many scenarios with other values, steps and wording, and is one failure
+    group; ``wacc check``'s families on every dtype show it as one block."""
+    planted = PLANTED[name]
+    _only_families(monkeypatch, planted.family)
+    metrics = gate_measure.measure(
+        planted.implementation, corpus=_corpus_of(planted.family, per_cell=2)
+    )
+    groups = group_findings(metrics)
+    assert sum(group.count for group in groups) > 10, groups  # many scenarios fail
+    assert [group.signature for group in groups] == [groups[0].signature], groups
+    config = CheckConfig(families=(planted.family,), shrink_seconds=5.0)
+    blocks = _grouped(run_check(planted.implementation, config).findings)
+    assert len(blocks) == len(groups)
+    assert signature(blocks[0][0].verdict) == groups[0].signature
+
+
+@pytest.mark.slow  # the stateful machine on every dtype, and `wacc check` on one
+def test_a_stateful_failure_is_one_replayable_finding_and_no_phantom_group(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A deterministic planted bug the stateful machine finds is one failing scenario per
+    dtype in the gate, with its finding and replay file (no group of a failure that "did not
+    recur"), and judging the replay file again fails with the same signature; ``wacc check``
+    counts it once too."""
+    planted = PLANTED["ZeroWeightNotCounted"]
+    _only_families(monkeypatch, "stateful")
+    metrics = gate_measure.measure(planted.implementation, corpus=[], out=tmp_path)
+    assert all(m.failing == len(m.findings) == 1 for m in metrics.values()), metrics
+    groups = group_findings(metrics)
+    assert UNREPRODUCED.signature not in [group.signature for group in groups]
+    for finding in (f for m in metrics.values() for f in m.findings):
+        assert finding.replay is not None
+        scenario = from_json(Path(finding.replay).read_text(encoding="utf-8"))
+        assert signature(judge(planted.implementation, scenario)) == finding.signature
+    config = CheckConfig(dtypes=("float32",), families=("stateful",), shrink_seconds=5.0)
+    assert run_check(planted.implementation, config).summaries["float32"].failed == 1
+
+
+def test_the_gates_outputs_carry_the_implementations_exception_text(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An implementation whose accumulate_mean raises NotImplementedError("... my text ...")
+    fails the gate's scenarios with means: its text is in the printed failure blocks, in
+    gate.md and in the JUnit XML (not only "got unexpected NotImplementedError")."""
+    implementation = load_implementation("tests.wacc.impls:not_implemented_mean")
+    _only_families(monkeypatch)  # the corpus units alone
+    corpus = [
+        entry
+        for entry in _corpus_of("windows", per_cell=1)
+        if any(getattr(step, "kind", "") == "mean" for step in entry.scenario.steps)
+    ][:6]
+    metrics = gate_measure.measure(implementation, corpus=corpus, out=tmp_path / "replays")
+    baseline = {key: Metrics(scenarios=m.scenarios) for key, m in metrics.items()}
+    comparison = compare(metrics, baseline)
+    groups = group_findings(metrics)
+    spec = implementation.spec
+    printed = "\n".join(failure_lines(groups, implementation=spec))
+    summary = write_summary(comparison, tmp_path / "gate.md", implementation=spec, seconds=1.0,
+                            groups=groups).read_text(encoding="utf-8")  # fmt: skip
+    junit = write_junit(comparison, tmp_path / "gate.xml", implementation=spec)
+    text = "NotImplementedError: means are my text: not written yet"
+    assert text in printed and text in summary
+    assert text in junit.read_text(encoding="utf-8")
