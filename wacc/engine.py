@@ -35,7 +35,6 @@ __all__ = [
     "CORPUS_FAMILIES",
     "FAMILIES",
     "FAMILY_FEATURES",
-    "GATE_FAMILIES",
     "CheckConfig",
     "CheckReport",
     "DtypeSummary",
@@ -74,10 +73,6 @@ CORPUS_FAMILIES: tuple[str, ...] = (
     "non_finite",
     "dynamic_scaling",
 )
-# The check units of `wacc gate` (its baseline's "<dtype>/<family>/check" keys): the corpus
-# families and the machine. structural came later and is not gated, so that the committed
-# baseline still fits a run (adding it is a `wacc gate --update-baseline`).
-GATE_FAMILIES: tuple[str, ...] = (*CORPUS_FAMILIES, MACHINE)
 # family -> the features without which its scenarios cannot run: the family is then skipped (the
 # features are reported as not judged). Declared by the contract (wacc.contract).
 FAMILY_FEATURES: Mapping[str, tuple[str, ...]] = {

@@ -10,7 +10,7 @@ import pytest
 
 from tests.wacc.test_cli import REPO, wacc
 from tests.wacc_ref.scenario_support import fault_scenario
-from wacc.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, run_family
+from wacc.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, family_names, run_family
 from wacc.implementation import load_implementation
 from wacc.verdict import judge
 from wacc_ref.faults import FAULT_KINDS, REFUSED_FAULTS
@@ -125,11 +125,14 @@ def test_check_finds_a_planted_structural_bug_and_its_replay_reproduces_it(
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
-def test_the_gate_check_units_still_fit_the_committed_baseline() -> None:
-    """`wacc gate` runs the same check units as before the structural family, so the committed
-    baseline (reports/baseline.json) keeps fitting a run: its check keys are the gate's."""
+def test_the_gate_runs_every_check_family_and_the_baseline_has_them() -> None:
+    """`wacc gate` runs every family `wacc check` runs, structural included (one verdict for
+    one implementation), and the committed baseline (reports/baseline.json) was made with them:
+    its check keys are exactly the gate's."""
     from wacc.gate.measure import units
 
     baseline = json.loads((REPO / "reports" / "baseline.json").read_text(encoding="utf-8"))
     checked = {key for key in baseline["entries"] if key.endswith("/check")}
-    assert {unit.key for unit in units([])} == checked
+    gated = {unit.key for unit in units([])}
+    assert {key.split("/")[1] for key in gated} == set(family_names())
+    assert gated == checked

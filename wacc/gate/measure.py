@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from wacc.engine import GATE_FAMILIES, CheckConfig, run_family
+from wacc.engine import CheckConfig, family_names, run_family
 from wacc.gate.metrics import (
     GATE_CORPUS,
     GATE_CORPUS_SEED,
@@ -64,7 +64,7 @@ def units(corpus: Iterable[CorpusEntry]) -> list[Unit]:
     out = [
         Unit(key=f"{dtype}/{family}/check", dtype=dtype, family=family)
         for dtype in formats.WORK_DTYPES
-        for family in GATE_FAMILIES
+        for family in family_names()
     ]
     out += [
         Unit(key=f"{entry.scenario.work_dtype}/{entry.family}/corpus", entry=entry)
