@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.docs_support import README, ROOT, quickstart
 
 CI = ROOT / ".ci" / "run"
@@ -77,6 +79,7 @@ def test_ci_runs_the_quickstart_first_in_its_fresh_venv_then_the_extras() -> Non
     assert sum("pytest" in line for line in lines[run_quickstart + 1 :]) == 1
 
 
+@pytest.mark.slow  # a pytest run with two xdist workers (~40 s here)
 def test_skipped_tests_and_modules_are_listed_for_the_rerun(tmp_path: Path) -> None:
     """Under pytest with xdist (as CI runs it), WACC_RECORD_SKIPPED receives the id of a module
     skipped at collection by a missing import, of a skipped test and of a test skipped in a
