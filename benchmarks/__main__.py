@@ -6,7 +6,7 @@ Examples::
     python -m benchmarks --suite step --repeats 40
     python -m benchmarks --quick --out /tmp/perf  # tiny sizes, no gate run (the smoke test)
     python -m benchmarks --device cuda --suite large --out "$OUT/perf"
-    python -m benchmarks --readme README.md      # and update the README's targets table
+    python -m benchmarks --readme docs/performance.md  # and the docs' targets table
     python -m benchmarks --suite shapes --suite decoder   # real layer sets, realistic tokens
     python -m benchmarks --suite shapes --shape-scale 0.25  # a quarter of the layers and rows
 """
@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         "--readme",
         type=Path,
         default=None,
-        help="also write the targets table into this file, between its perf-targets markers",
+        help="also write the targets table into this file, between its perf-targets markers "
+        "(the documentation's is docs/performance.md)",
     )
     parser.add_argument(
         "--shape-scale",

@@ -230,7 +230,7 @@ def markdown(
 
 
 def targets_block(text: str) -> str:
-    """The main table between the markers, as it appears in ``text`` (README or report)."""
+    """The main table between the markers, as it appears in ``text`` (a docs page or a report)."""
     start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN)
     return text[start : text.index(TABLE_END, start)].strip()
 

@@ -3,7 +3,7 @@
 Examples::
 
     python -m mutation run                       # mutmut run (every module), timed
-    python -m mutation report                    # reports/mutation/ and the README's table
+    python -m mutation report                    # reports/mutation/ and docs/mutation.md's table
     python -m mutation run 'wacc_ref.bounds.*'   # one module's mutants (then `report`)
     python -m mutation run --rerun-triaged       # also the triaged survivors a run carries
     python -m mutation smoke                     # the CI sample (at most a few minutes)
@@ -237,7 +237,10 @@ def _parser() -> argparse.ArgumentParser:
         "--root", default=str(ROOT), help="where `mutmut run` ran (default: this repository)"
     )
     report.add_argument(
-        "--readme", default=str(ROOT / "README.md"), help="README whose score table to update"
+        "--readme",
+        default=str(ROOT / "docs" / "mutation.md"),
+        help="the documentation page whose score table (between its markers) to update "
+        "(default: %(default)s)",
     )
     report.set_defaults(handler=_report)
     smoke = commands.add_parser("smoke", help="kill the sampled mutants again (CI)")

@@ -136,7 +136,7 @@ def _count_cells(tally: Tally) -> str:
 
 
 def headline(findings: Findings) -> str:
-    """The per-group table (also in the README, between markers)."""
+    """The per-group table (also on docs/mutation.md, between markers)."""
     lines = [
         "| group " + _COUNT_HEADER + " target | met |",
         "|---" * 12 + "|",
@@ -205,7 +205,7 @@ HEADLINE_END = "<!-- mutation-scores:end -->"
 
 
 def replace_headline(text: str, table: str) -> str:
-    """``text`` (the README) with the table between the markers replaced."""
+    """``text`` (docs/mutation.md) with the table between the markers replaced."""
     start = text.index(HEADLINE_BEGIN) + len(HEADLINE_BEGIN)
     return text[:start] + "\n" + table + "\n" + text[text.index(HEADLINE_END, start) :]
 

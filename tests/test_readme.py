@@ -1,4 +1,5 @@
-"""The README's usage examples run as written (the training loop, then the DDP block on 1 rank)."""
+"""The documentation's usage examples run as written (the training loop, then the DDP block on 1
+rank): each block is read from the docs/ page that shows it, the Quickstart from the README."""
 
 from __future__ import annotations
 
@@ -15,36 +16,49 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.docs_support import DOCS, README, quickstart
 from tests.wacc_torch.support import assert_bitwise_equal
 from wacc_torch import WeightedGradientsAccumulator
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+# Where each example lives: the page a reader meets it on (marker -> page).
+PAGES = {
+    "save_record(": "accumulator.md",
+    "all_reduce_mean(": "data-parallel.md",
+    "def make(dtype": "check.md",
+    "ReferenceAccumulator(": "reference-model.md",
+    "WeightedAllReduceHook(": "data-parallel.md",
+    "zero_copy=True": "zero-copy.md",
+    "WindowLossScaler(": "loss-scaling.md",
+}
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+
+
+def _page(marker: str) -> Path:
+    return DOCS / PAGES[marker]
 
 
 def _block(marker: str) -> str:
-    """The one Python block of the README that contains ``marker``."""
-    (block,) = [block for block in _python_blocks() if marker in block]
+    """The one Python block of the marker's page that contains ``marker``."""
+    (block,) = [block for block in _python_blocks(_page(marker)) if marker in block]
     return block
 
 
+def _exec(marker: str, namespace: dict[str, Any]) -> None:
+    """Run the marker's block in ``namespace``; a traceback names its page."""
+    exec(compile(_block(marker), str(_page(marker)), "exec"), namespace)
+
+
 def test_readme_has_the_usage_examples() -> None:
-    """The README shows a training loop, a data-parallel block, an accumulator of your own for
-    ``wacc check``, a reference block, the DDP communication-hook block and the zero-copy loop,
-    each exactly once."""
-    for marker in (
-        "save_record(",
-        "all_reduce_mean(",
-        "def make(dtype",
-        "ReferenceAccumulator(",
-        "WeightedAllReduceHook(",
-        "zero_copy=True",
-        "WindowLossScaler(",
-    ):
+    """The docs show a training loop, a data-parallel block, an accumulator of your own for
+    ``wacc check``, a reference block, the DDP communication-hook block, the zero-copy loop and
+    the loss-scaling loop, each exactly once in all of docs/ (on its page)."""
+    every_block = [b for page in sorted(DOCS.glob("*.md")) for b in _python_blocks(page)]
+    for marker in PAGES:
         _block(marker)
+        assert sum(marker in block for block in every_block) == 1, marker
 
 
 def test_dynamic_loss_scaling_example_skips_overflowing_windows(
@@ -57,7 +71,7 @@ def test_dynamic_loss_scaling_example_skips_overflowing_windows(
     from wacc_torch import WindowLossScaler
 
     namespace: dict[str, Any] = {}
-    exec(compile(_block("WindowLossScaler("), str(README), "exec"), namespace)
+    _exec("WindowLossScaler(", namespace)
     lines = re.findall(
         r"^window (\d+): S=(\S+) found_inf=(True|False) applied=(True|False)$",
         capsys.readouterr().out,
@@ -79,7 +93,7 @@ def test_training_loop_example_runs_and_resumes_mid_window(
     """The loop example trains two windows and its mid-window record resumes with 2 issued."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
-    exec(compile(_block("save_record("), str(README), "exec"), namespace)
+    _exec("save_record(", namespace)
     assert (tmp_path / "accumulator.pt").exists()
     state = namespace["resumed"].state
     assert (state.issued, state.zero_weight, state.total_weight) == (2, 0, 8.0)
@@ -92,12 +106,12 @@ def test_data_parallel_example_runs_on_one_gloo_rank(
     """On a one-rank gloo group the DDP block reduces and applies a finite mean gradient."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
-    exec(compile(_block("save_record("), str(README), "exec"), namespace)
+    _exec("save_record(", namespace)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         namespace["ddp_model"] = torch.nn.parallel.DistributedDataParallel(namespace["model"])
-        exec(compile(_block("all_reduce_mean("), str(README), "exec"), namespace)
+        _exec("all_reduce_mean(", namespace)
         result = namespace["global_mean"]
         assert result.normalized and result.weight == 1.0 + 50.0  # rank 0: 1 + 50 tokens
         assert all(torch.isfinite(g).all() for g in result.grads.values() if g is not None)
@@ -135,7 +149,7 @@ def test_zero_copy_example_steps_with_the_buffered_modes_mean(
     namespace: dict[str, Any] = {}
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record_forward)
     try:
-        exec(compile(_block("zero_copy=True"), str(README), "exec"), namespace)
+        _exec("zero_copy=True", namespace)
     finally:
         handle.remove()
         monkeypatch.undo()
@@ -159,17 +173,19 @@ def test_zero_copy_example_steps_with_the_buffered_modes_mean(
 def test_reference_example_prints_what_its_comments_say(capsys: pytest.CaptureFixture[str]) -> None:
     """The reference block's printed values are the ones its comments derive by hand."""
     namespace: dict[str, Any] = {}
-    exec(compile(_block("ReferenceAccumulator("), str(README), "exec"), namespace)
+    _exec("ReferenceAccumulator(", namespace)
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["inf", "1.0"]
     assert lines[2] == str(np.array([3 * 2.0**-13, 2.0**-13]))
 
 
 def test_check_your_own_accumulator_example_passes_as_written(tmp_path: Path) -> None:
-    """The README's my_accumulator.py passes the first ``wacc check`` command it shows (exit 0)."""
+    """The check page's my_accumulator.py passes the first ``wacc check`` command it shows
+    (exit 0)."""
     (tmp_path / "my_accumulator.py").write_text(_block("def make(dtype"), encoding="utf-8")
-    commands = re.findall(r"^wacc check my_accumulator\.py:make[^#\n]*", README.read_text(), re.M)
-    assert commands, "the README shows no wacc check of my_accumulator.py"
+    page = _page("def make(dtype").read_text(encoding="utf-8")
+    commands = re.findall(r"^wacc check my_accumulator\.py:make[^#\n]*", page, re.M)
+    assert commands, "the check page shows no wacc check of my_accumulator.py"
     args = commands[0].split()[1:] + ["--examples", "10", "--quiet"]
     result = subprocess.run(
         [sys.executable, "-m", "wacc", *args],
@@ -189,12 +205,12 @@ def test_comm_hook_example_runs_on_one_gloo_rank(
     and reports the window's weight (3 + 40 + 9 tokens) and its three microbatches."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
-    exec(compile(_block("save_record("), str(README), "exec"), namespace)
+    _exec("save_record(", namespace)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         namespace["ddp_model"] = torch.nn.parallel.DistributedDataParallel(namespace["model"])
-        exec(compile(_block("WeightedAllReduceHook("), str(README), "exec"), namespace)
+        _exec("WeightedAllReduceHook(", namespace)
         result = namespace["hook"].result
         assert result.normalized and result.weight == 3.0 + 40.0 + 9.0 and result.issued == 3
         grads = [p.grad for p in namespace["model"].parameters()]
@@ -204,29 +220,17 @@ def test_comm_hook_example_runs_on_one_gloo_rank(
 
 
 def test_quickstart_is_two_commands_install_and_report_then_the_tests() -> None:
-    """The Quickstart block is exactly two commands: install + ``wacc report``, then pytest."""
-    text = README.read_text(encoding="utf-8")
-    quickstart = text.split("## Quickstart", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", quickstart, flags=re.S)
-    assert block is not None
-    commands = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
+    """The README's Quickstart block is exactly two commands: install + ``wacc report --quick``
+    (the main job, short enough for CI to run as written), then pytest on every core; the docs'
+    home page shows the same block."""
+    block = quickstart(README)
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     commands = [c for c in commands if c]
-    assert len(commands) == 2
-    assert commands[0].startswith("pip install torch==2.13.0 && ") and commands[0].endswith(
-        "&& wacc report"
-    )
-    assert commands[1].startswith("python -m pytest")
-    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
-    assert f"\n{commands[1]}\n" in ci and "wacc gate" in ci
-
-
-def test_readme_points_nowhere_outside_the_repository() -> None:
-    """Every relative link of the README names a file of the repository."""
-    text = README.read_text(encoding="utf-8")
-    assert "../shared" not in text
-    for target in re.findall(r"\]\(([^)#]+)\)", text):
-        if "://" not in target:
-            assert (README.parent / target).exists(), target
+    assert commands == [
+        'pip install torch==2.13.0 && pip install -e ".[dev]" && wacc report --quick',
+        "python -m pytest -n auto --dist loadfile",
+    ]
+    assert quickstart(DOCS / "index.md") == block
 
 
 def _workflow() -> dict[str, Any]:
@@ -234,14 +238,14 @@ def _workflow() -> dict[str, Any]:
 
     (block,) = re.findall(
         r"```yaml\n(# \.github/workflows/numerics\.yml.*?)```",
-        README.read_text(encoding="utf-8"), flags=re.S,
+        (DOCS / "gate.md").read_text(encoding="utf-8"), flags=re.S,
     )  # fmt: skip
     workflow: dict[str, Any] = yaml.safe_load(block)
     return workflow
 
 
 def test_the_ci_recipe_for_other_repositories_keeps_its_promises() -> None:
-    """The README's workflow for another project: shards that all finish (fail-fast false), a
+    """The gate page's workflow for another project: shards that all finish (fail-fast false), a
     merge job that runs when one failed (if: always()) and appends the summary to
     $GITHUB_STEP_SUMMARY, replay files and results uploaded even from a failed shard, wacc
     installed from a git URL, a committed baseline named; every wacc command line in it is

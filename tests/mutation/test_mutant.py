@@ -142,8 +142,8 @@ def _staged_suite(tmp_path: Path, failing: int | None) -> list[str]:
             for n in range(40)
         )
         path.write_text(text.replace("{tests}", tests), encoding="utf-8")
-    shutil.copy(repo_tests / "conftest.py", tmp_path / "tests" / "conftest.py")
-    shutil.copy(repo_tests / "mutant.py", tmp_path / "tests" / "mutant.py")
+    for module in ("conftest.py", "mutant.py", "record_skipped.py"):  # conftest imports the others
+        shutil.copy(repo_tests / module, tmp_path / "tests" / module)
     ids = [f"tests/deep/test_deep.py::test_{n}" for n in range(40)]
     stats = {"duration_by_test": {node_id: float(40 - n) for n, node_id in enumerate(ids)}}
     (tmp_path / "mutmut-stats.json").write_text(json.dumps(stats), encoding="utf-8")

@@ -1,4 +1,4 @@
-"""mutation.report: scores, stale verdicts, targets and the README table."""
+"""mutation.report: scores, stale verdicts, targets and the docs' score table."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
+
+import pytest
 
 from mutation.outcomes import Outcome
 from mutation.report import (
@@ -132,7 +134,7 @@ def test_a_group_below_its_target_fails_and_one_at_it_passes() -> None:
 
 
 def test_the_markdown_lists_every_survivor_and_the_readme_table_is_replaced(tmp_path: Path) -> None:
-    """The report names each survivor with its verdict; the README's table is swapped in place."""
+    """The report names each survivor with its verdict; the docs' table is swapped in place."""
     outcomes = _all_groups_killed() + [
         _outcome("w.x_f__mutmut_9", "wacc/shrink.py", "survived", "a | b => a"),
     ]
@@ -154,6 +156,7 @@ def test_the_markdown_lists_every_survivor_and_the_readme_table_is_replaced(tmp_
 
 def test_the_command_answers_a_missing_run_with_one_line_and_exit_2(tmp_path: Path) -> None:
     """``python -m mutation report`` before any ``mutmut run``: exit 2, one line, no traceback."""
+    pytest.importorskip("mutmut")  # the command reads mutmut's state: the `mutation` extra
     completed = subprocess.run(
         [
             sys.executable,
@@ -231,3 +234,15 @@ def test_a_carried_survivor_counts_as_its_verdict_and_needs_one() -> None:
     findings = judge(outcomes, {})
     assert [o.name for o in findings.gaps] == ["b.x_f__mutmut_2"]
     assert any("untriaged survivor b.x_f__mutmut_2 (carried)" in p for p in findings.problems)
+
+
+def test_the_report_updates_the_table_of_the_documentation_page_that_shows_it() -> None:
+    """``python -m mutation report`` writes its score table, by default, into the page of the
+    documentation site that holds the markers (docs/mutation.md, in mkdocs.yml's nav)."""
+    from mutation.__main__ import _parser
+    from tests.docs_support import nav_pages
+
+    page = Path(_parser().parse_args(["report"]).readme)
+    assert page.parent == ROOT / "docs" and page.name in nav_pages()
+    text = page.read_text(encoding="utf-8")
+    assert text.index(HEADLINE_BEGIN) < text.index(HEADLINE_END)

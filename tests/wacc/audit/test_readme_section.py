@@ -1,4 +1,5 @@
-"""The README's "Audit your training loop" section: its example loop audits as shown."""
+"""The audit's pages: the example loop of "Audit your training loop" (docs/audit-your-loop.md)
+audits as shown, and the results page (docs/audit.md) has a row for every built-in loop."""
 
 from __future__ import annotations
 
@@ -16,24 +17,21 @@ from wacc.audit.adapters import ADAPTERS
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Audit your training loop")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
+def _page(name: str) -> str:
+    return (ROOT / "docs" / name).read_text(encoding="utf-8")
 
 
 def test_section_table_lists_every_builtin_loop() -> None:
-    """The table in the README has a row for every built-in loop."""
-    section = _section()
+    """The table of the results page has a row for every built-in loop."""
+    section = _page("audit.md")
     for name in ADAPTERS:
         assert f"| {name} |" in section
 
 
 @pytest.mark.slow
 def test_example_user_loop_passes(tmp_path: Path) -> None:
-    """The section's example loop, saved as a module, passes `wacc audit module:function`."""
-    (code,) = re.findall(r"```py\n(.*?)```", _section(), flags=re.S)
+    """The page's example loop, saved as a module, passes `wacc audit module:function`."""
+    (code,) = re.findall(r"```py\n(.*?)```", _page("audit-your-loop.md"), flags=re.S)
     (tmp_path / "readme_loop.py").write_text(code, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run(
