@@ -203,6 +203,8 @@ GATE_KINDS: dict[tuple[str, ...], str] = {
     ("profile",): "enum",
     ("hypothesis",): "str",
     ("shard",): "str",
+    ("features",): "list",  # gate files of version 3: the features the run was made with
+    ("features", "#"): "str",
     ("provenance",): "free",
     ("entries",): "mapping",
     ("entries", "*"): "object",
@@ -777,10 +779,11 @@ def test_a_baseline_covers_the_whole_run(folder: Path) -> None:
     assert_names(run_wacc(*gate_argv(paths)), paths["baseline"], "shard")
 
 
-@pytest.mark.parametrize("value", [True, 1.0, "1", 3])
+@pytest.mark.parametrize("value", [True, 1.0, "1", 4])
 def test_version_is_the_json_integer_1(folder: Path, value: object) -> None:
-    """``"version": true`` and ``1.0`` equal 1 in Python but are refused, like ``"1"`` and 3
-    (scenario files have versions 1 and 2), in scenario files and gate files alike."""
+    """``"version": true`` and ``1.0`` equal 1 in Python but are refused, like ``"1"`` and 4
+    (scenario files have versions 1 to 3, gate files 2 and 3), in scenario files and gate files
+    alike."""
     file = scenario_file(folder, lambda d: d.update(version=value), f"version-{value!r}.json")
     assert_names(run_wacc("replay", str(file)), file, "version")
     paths = gate_folder(folder, f"version-{value!r}")
