@@ -38,7 +38,7 @@ from mutation.report import (
 from mutation.scope import ROOT, mutmut_config
 from mutation.smoke import SmokeError, read_samples, run_smoke
 from mutation.triage import TriageError, read_triage, write_triage
-from wacc.profiles import MUTATION_EXAMPLES, MUTATION_PROFILE
+from wacc.judge.profiles import MUTATION_EXAMPLES, MUTATION_PROFILE
 
 REPORT_DIR = ROOT / "reports" / "mutation"
 RUN_RECORD = "mutants/wacc-run.json"  # under the root the run was made in
@@ -126,7 +126,7 @@ def _provenance(root: Path) -> dict[str, str]:
         profiles = sorted({seg.get("hypothesis_profile", "ci") for seg in segments})
         info["hypothesis profile"] = ", ".join(profiles) + (
             f" ({MUTATION_EXAMPLES} examples a property test: a lower bound on the CI suite's "
-            "power, see wacc/profiles.py)"
+            "power, see wacc/judge/profiles.py)"
             if profiles == [MUTATION_PROFILE]
             else ""
         )

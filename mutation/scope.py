@@ -36,9 +36,9 @@ GROUPS: tuple[Group, ...] = (
     Group("wacc_ref/oracles.py", ("wacc_ref/oracles.py",), Fraction(90, 100)),
     Group("wacc_ref/bounds.py", ("wacc_ref/bounds.py",), Fraction(90, 100)),
     Group("wacc_ref/accumulator.py", ("wacc_ref/accumulator.py",), Fraction(90, 100)),
-    Group("wacc/verdict.py", ("wacc/verdict.py",), Fraction(90, 100)),
+    Group("wacc/judge/verdict.py", ("wacc/judge/verdict.py",), Fraction(90, 100)),
     Group("wacc/gate/compare.py", ("wacc/gate/compare.py",), Fraction(90, 100)),
-    Group("wacc/shrink.py", ("wacc/shrink.py",), Fraction(90, 100)),
+    Group("wacc/judge/shrink.py", ("wacc/judge/shrink.py",), Fraction(90, 100)),
 )
 
 

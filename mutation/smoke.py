@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mutation.outcomes import read_outcomes
 from mutation.scope import mutmut_config, mutmut_table
-from wacc.profiles import MUTATION_PROFILE
+from wacc.judge.profiles import MUTATION_PROFILE
 
 SMOKE_COLUMNS = ("mutant", "change", "tests")
 

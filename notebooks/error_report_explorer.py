@@ -42,9 +42,9 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from wacc.implementation import load_implementation
+from wacc.judge.implementation import load_implementation
+from wacc.judge.verdict import judge
 from wacc.report.rows import IMPLEMENTATIONS
-from wacc.verdict import judge
 from wacc_ref.scenario import from_json
 
 pd.set_option("display.width", 140)
@@ -224,8 +224,8 @@ display(
 # ## Replay one failing row
 #
 # Every failing row names its scenario file. Loading it with `wacc_ref.scenario.from_json` and
-# judging it with `wacc.verdict.judge` reproduces the verdict, step by step: the op and weight,
-# the error class the reference and the implementation raised, and the three metrics. (The
+# judging it with `wacc.judge.verdict.judge` reproduces the verdict, step by step: the op and
+# weight, the error class the reference and the implementation raised, and the three metrics. (The
 # command line does the same: `python -m wacc replay FILE --impl FACTORY`.) The row replayed is
 # a failing row of `pixparse_loop` (the `loss /= accum_steps` loop) in float16, the one with
 # the shortest window (else the worst failing row of the report that this machine can run).

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 
 from tests import mutant
-from wacc.profiles import register_profiles
+from wacc.judge.profiles import register_profiles
 
 # The profiles are wacc's own (``wacc check --profile`` uses the same ones): "ci" is
 # derandomized so that a red CI run reproduces exactly; "dev" explores new examples.

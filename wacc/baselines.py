@@ -1,7 +1,7 @@
 """Baselines shipped with the judge, so that users see what ``wacc check`` catches.
 
 Each baseline is a factory ``make(dtype, loss_scale)`` (the protocol of
-:mod:`wacc.implementation`) standing for a piece of real-world code:
+:mod:`wacc.judge.implementation`) standing for a piece of real-world code:
 
 * :func:`pixparse_loop`: the ``loss /= accum_steps`` loop (every microbatch weighs the same);
 * :func:`scale_times_weight`: one division by ``S * W`` formed in the work dtype;

@@ -4,8 +4,8 @@
 second; the commands import torch, ``wacc_ref`` and the judge only when they run. Each name
 here is either the definition (``PROFILES``, ``DEFAULT_IMPL``, ``FAMILY_NAMES``,
 ``ORACLE_SET_NAMES``: their modules import them from here), the contract's features as the
-command line names them (``FEATURES``, from :mod:`wacc.contract`, as light), or a copy of a
-constant of ``wacc_ref``, which cannot import ``wacc`` (``WORK_DTYPES``): :mod:`wacc.engine`
+command line names them (``FEATURES``, from :mod:`wacc.judge.contract`, as light), or a copy of a
+constant of ``wacc_ref``, which cannot import ``wacc`` (``WORK_DTYPES``): :mod:`wacc.judge.engine`
 checks the copy when it is imported, so a drift fails the first command that runs.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from wacc.contract import CONTRACT
+from wacc.judge.contract import CONTRACT
 
 __all__ = [
     "DEFAULT_IMPL",
@@ -27,10 +27,10 @@ __all__ = [
 
 DEFAULT_IMPL = "wacc.implementation:wacc_torch_reproducible"
 
-# wacc_ref.formats.WORK_DTYPES (checked by wacc.engine at import)
+# wacc_ref.formats.WORK_DTYPES (checked by wacc.judge.engine at import)
 WORK_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 
-# The strategy families of wacc.engine.FAMILIES, then the stateful machine.
+# The strategy families of wacc.judge.engine.FAMILIES, then the stateful machine.
 MACHINE = "stateful"
 FAMILY_NAMES: tuple[str, ...] = (
     "windows",
@@ -42,13 +42,13 @@ FAMILY_NAMES: tuple[str, ...] = (
     MACHINE,
 )
 
-# --oracle choice -> what it applies (wacc.verdict.ORACLE_SETS holds the oracles of each).
+# --oracle choice -> what it applies (wacc.judge.verdict.ORACLE_SETS holds the oracles of each).
 ORACLE_SET_NAMES: Mapping[str, str] = {
     "strict": "oracles 1-3 (bit-exact emulation, error bound, semantics)",
     "bound": "oracles 2 and 3 only, for implementations that do not claim the reproducible order",
 }
 
-# The Hypothesis profiles a user may pick (wacc.profiles registers them).
+# The Hypothesis profiles a user may pick (wacc.judge.profiles registers them).
 PROFILES: tuple[str, ...] = ("dev", "ci", "nightly")
 
 # feature -> what missing it means (the words of ``unsupported: <feature>``), in contract order

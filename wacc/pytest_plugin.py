@@ -9,9 +9,9 @@ their node ids do not change between runs, so ``--lf`` reruns only the failed on
 item shows the shrunk scenario's failure lines and the ``wacc replay`` command for the JSON it
 wrote under ``--wacc-out``. Without an implementation the plugin adds nothing.
 
-Features are judged as ``wacc check`` judges them (:mod:`wacc.contract`): a missing core feature
-fails every item unless ``--wacc-allow-missing`` names it; an item whose family needs a missing
-extension feature (dynamic_scaling without ``set_loss_scale`` or ``loss_scaler``) is skipped
+Features are judged as ``wacc check`` judges them (:mod:`wacc.judge.contract`): a missing core
+feature fails every item unless ``--wacc-allow-missing`` names it; an item whose family needs a
+missing extension feature (dynamic_scaling without ``set_loss_scale`` or ``loss_scaler``) is skipped
 with the ``not judged: ...`` line, and the terminal summary lists every feature not judged.
 
 Options, each also an ini key (``--wacc-dtype`` -> ``wacc_dtype``; the command line wins):
@@ -45,7 +45,7 @@ from wacc.errors import UsageError
 from wacc.spec import check_spec
 
 if TYPE_CHECKING:
-    from wacc.implementation import Implementation
+    from wacc.judge.implementation import Implementation
 
 __all__ = [
     "WaccCheckItem",
@@ -193,7 +193,8 @@ def _relative_to(base: Path | None, location: str) -> str:
 
 def _module_found(location: str) -> bool:
     """Whether ``import location`` would find it, importing at most its parent packages."""
-    # As wacc.implementation loads it: like ``python -m``, the working directory is on the path.
+    # As wacc.judge.implementation loads it: like ``python -m``, the working directory is on the
+    # path.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -315,7 +316,7 @@ _LOADED: dict[str, Implementation | UsageError] = {}
 def _implementation(spec: str) -> Implementation:
     """The implementation, loaded once per process (a load error too: it fails every item)."""
     if spec not in _LOADED:
-        from wacc.implementation import load_implementation
+        from wacc.judge.implementation import load_implementation
 
         try:
             _LOADED[spec] = load_implementation(spec)
@@ -336,8 +337,8 @@ class WaccCheckItem(pytest.Item):
 
     def runtest(self) -> None:
         """Run the family; raise with the shrunk divergence if an oracle fails."""
-        from wacc.engine import CheckConfig, Finding, run_family, write_finding
-        from wacc.verdict import ORACLE_SETS
+        from wacc.judge.engine import CheckConfig, Finding, run_family, write_finding
+        from wacc.judge.verdict import ORACLE_SETS
 
         settings = self.settings
         implementation = _implementation(settings.load)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wacc.modules import module_of
+from wacc.judge.modules import module_of
 from wacc_torch import (
     AccumulatedGradients,
     AccumulatorState,

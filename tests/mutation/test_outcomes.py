@@ -15,7 +15,7 @@ def test_a_method_mutant_names_its_class_and_method() -> None:
 def test_a_function_mutant_names_its_function() -> None:
     """``x_f__mutmut_3`` is function ``f`` (a leading underscore of ``f`` is kept)."""
     assert function_of("wacc_ref.bounds.x__round_up__mutmut_3") == "_round_up"
-    assert function_of("wacc.verdict.x_judge__mutmut_140") == "judge"
+    assert function_of("wacc.judge.verdict.x_judge__mutmut_140") == "judge"
 
 
 def test_the_change_is_the_removed_and_added_lines_whitespace_collapsed() -> None:

@@ -78,7 +78,7 @@ def test_equivalent_survivors_leave_the_denominator_accepted_ones_do_not() -> No
 def test_an_untriaged_survivor_is_a_gap_and_a_problem() -> None:
     """A survivor with no verdict fails the report, named with its change."""
     outcomes = _all_groups_killed() + [
-        _outcome("w.x_f__mutmut_9", "wacc/shrink.py", "survived", "x < 1 => x <= 1")
+        _outcome("w.x_f__mutmut_9", "wacc/judge/shrink.py", "survived", "x < 1 => x <= 1")
     ]
     findings = judge(outcomes, {})
     assert [o.name for o in findings.gaps] == ["w.x_f__mutmut_9"]
@@ -90,12 +90,12 @@ def test_an_untriaged_survivor_is_a_gap_and_a_problem() -> None:
 def test_a_verdict_written_for_another_change_is_stale_and_not_applied() -> None:
     """mutmut renumbers mutants when a function changes: the verdict must match the change."""
     outcomes = _all_groups_killed() + [
-        _outcome("w.x_f__mutmut_9", "wacc/shrink.py", "survived", "x < 1 => x <= 1")
+        _outcome("w.x_f__mutmut_9", "wacc/judge/shrink.py", "survived", "x < 1 => x <= 1")
     ]
     verdicts = {"w.x_f__mutmut_9": Verdict("w.x_f__mutmut_9", "y = 2 => y = 3", "equivalent", "r")}
     findings = judge(outcomes, verdicts)
     assert [o.name for o in findings.gaps] == ["w.x_f__mutmut_9"]
-    assert findings.modules["wacc/shrink.py"].equivalent == 0
+    assert findings.modules["wacc/judge/shrink.py"].equivalent == 0
     assert any("written for `y = 2 => y = 3`" in p for p in findings.stale)
 
 
@@ -136,7 +136,7 @@ def test_a_group_below_its_target_fails_and_one_at_it_passes() -> None:
 def test_the_markdown_lists_every_survivor_and_the_readme_table_is_replaced(tmp_path: Path) -> None:
     """The report names each survivor with its verdict; the docs' table is swapped in place."""
     outcomes = _all_groups_killed() + [
-        _outcome("w.x_f__mutmut_9", "wacc/shrink.py", "survived", "a | b => a"),
+        _outcome("w.x_f__mutmut_9", "wacc/judge/shrink.py", "survived", "a | b => a"),
     ]
     findings = judge(outcomes, {})
     text = markdown(findings, {"date": "today"})
@@ -146,12 +146,13 @@ def test_the_markdown_lists_every_survivor_and_the_readme_table_is_replaced(tmp_
     replaced = replace_headline(readme, headline(findings))
     assert "old" not in replaced and replaced.endswith(f"{HEADLINE_END}\nrest\n")
     assert (
-        "| wacc/shrink.py | 2 | 1 | 0 | 1 | 0 | 0 | 0 | 0 | 50.0 % | >= 90.0 % | no |" in replaced
+        "| wacc/judge/shrink.py | 2 | 1 | 0 | 1 | 0 | 0 | 0 | 0 | 50.0 % | >= 90.0 % | no |"
+        in replaced
     )
     write_csv(tmp_path / "results.csv", findings)
     lines = (tmp_path / "results.csv").read_text(encoding="utf-8").splitlines()
     assert lines[0] == "mutant,module,function,status,verdict,change"
-    assert lines[-1] == "w.x_f__mutmut_9,wacc/shrink.py,f,survived,gap,a | b => a"
+    assert lines[-1] == "w.x_f__mutmut_9,wacc/judge/shrink.py,f,survived,gap,a | b => a"
 
 
 def test_the_command_answers_a_missing_run_with_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -182,24 +183,24 @@ def test_the_command_answers_a_missing_run_with_one_line_and_exit_2(tmp_path: Pa
 def test_a_partial_run_is_scored_on_what_ran_and_says_it_is_partial() -> None:
     """Mutants mutmut has not checked yet are neither gaps nor kills, and the report fails."""
     outcomes = _all_groups_killed() + [
-        _outcome("w.x_f__mutmut_8", "wacc/shrink.py", "not checked"),
+        _outcome("w.x_f__mutmut_8", "wacc/judge/shrink.py", "not checked"),
     ]
     findings = judge(outcomes, {})
     assert findings.gaps == []
-    assert findings.modules["wacc/shrink.py"].not_run == 1
-    assert findings.modules["wacc/shrink.py"].score == 1
+    assert findings.modules["wacc/judge/shrink.py"].not_run == 1
+    assert findings.modules["wacc/judge/shrink.py"].score == 1
     assert "1 mutants not run: the run stopped part way" in findings.problems
 
 
 def test_a_group_with_no_mutant_run_says_so_and_one_with_none_at_all_blames_the_scope() -> None:
     """A group whose mutants were all left unrun is reported as such (not as a scope mismatch);
     a group with no mutant generated points at [tool.mutmut]."""
-    outcomes = [o for o in _all_groups_killed() if o.path != "wacc/shrink.py"]
-    unrun = outcomes + [_outcome("w.x_f__mutmut_1", "wacc/shrink.py", "not checked")]
+    outcomes = [o for o in _all_groups_killed() if o.path != "wacc/judge/shrink.py"]
+    unrun = outcomes + [_outcome("w.x_f__mutmut_1", "wacc/judge/shrink.py", "not checked")]
     problems = judge(unrun, {}).problems
-    assert "wacc/shrink.py: no mutant of its 1 was run" in problems
+    assert "wacc/judge/shrink.py: no mutant of its 1 was run" in problems
     assert not any("shrink.py: no mutants" in p for p in problems)
-    assert "wacc/shrink.py: no mutants (is [tool.mutmut] in step with scope?)" in (
+    assert "wacc/judge/shrink.py: no mutants (is [tool.mutmut] in step with scope?)" in (
         judge(outcomes, {}).problems
     )
 

@@ -24,14 +24,16 @@ def test_the_narrowed_table_mutates_only_the_samples_and_runs_only_their_tests()
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     samples = [
         Sample("wacc_ref.bounds.x_f__mutmut_1", "a => b", ("tests/wacc_ref/test_bounds.py::t",)),
-        Sample("wacc.shrink.x_g__mutmut_2", "a => b", ("tests/wacc/test_shrink.py::u",)),
+        Sample(
+            "wacc.judge.shrink.x_g__mutmut_2", "a => b", ("tests/wacc/judge/test_shrink.py::u",)
+        ),
     ]
     narrowed = tomllib.loads(narrowed_pyproject(text, samples))
     original = tomllib.loads(text)
     table = narrowed["tool"]["mutmut"]
-    assert table["only_mutate"] == ["wacc/shrink.py", "wacc_ref/bounds.py"]
+    assert table["only_mutate"] == ["wacc/judge/shrink.py", "wacc_ref/bounds.py"]
     assert table["pytest_add_cli_args_test_selection"] == [
-        "tests/wacc/test_shrink.py::u",
+        "tests/wacc/judge/test_shrink.py::u",
         "tests/wacc_ref/test_bounds.py::t",
     ]
     assert table["process_isolation"] == original["tool"]["mutmut"]["process_isolation"]

@@ -1,6 +1,6 @@
 """Implementations the judge's tests point it at: wrappers of ``wacc_torch``, one deviation each.
 
-Each is a factory ``make(dtype, loss_scale)`` (the protocol of :mod:`wacc.implementation`).
+Each is a factory ``make(dtype, loss_scale)`` (the protocol of :mod:`wacc.judge.implementation`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import wacc_torch
-from wacc.implementation import Implementation, wacc_torch_loss_scaler
+from wacc.implementation import wacc_torch_loss_scaler
+from wacc.judge.implementation import Implementation
 from wacc.zero_copy import ZeroCopyAdapter
 from wacc_torch.zero_copy import ZeroCopyMode
 

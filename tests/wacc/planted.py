@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from wacc.baselines import FusedUndeclared, ScaleTimesWeight, SpecAccumulator
-from wacc.implementation import Implementation
+from wacc.judge.implementation import Implementation
 from wacc_torch import (
     InvalidWeightError,
     ParameterMismatchError,

@@ -13,9 +13,9 @@ from wacc.baselines import (
     scale_times_weight,
     spec_accumulator,
 )
-from wacc.engine import CheckConfig, run_check, run_family
-from wacc.implementation import Factory, Implementation, load_implementation
-from wacc.verdict import ORACLE_SETS, ScenarioVerdict, judge
+from wacc.judge.engine import CheckConfig, run_check, run_family
+from wacc.judge.implementation import Factory, Implementation, load_implementation
+from wacc.judge.verdict import ORACLE_SETS, ScenarioVerdict, judge
 from wacc_ref import formats
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 

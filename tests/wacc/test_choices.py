@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from wacc import choices, engine, implementation, profiles, verdict
+from wacc import choices
+from wacc.judge import engine, implementation, profiles, verdict
 from wacc_ref import formats
 
 

@@ -253,8 +253,8 @@ def test_records_without_integrity_fail_as_unsupported_checksum_unless_allowed(
 
 def test_results_without_found_inf_are_not_judged_and_pass_without_a_flag(tmp_path: Path) -> None:
     """A correct accumulator whose finished results have no found_inf (an extension: dynamic
-    loss scaling, wacc.contract): exit 0 with no flag, one ``not judged: found_inf`` line naming
-    the extension, no ``unsupported`` line and no divergence."""
+    loss scaling, wacc.judge.contract): exit 0 with no flag, one ``not judged: found_inf`` line
+    naming the extension, no ``unsupported`` line and no divergence."""
     common = ["--dtype", "float16", "--family", "windows", "--examples", "25",
               "--out", str(tmp_path), "--quiet"]  # fmt: skip
     result = wacc("check", "tests.wacc.impls:no_found_inf", *common)

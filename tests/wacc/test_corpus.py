@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from wacc.engine import CORPUS_FAMILIES
+from wacc.judge.engine import CORPUS_FAMILIES
 from wacc.report.corpus import CORPUS_SIZES, FROZEN_CORPUS, build_corpus
 from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
 from wacc_ref import formats
@@ -70,7 +70,7 @@ def test_each_implementation_is_judged_on_the_twin_it_can_run() -> None:
     fused=True twin; one without records (checkpoint steps are not run, as `wacc check`
     generates none for it) the twin without checkpoints and restores; scenario_of_replay
     gives back exactly the scenario each replay file names."""
-    from wacc.implementation import load_implementation
+    from wacc.judge.implementation import load_implementation
     from wacc.report.corpus import judged_scenario, scenario_of_replay
     from wacc_ref.scenario import INTERRUPTIONS
 

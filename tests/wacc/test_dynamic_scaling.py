@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.wacc.test_cli import wacc
-from wacc.engine import CheckConfig, run_family
-from wacc.implementation import load_implementation
-from wacc.verdict import judge
+from wacc.judge.engine import CheckConfig, run_family
+from wacc.judge.implementation import load_implementation
+from wacc.judge.verdict import judge
 from wacc_ref.scenario import ScalerOptions, Scenario, UpdateScaler
 
 EXAMPLES = 40

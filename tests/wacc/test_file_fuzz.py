@@ -8,7 +8,7 @@ The files a subcommand reads from the user (wacc/commands/):
   in the directories, each a shard's results (:func:`wacc.gate.baseline.read_gate_file`).
 
 ``wacc check`` and ``wacc audit`` read no data file (IMPL and user loops are Python code, whose
-import errors are mapped to exit 2 by wacc.implementation and wacc.audit.protocol); ``wacc
+import errors are mapped to exit 2 by wacc.judge.implementation and wacc.audit.protocol); ``wacc
 report`` reads only the corpus shipped inside the package.
 
 The property tests start from a valid file, pick one node of the document (every path is a

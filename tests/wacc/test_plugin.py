@@ -30,7 +30,7 @@ import json
 
 import pytest
 
-import wacc.engine
+import wacc.judge.engine
 
 _ITEM = []
 
@@ -51,7 +51,7 @@ def _spy(implementation, dtype, family, config, **kwargs):
     return None
 
 
-wacc.engine.run_family = _spy
+wacc.judge.engine.run_family = _spy
 """
 _HALF_WRONG = """\
 import torch

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.wacc.planted import PLANTED, HysteresisKeptAtGrowth, Planted, WeightInFloat32
-from wacc.engine import CheckConfig, run_family
-from wacc.implementation import DEFAULT_IMPL, load_implementation
-from wacc.verdict import ScenarioVerdict, judge
+from wacc.judge.engine import CheckConfig, run_family
+from wacc.judge.implementation import DEFAULT_IMPL, load_implementation
+from wacc.judge.verdict import ScenarioVerdict, judge
 from wacc_ref.scenario import (
     Accumulate,
     Finish,

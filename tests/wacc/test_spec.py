@@ -135,7 +135,7 @@ def test_a_user_files_failure_names_its_own_line(
 ) -> None:
     """An import that fails inside the user's file, and a factory that raises, are one
     UsageError naming the user's file and line (not wacc's)."""
-    from wacc.implementation import load_implementation
+    from wacc.judge.implementation import load_implementation
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / "imports.py").write_text("\nimport no_such_sibling_xyz\n", encoding="utf-8")

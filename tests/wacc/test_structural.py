@@ -10,9 +10,9 @@ import pytest
 
 from tests.wacc.test_cli import REPO, wacc
 from tests.wacc_ref.scenario_support import fault_scenario
-from wacc.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, family_names, run_family
-from wacc.implementation import load_implementation
-from wacc.verdict import judge
+from wacc.judge.engine import CORPUS_FAMILIES, FAMILIES, CheckConfig, family_names, run_family
+from wacc.judge.implementation import load_implementation
+from wacc.judge.verdict import judge
 from wacc_ref.faults import FAULT_KINDS, REFUSED_FAULTS
 from wacc_ref.scenario import (
     JSON_VERSION_STRUCTURAL,

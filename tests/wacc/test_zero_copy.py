@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tests.wacc_torch.support import assert_bitwise_equal, assert_records_equal
-from wacc.engine import CheckConfig, run_check
-from wacc.implementation import load_implementation, wacc_torch_zero_copy
-from wacc.runner import build_module
+from wacc.implementation import wacc_torch_zero_copy
+from wacc.judge.engine import CheckConfig, run_check
+from wacc.judge.implementation import load_implementation
+from wacc.judge.runner import build_module
 from wacc_ref.scenario import to_json
 from wacc_torch import (
     InvalidWeightError,

@@ -361,6 +361,10 @@ def _isolated(
     cells: list[Cell] = []
     for fact, outcome in zip(facts, outcomes, strict=True):
         assert outcome is not None
+        if outcome.error is not None:  # the worker died: a row per window saying how
+            fact.status = outcome.error
+            cells.extend(Cell(fact.adapter.name, w.name, status=outcome.error) for w in windows)
+            continue
         for name, value in outcome.facts.items():
             setattr(fact, name, value)
         cells.extend(outcome.cells)

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL, FEATURES, ORACLE_SET_NAMES
-from wacc.contract import feature
 from wacc.errors import UsageError
+from wacc.judge.contract import feature
 from wacc.spec import check_module
 
 if TYPE_CHECKING:
-    from wacc.implementation import Implementation
-    from wacc.verdict import ScenarioVerdict
+    from wacc.judge.implementation import Implementation
+    from wacc.judge.verdict import ScenarioVerdict
 
 __all__ = [
     "FLOAT_TEXT",
@@ -67,7 +67,7 @@ def add_impl_arguments(parser: argparse.ArgumentParser, *, positional: bool) -> 
 
 
 def add_allow_missing(parser: argparse.ArgumentParser, *, what: str = "an implementation") -> None:
-    """``--allow-missing FEATURE``, the same in every command (wacc.contract: a missing core
+    """``--allow-missing FEATURE``, the same in every command (wacc.judge.contract: a missing core
     feature fails unless allowed; a missing extension fails nothing, without the flag)."""
     core = [name for name in FEATURES if feature(name).core]
     parser.add_argument(
@@ -96,7 +96,7 @@ def check_device(device: str) -> str:
 def implementation_from(args: argparse.Namespace) -> Implementation:
     """Load ``args.impl`` (its spec and path were checked first: see :func:`check_spec`)."""
     check_module(args.impl)  # a module that does not exist answers before torch is imported
-    from wacc.implementation import load_implementation
+    from wacc.judge.implementation import load_implementation
 
     return load_implementation(args.impl)
 
@@ -122,7 +122,7 @@ def hypothesis_home() -> Iterator[None]:
 
 def oracles_from(args: argparse.Namespace) -> tuple[str, ...]:
     """The oracles ``--oracle`` selects."""
-    from wacc.verdict import ORACLE_SETS
+    from wacc.judge.verdict import ORACLE_SETS
 
     return ORACLE_SETS[args.oracle]
 

@@ -10,11 +10,12 @@ signature in several dtypes or families are one block, naming each); an exceptio
 raised is printed with its text and the implementation's own file and line (--traceback: the
 whole traceback).
 
-Features (wacc.contract). The core, the seed API (each missing one fails unless --allow-missing
-names it): records (state_dict and load_state_dict), async_records (state_dict_async), checksum
-(records that refuse a changed value: a probe flips bytes of a probe record; without it the
-corruptions only an integrity check can refuse are not judged, in either record layout). The
-dynamic loss scaling extension (each missing one fails nothing: "not judged: FEATURE (...)"):
+Features (wacc.judge.contract). The core, the seed API (each missing one fails unless
+--allow-missing names it): records (state_dict and load_state_dict), async_records
+(state_dict_async), checksum (records that refuse a changed value: a probe flips bytes of a probe
+record; without it the corruptions only an integrity check can refuse are not judged, in either
+record layout). The dynamic loss scaling extension (each missing one fails nothing: "not judged:
+FEATURE (...)"):
 found_inf (a bool on every finished result), set_loss_scale and loss_scaler (the factory's
 attribute loss_scaler(dtype, init_scale, **options): a window loss scaler; without both, the
 dynamic_scaling family is not run).
@@ -51,8 +52,8 @@ from wacc.commands._common import (
 from wacc.errors import UsageError
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help, wacc.choices)
-    from wacc.engine import CheckConfig, CheckReport, Finding
-    from wacc.implementation import Implementation
+    from wacc.judge.engine import CheckConfig, CheckReport, Finding
+    from wacc.judge.implementation import Implementation
 
 __all__ = ["add_arguments", "run"]
 
@@ -137,7 +138,7 @@ def _judged_lines(
     allowed: tuple[str, ...],
 ) -> list[str]:  # fmt: skip
     """The closing "what was judged" block: what a pass (or a failure) is a statement about."""
-    from wacc.profiles import profile_settings
+    from wacc.judge.profiles import profile_settings
 
     families = ", ".join(f"{family} {count}" for family, count in counts.items())
     probe = implementation.integrity
@@ -182,9 +183,9 @@ def _judged_lines(
 
 
 def _grouped(findings: list[Finding]) -> list[list[Finding]]:
-    """The findings grouped by signature (:mod:`wacc.signature`), in the order each signature
+    """The findings grouped by signature (:mod:`wacc.judge.signature`), in the order each signature
     first appears."""
-    from wacc.signature import signature
+    from wacc.judge.signature import signature
 
     groups: dict[str, list[Finding]] = {}
     for finding in findings:
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     implementation = implementation_from(args)
     from tqdm import tqdm
 
-    from wacc.engine import CheckConfig, run_check
+    from wacc.judge.engine import CheckConfig, run_check
 
     unsupported = implementation.coverage(args.allow_missing).unsupported
     config = CheckConfig(

@@ -23,7 +23,7 @@ examples:
   wacc gate --shard 2/4 --results gate-results/shard-2.json
   wacc gate --merge gate-results/
 
-Features (wacc.contract, as in `wacc check`): an IMPL without a core feature (records,
+Features (wacc.judge.contract, as in `wacc check`): an IMPL without a core feature (records,
 async_records, checksum) fails before the run unless --allow-missing FEATURE names it; one
 without an extension feature (found_inf, set_loss_scale, loss_scaler: dynamic loss scaling)
 fails nothing, and the keys that need it are not run (rows "not judged" in the table, gate.md
@@ -250,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
                                   allowed=args.allow_other_impl)  # fmt: skip
     from tqdm import tqdm
 
-    from wacc.contract import Coverage, features_missing, not_judged_line
     from wacc.gate.compare import compare
     from wacc.gate.groups import group_findings
     from wacc.gate.measure import measure, units
     from wacc.gate.outputs import failure_lines, table, write_junit, write_summary
-    from wacc.implementation import load_implementation
+    from wacc.judge.contract import Coverage, features_missing, not_judged_line
+    from wacc.judge.implementation import load_implementation
     from wacc.report.corpus import build_corpus
     from wacc.report.provenance import collect_provenance
 

@@ -13,7 +13,7 @@ examples:
 The file is read strictly, as `wacc check` writes it (every float spelled exactly as Python's
 float.hex writes it, no field missing, unknown or repeated): see wacc_ref/strict_json.py.
 
-Features (wacc.contract, as in `wacc check`): a scenario with a step that needs a missing
+Features (wacc.judge.contract, as in `wacc check`): a scenario with a step that needs a missing
 extension (set_loss_scale, update_scaler) is not run ("not judged", exit 0); without records, it
 runs without its checkpoints and restores; a missing core feature fails unless --allow-missing
 names it.
@@ -43,7 +43,7 @@ from wacc.errors import UsageError
 from wacc.spec import check_spec
 
 if TYPE_CHECKING:  # the judge and the reference are imported when the command runs
-    from wacc.verdict import ScenarioVerdict
+    from wacc.judge.verdict import ScenarioVerdict
     from wacc_ref.scenario import Scenario
 
 __all__ = [
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     scenario = parse_scenario(args.file, data)
     implementation = implementation_from(args)
-    from wacc.verdict import judge
+    from wacc.judge.verdict import judge
 
     if implementation.fused != scenario.fused:
         raise UsageError(

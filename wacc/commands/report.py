@@ -23,10 +23,11 @@ examples:
   wacc report --audit reports/audit    # with the committed `wacc audit` run as a section
   wacc report --device all --full      # nightly size, CPU and CUDA
 
-An --impl is judged as `wacc check` judges it (wacc.contract): a missing core feature (records,
-async_records, checksum) fails unless --allow-missing names it; a missing extension (dynamic loss
-scaling: found_inf, set_loss_scale, loss_scaler) fails nothing, and the corpus scenarios that
-need it are not run (index.md, divergence.csv and the terminal say "not judged" and why).
+An --impl is judged as `wacc check` judges it (wacc.judge.contract): a missing core feature
+(records, async_records, checksum) fails unless --allow-missing names it; a missing extension
+(dynamic loss scaling: found_inf, set_loss_scale, loss_scaler) fails nothing, and the corpus
+scenarios that need it are not run (index.md, divergence.csv and the terminal say "not judged" and
+why).
 
 exit codes: 0 = report written (divergences of the baselines are findings, not failures),
 1 = wacc_torch or an --impl diverged (its rows fail) or an --impl lacks a core feature not
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     devices = _devices(args.device)
     from tqdm import tqdm
 
-    from wacc.implementation import load_implementation
+    from wacc.judge.implementation import load_implementation
     from wacc.report import figures
     from wacc.report.corpus import build_corpus
     from wacc.report.devices import device_differences, fused_variants

@@ -15,8 +15,8 @@ Version 2 (wacc 0.2) added ``milliseconds`` (the measured time of the key: the J
 made a finding an object (its signature groups failures; ``replay`` is the scenario file
 written under ``--out``); a version-1 file is refused with the command that records it anew.
 
-Version 3 (issue 33) added ``features``: the features of the contract (:mod:`wacc.contract`) the
-implementation had when the file was made, in contract order, each once. The gate compares them
+Version 3 (issue 33) added ``features``: the features of the contract (:mod:`wacc.judge.contract`)
+the implementation had when the file was made, in contract order, each once. The gate compares them
 with the judged implementation's: a feature the baseline was made with and the implementation
 has lost is a regression. A version-2 file still loads, and its features are read from what it
 shows (:data:`V2_INFERRED`): a version-2 gate ran the dynamic_scaling corpus keys on every
@@ -75,10 +75,10 @@ from pathlib import Path
 from typing import Any
 
 from wacc.choices import WORK_DTYPES
-from wacc.contract import CONTRACT
 from wacc.errors import UsageError
 from wacc.gate.metrics import GATE_CORPUS, GateFinding, Metrics
 from wacc.gate.shards import Shard
+from wacc.judge.contract import CONTRACT
 from wacc_ref.strict_json import (
     FieldError,
     check_free_json,
@@ -136,7 +136,7 @@ class GateFile:
         version: int = VERSION,
     ) -> None:
         self.kind = kind
-        # the contract's features the implementation had (wacc.contract); ``version`` is the
+        # the contract's features the implementation had (wacc.judge.contract); ``version`` is the
         # format the file was read in (2: features inferred, see the module docstring)
         self.features = tuple(features)
         self.version = version

@@ -17,7 +17,7 @@ is not fixed bit for bit across CPUs (§6 allows three results per element), so 
 recorded on one CPU may not transfer; record one per runner type to gate a fused implementation.
 
 Hard failures: any oracle violation (a failing scenario in any key). A feature the baseline was
-made with and the implementation lacks now (:mod:`wacc.contract`) is a regression (``lost``),
+made with and the implementation lacks now (:mod:`wacc.judge.contract`) is a regression (``lost``),
 extension or core: what the implementation promised is gone, and its keys are no longer judged.
 
 Keys only in the baseline that the run did not judge (``not_judged``: their family needs a

@@ -1,7 +1,7 @@
 """The gate's failures grouped by signature: one bug, one group, with counts.
 
 A wrong division fails hundreds of corpus scenarios and every check family on every dtype, each
-with other numbers; :mod:`wacc.signature` gives them one signature, and a group counts its
+with other numbers; :mod:`wacc.judge.signature` gives them one signature, and a group counts its
 scenarios per key and keeps the first finding (its message and replay file) to show.
 """
 

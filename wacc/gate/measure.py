@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from wacc.engine import CheckConfig, family_names, run_family
 from wacc.gate.metrics import (
     GATE_CORPUS,
     GATE_CORPUS_SEED,
@@ -23,10 +22,11 @@ from wacc.gate.metrics import (
     Metrics,
 )
 from wacc.gate.shards import Shard
-from wacc.implementation import Implementation
+from wacc.judge.engine import CheckConfig, family_names, run_family
+from wacc.judge.implementation import Implementation
+from wacc.judge.signature import signature
+from wacc.judge.verdict import ORACLES, ScenarioVerdict, judge
 from wacc.report.corpus import CorpusEntry, build_corpus, judged_scenario
-from wacc.signature import signature
-from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref import formats
 from wacc_ref.scenario import to_json
 
@@ -90,7 +90,7 @@ def measure(
 
     Every failing scenario becomes a :class:`GateFinding`; with ``out`` its scenario is also
     written there as a replay file (the shrunk one for a check family). A unit the
-    implementation is not judged on (its family needs a missing feature: :mod:`wacc.contract`)
+    implementation is not judged on (its family needs a missing feature: :mod:`wacc.judge.contract`)
     is not run, and its key is absent from the result.
     """
     if corpus is None:

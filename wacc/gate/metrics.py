@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from wacc.verdict import ScenarioVerdict
+    from wacc.judge.verdict import ScenarioVerdict
 
 __all__ = ["GATE_CORPUS", "GATE_CORPUS_SEED", "GATE_CORPUS_SIZE", "GateFinding", "Metrics"]
 
@@ -19,7 +19,7 @@ GATE_CORPUS: dict[str, int | str] = {"seed": GATE_CORPUS_SEED, "size": GATE_CORP
 
 @dataclass(frozen=True)
 class GateFinding:
-    """One failing scenario: what makes it one with others (:mod:`wacc.signature`), its first
+    """One failing scenario: what makes it one with others (:mod:`wacc.judge.signature`), its first
     failure lines, the replay file written for it (``None`` without ``--out``) and its number of
     steps."""
 

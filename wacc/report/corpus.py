@@ -8,7 +8,7 @@ same seed gives other scenarios after any code change, in another environment, o
 modules imported. The seed-0 corpus of sizes ``quick`` and ``default`` is therefore frozen: drawn
 once and shipped with the package (:data:`FROZEN_CORPUS`, extended only by
 ``python -m wacc.report.corpus``, which appends the cells of a family new to
-:data:`~wacc.engine.CORPUS_FAMILIES` and leaves the others as they are), so the report and the
+:data:`~wacc.judge.engine.CORPUS_FAMILIES` and leaves the others as they are), so the report and the
 gate judge the very same scenarios everywhere. ``full`` (nightly) and other seeds are drawn
 afresh. Sizes: ``quick`` (every cell present, a sub-minute run; the first scenario of each cell
 of ``default``), ``default`` and ``full``.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from wacc.engine import CORPUS_FAMILIES, FAMILIES
-from wacc.implementation import Implementation
+from wacc.judge.engine import CORPUS_FAMILIES, FAMILIES
+from wacc.judge.implementation import Implementation
 from wacc_ref import formats
 from wacc_ref.scenario import Scenario, from_json, to_json, without_interruptions
 from wacc_ref.strategies import scenarios

@@ -14,10 +14,10 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from wacc.implementation import load_implementation
+from wacc.judge.implementation import load_implementation
+from wacc.judge.runner import in_module_order, run_implementation
 from wacc.report.corpus import CorpusEntry
 from wacc.report.rows import IMPLEMENTATIONS
-from wacc.runner import in_module_order, run_implementation
 from wacc_ref.oracles import run_reference, trace_differences
 
 __all__ = ["FUSED_VARIANTS", "device_differences", "fused_variants"]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from wacc.commands._common import FLOAT_TEXT, TABLE_BREAKERS, read_bounded
 from wacc.errors import UsageError
+from wacc.judge.verdict import ORACLES
 from wacc.report.rows import Row
 from wacc.report.writer import CSV_NAMES, ROW_FIELDS, Headline, headline
 from wacc.tables import format_metric
-from wacc.verdict import ORACLES
 from wacc_ref import formats
 from wacc_ref.strict_json import shown
 

@@ -6,9 +6,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from wacc.implementation import Implementation, load_implementation
+from wacc.judge.implementation import Implementation, load_implementation
+from wacc.judge.verdict import ORACLES, ScenarioVerdict, judge
 from wacc.report.corpus import FUSED_SUFFIX, CorpusEntry, judged_scenario
-from wacc.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 
 __all__ = [
@@ -60,7 +60,7 @@ class Row:
 @dataclass(frozen=True)
 class NotJudged:
     """A scenario x implementation x device the corpus has but the implementation is not judged
-    on: its family (or a step) needs features the implementation lacks (:mod:`wacc.contract`).
+    on: its family (or a step) needs features the implementation lacks (:mod:`wacc.judge.contract`).
     ``divergence.csv`` has a line for it, its verdict ``not judged: <features>``."""
 
     scenario_id: str

@@ -19,9 +19,9 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from wacc.implementation import Implementation, load_implementation
+from wacc.judge.implementation import Implementation, load_implementation
+from wacc.judge.verdict import judge
 from wacc.report.rows import IMPLEMENTATIONS
-from wacc.verdict import judge
 from wacc_ref import formats
 from wacc_ref.scenario import Accumulate, Finish, Scenario
 

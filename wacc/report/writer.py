@@ -13,11 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from wacc.judge.verdict import ORACLES
 from wacc.report.corpus import CorpusEntry, scenario_of_replay
 from wacc.report.provenance import Provenance
 from wacc.report.rows import IMPLEMENTATIONS, NotJudged, Row
 from wacc.tables import format_metric
-from wacc.verdict import ORACLES
 from wacc_ref import formats
 from wacc_ref.scenario import to_json
 
@@ -227,7 +227,7 @@ def write_index(
         parts += [
             "## Features the implementations lack",
             "",
-            "What the judge found missing (the contract: `wacc.contract`). `unsupported`: a "
+            "What the judge found missing (the contract: `wacc.judge.contract`). `unsupported`: a "
             "missing core feature, which fails that implementation unless `--allow-missing` "
             "names it; `not judged`: a missing extension (or an allowed core feature), which "
             "fails nothing. The steps and scenarios that need a missing feature are not run, so "

@@ -1,4 +1,5 @@
-"""The implementation protocol: loading factories and classifying errors (wacc.implementation)."""
+"""The implementation protocol (wacc.judge.implementation): loading factories and classifying
+errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 import wacc_torch
 from wacc.errors import UsageError
-from wacc.implementation import DEFAULT_IMPL, error_class, load_implementation
+from wacc.judge.implementation import DEFAULT_IMPL, error_class, load_implementation
 
 
 def test_default_implementation_is_wacc_torch_with_every_feature() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wacc.modules import module_of
+from wacc.judge.modules import module_of
 from wacc_ref.corruption import CHECKSUM_KINDS
 from wacc_ref.records import RECORD_KEYS
 

@@ -1,4 +1,5 @@
-"""The three oracles on single scenarios (wacc.verdict): named corner cases and planted faults.
+"""The three oracles on single scenarios (wacc.judge.verdict): named corner cases and planted
+faults.
 
 Every failure message carries the scenario as JSON: ``wacc replay`` runs it again.
 """
@@ -15,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import wacc.verdict
+import wacc.judge.verdict
 import wacc_torch
 import wacc_torch.buffered
 from tests.wacc import impls
 from tests.wacc.impls import refusing_with
-from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
-from wacc.runner import in_module_order
-from wacc.verdict import ORACLE_SETS, ScenarioVerdict, judge
+from wacc.judge.implementation import DEFAULT_IMPL, Implementation, load_implementation
+from wacc.judge.runner import in_module_order
+from wacc.judge.verdict import ORACLE_SETS, ScenarioVerdict, judge
 from wacc_ref.bounds import error_ratio, window_error_bound
 from wacc_ref.corruption import CHECKSUM_KINDS, CORRUPTION_KINDS
 from wacc_ref.oracles import run_reference
@@ -510,7 +511,7 @@ def test_the_bound_oracle_threshold_is_a_ratio_of_one_inclusive(
         del kwargs
         return bound
 
-    monkeypatch.setattr(wacc.verdict, "window_error_bound", replaced_bound)
+    monkeypatch.setattr(wacc.judge.verdict, "window_error_bound", replaced_bound)
     verdict = judge(_replacing(result), scenario, oracles=ORACLE_SETS["bound"])
     finish = verdict.steps[-1]
     if exactly_one:
@@ -665,7 +666,7 @@ def test_ulps_is_the_distance_in_spacings_of_the_work_dtype_at_the_expected_valu
     """_ulps: max over elements of |a - e| / spacing_D(e), 0 for ±0 against each other and for
     NaN against NaN, +inf where a NaN or an infinity is not matched (values derived by hand)."""
     expected, actual, dtype, ulps = ULPS_CASES[case]
-    got = wacc.verdict._ulps(np.array(expected), np.array(actual), dtype)
+    got = wacc.judge.verdict._ulps(np.array(expected), np.array(actual), dtype)
     assert got == ulps, (case, got, ulps)
 
 
@@ -676,7 +677,7 @@ def test_relative_error_is_taken_over_the_nonzero_exact_values_only() -> None:
     tiny = 2.0**-1022  # float64's smallest normal: every nonzero x below is subnormal
 
     def rel_error(actual: np.ndarray, exact: list[Fraction]) -> float:
-        return wacc.verdict._rel_error(actual, exact, tiny, [0.0] * len(exact))
+        return wacc.judge.verdict._rel_error(actual, exact, tiny, [0.0] * len(exact))
 
     # x = 0 first (skipped), then |1.5 - 1| / 1 = 1/2 and |-3 + 4| / 4 = 1/4.
     assert rel_error(np.array([5.0, 1.5, -3.0]), [Fraction(0), Fraction(1), Fraction(-4)]) == 0.5
@@ -697,7 +698,7 @@ def test_relative_error_skips_the_exact_values_below_the_normal_range() -> None:
     float16 (smallest normal 2**-14) a 0 where the exact value is 2**-20 is skipped (the bound's
     absolute term judges it), while a 0 against exactly 2**-14, or against -2**-14, is a
     relative error of 1."""
-    rel_error = wacc.verdict._rel_error
+    rel_error = wacc.judge.verdict._rel_error
     tiny = 2.0**-14
     assert rel_error(np.array([0.0]), [Fraction(1, 2**20)], tiny, [0.0]) == 0.0
     both = [Fraction(1, 2**20), Fraction(1, 2**14)]
@@ -711,7 +712,7 @@ def test_relative_error_skips_the_elements_whose_bound_reaches_their_value() -> 
     terms summed), the bound's absolute part decides and the element is skipped: a 0 against
     x = 2**-40 with bound 2**-40 counts nothing, with bound just below 2**-40 it is 1; a
     well-conditioned element next to it still counts."""
-    rel_error = wacc.verdict._rel_error
+    rel_error = wacc.judge.verdict._rel_error
     tiny = 2.0**-1022
     x = Fraction(1, 2**40)
     assert rel_error(np.array([0.0]), [x], tiny, [2.0**-40]) == 0.0
@@ -722,7 +723,7 @@ def test_relative_error_skips_the_elements_whose_bound_reaches_their_value() -> 
 def test_the_helpers_refuse_inputs_of_different_lengths() -> None:
     """The judge's helpers pair arrays element by element and traces step by step: inputs of
     different lengths are a ValueError, never a comparison of the common prefix."""
-    verdict = wacc.verdict
+    verdict = wacc.judge.verdict
     with pytest.raises(ValueError):
         verdict._ulps(np.array([1.0, 2.0]), np.array([1.0]), "float32")
     with pytest.raises(ValueError):
@@ -746,9 +747,9 @@ def test_the_worst_element_refuses_inputs_of_different_lengths() -> None:
     bounds are fewer than the elements (never a line about a truncated window)."""
     one, two = [Fraction(1)], [Fraction(1), Fraction(2)]
     with pytest.raises(ValueError):  # fewer exact values than elements
-        wacc.verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
+        wacc.judge.verdict._worst_element(np.array([3.0, 5.0]), one, np.array([0.5, 0.5]))
     with pytest.raises(ValueError):  # fewer bounds than elements
-        wacc.verdict._worst_element(np.array([3.0, 5.0]), two, np.array([0.5]))
+        wacc.judge.verdict._worst_element(np.array([3.0, 5.0]), two, np.array([0.5]))
 
 
 # ----------------------------------------------------------------- the windows of oracle 2
@@ -778,7 +779,7 @@ def test_the_window_model_follows_errors_checkpoints_and_restores() -> None:
     assert expected.outcomes[2].skipped and expected.outcomes[2].error is None
     assert expected.outcomes[7].error == "InvalidWeightError"
     assert expected.outcomes[9].error == "ZeroTotalWeightError"
-    windows = wacc.verdict._windows(scenario, expected)
+    windows = wacc.judge.verdict._windows(scenario, expected)
     shown = [None if window is None else [(t.kind, t.weight) for t in window] for window in windows]
     two = [("sum", 2.0), ("mean", 3.0)]
     assert shown == [
@@ -1133,7 +1134,7 @@ def test_restores_follow_checkpoints_only_with_nothing_but_corrupted_restores_be
     restores or corrupted restores before it since the last checkpoint (resume is then exact)."""
     steps, follows = RESTORE_ORDERS[name]
     scenario = _scenario("float32", (("weight", (1,)),), steps)
-    assert wacc.verdict._restores_follow_checkpoints(scenario) is follows
+    assert wacc.judge.verdict._restores_follow_checkpoints(scenario) is follows
 
 
 # ------------------------------------------------------------------ what a verdict records
@@ -1167,13 +1168,13 @@ def test_the_implementation_runs_on_the_device_given(monkeypatch: pytest.MonkeyP
     """judge passes its ``device`` to every run of the implementation: the scenario and, for
     the resume check, the same scenario without checkpoints and restores."""
     devices: list[object] = []
-    real = wacc.verdict.run_implementation
+    real = wacc.judge.verdict.run_implementation
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         devices.append(kwargs.get("device", "not given"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(wacc.verdict, "run_implementation", recording)
+    monkeypatch.setattr(wacc.judge.verdict, "run_implementation", recording)
     device = torch.device("cpu")
     verdict = judge(
         load_implementation(DEFAULT_IMPL),
@@ -1194,12 +1195,12 @@ def test_lines_are_grouped_by_the_step_they_name() -> None:
         "step 0 (accumulate_sum): c",
         "step 2 (restore): d",
     ]
-    assert wacc.verdict._by_step(lines, 3) == [
+    assert wacc.judge.verdict._by_step(lines, 3) == [
         ["trace length: expected 3 steps, got 2", "step 0 (accumulate_sum): c"],
         ["step 1 (finish_sums): a"],
         ["step 7 (checkpoint): b", "step 2 (restore): d"],
     ]
-    assert wacc.verdict._by_step(lines[:1], 0) == [lines[:1]]
+    assert wacc.judge.verdict._by_step(lines[:1], 0) == [lines[:1]]
 
 
 # ---------------------------------------------------------- the exact values behind oracle 2
@@ -1510,7 +1511,7 @@ def test_a_found_inf_true_to_wrong_values_fails_the_value_oracles_only() -> None
         steps=(Accumulate.of("mean", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("mean")),
     )
     implementation = Implementation(
-        spec="tests.wacc.test_verdict:_overflowing_means",
+        spec="tests.wacc.judge.test_verdict:_overflowing_means",
         factory=_overflowing_means,
         fused=False,
         missing=(),
@@ -1545,7 +1546,7 @@ def test_an_opaque_record_implementation_is_still_judged_on_its_finished_dtypes(
         steps=(Accumulate.of("mean", 3.0, {"weight": (1.0, 2.0), "bias": (0.5,)}), Finish("mean")),
     )
     implementation = Implementation(
-        spec="tests.wacc.test_verdict:_opaque_widening_means",
+        spec="tests.wacc.judge.test_verdict:_opaque_widening_means",
         factory=_opaque_widening_means,
         fused=False,
         missing=(),
@@ -1564,7 +1565,7 @@ def test_the_bound_line_names_the_worst_element_and_says_bound_0_is_exact() -> N
     """The bound oracle's line names the element whose error is the largest part of its bound,
     with its value, the exact value and the bound; where the bound is 0 it says the exact value
     must come out instead of a ratio of inf; an element without a bound (inf) is never named."""
-    from wacc.verdict import _worst_element
+    from wacc.judge.verdict import _worst_element
 
     exact = [Fraction(1), Fraction(2), Fraction(3), Fraction(4)]
     bound = np.array([0.5, 0.0, math.inf, 0.25])
@@ -1584,7 +1585,7 @@ def test_the_bound_line_names_the_first_worst_element_and_the_sign_of_an_overflo
     where the bound is 0), the line names the first; an exact value beyond float64 is shown as
     the infinity of its sign; with no element whose error is nonzero under a finite bound the
     line says the ratio alone."""
-    from wacc.verdict import _worst_element
+    from wacc.judge.verdict import _worst_element
 
     ones = [Fraction(1)] * 3
     # |1.5 - 1| / 0.25 = 2 at flat 0 and 2, |1.25 - 1| / 0.25 = 1 at flat 1 (after a larger one)
@@ -1681,7 +1682,7 @@ def test_the_verdict_keeps_the_traceback_of_each_raising_step() -> None:
 def test_a_step_is_named_by_its_index_and_op_and_an_accumulate_by_its_weight() -> None:
     """_step_title: every failure line starts with the step's index and op; an accumulate's
     title adds its weight as Python writes the float64 (exact: repr round-trips)."""
-    title = wacc.verdict._step_title
+    title = wacc.judge.verdict._step_title
     assert title(3, Finish("mean")) == "step 3 (finish_mean)"
     assert (
         title(0, Accumulate.of("sum", 0.1, {"w": (1.0,)})) == "step 0 (accumulate_sum, weight 0.1)"
@@ -1693,7 +1694,7 @@ def test_a_diverging_pending_entry_shows_the_gradient_entry_its_step_added() -> 
     """_with_inputs: for an accumulate step each pending-buffer line gains the input gradient at
     the same flat position, shown in the work dtype; lines of another step kind, of a parameter
     the step did not touch, or past the input's end are left as they are."""
-    with_inputs = wacc.verdict._with_inputs
+    with_inputs = wacc.judge.verdict._with_inputs
     step = Accumulate.of("sum", 1.0, {"w": (1.5, -2.0)})
     lines = ["x pending['w'][flat 1]: expected 0.0, got 1.0", "no position here"]
     assert with_inputs(lines, step, "w", "bfloat16") == [
@@ -1715,13 +1716,14 @@ def test_a_bound_below_one_spacing_of_d_says_the_exact_value_must_come_out() -> 
     """A bound smaller than D's smallest spacing (a few float64 subnormals: the absolute term of
     an exact sum) is named as such, not as a ratio of inf or 1e300; a bound of one spacing or
     more keeps its ratio."""
-    line = wacc.verdict._worst_element(
+    line = wacc.judge.verdict._worst_element(
         np.array([-1.0]), [Fraction(-2)], np.array([2.47e-323]), 2.0**-149
     )
     assert line == (
         "error > bound: [flat 0] = -1.0, exact -2.0, bound 2.47e-323, below one spacing of D "
         "(the exact value must come out)"
     )
-    line = wacc.verdict._worst_element(np.array([-1.0]), [Fraction(-2)], np.array([2.0**-149]),
-                                       2.0**-149)  # fmt: skip
+    line = wacc.judge.verdict._worst_element(
+        np.array([-1.0]), [Fraction(-2)], np.array([2.0**-149]), 2.0**-149
+    )
     assert line.startswith("error/bound = 7.14e+44 > 1: [flat 0] = -1.0, exact -2.0"), line

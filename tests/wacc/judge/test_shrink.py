@@ -1,4 +1,5 @@
-"""Structure-aware shrinking (wacc.shrink): smaller, still failing, always a valid scenario."""
+"""Structure-aware shrinking (wacc.judge.shrink): smaller, still failing, always a valid
+scenario."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from wacc import shrink
-from wacc.shrink import (
+from wacc.judge import shrink
+from wacc.judge.shrink import (
     _gradient_removals,
     _simpler_floats,
     _step_removals,

@@ -19,7 +19,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the judge is imported by the commands when they run (a fast --help)
-    from wacc.verdict import ScenarioVerdict
+    from wacc.judge.verdict import ScenarioVerdict
 
 __all__ = ["divergence", "line_signature", "signature"]
 

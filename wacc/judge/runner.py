@@ -18,8 +18,8 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
 * An accumulate step with a fault (:mod:`wacc_ref.faults`, the structural family) hands that
   gradient in malformed: of another shape, dtype, device or layout, not a tensor, under a name
   that is not tracked, non-contiguous or channels-last, or left out of the mapping.
-* The corruptions only an integrity check can refuse (:mod:`wacc.integrity`) are skipped for an
-  implementation without the feature ``checksum``, in either layout.
+* The corruptions only an integrity check can refuse (:mod:`wacc.judge.integrity`) are skipped for
+  an implementation without the feature ``checksum``, in either layout.
 * An exception that is not an error of §11 is recorded as ``"unexpected <Class>"`` (its message
   and the implementation's own file and line in :attr:`ImplementationRun.messages`, the whole
   traceback in :attr:`ImplementationRun.tracebacks`), and a checkpoint or restore step on an
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sysconfig
 import tempfile
 import threading
 import traceback
@@ -45,15 +44,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from wacc.implementation import Implementation, error_class
-from wacc.integrity import (
+from wacc.judge.exceptions import exception_text
+from wacc.judge.implementation import Implementation, error_class
+from wacc.judge.integrity import (
     OPAQUE_INTEGRITY_KINDS,
     flip_byte,
     follows_schema,
     load_bytes,
     same_record,
 )
-from wacc.modules import module_of
+from wacc.judge.modules import module_of
 from wacc_ref.corruption import CORRUPTION_KINDS, applicable_corruptions, corrupt_record
 from wacc_ref.faults import Fault, broadcast_shape, reshaped_shape
 from wacc_ref.scenario import (
@@ -513,46 +513,6 @@ class ImplementationRun:
         return ScenarioTrace(
             outcomes=tuple(outcomes), implementation=f"{self.implementation.spec}/{self.device}"
         )
-
-
-# Frames that are never the implementation's own: the judge (this package), torch and Python's
-# standard library (an exception raised by torch inside the implementation's call still names the
-# implementation's line that called it).
-_NOT_THE_IMPLEMENTATION = tuple(
-    Path(path).resolve()
-    for path in (
-        Path(__file__).parent,
-        Path(torch.__file__).parent,
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["platstdlib"],
-    )
-)
-
-
-def shown_path(filename: str) -> str:
-    """A file as a user finds it: relative to the working directory when it lies below it."""
-    path = Path(filename).resolve()
-    try:
-        return str(path.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def implementation_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The last frame of ``exc``'s traceback in the implementation's code (not the judge's,
-    torch's or the standard library's), or None when there is none."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = Path(frame.filename).resolve()  # (wacc_torch/ is not under wacc/: whole parts)
-        if not any(path.is_relative_to(folder) for folder in _NOT_THE_IMPLEMENTATION):
-            return frame
-    return None
-
-
-def exception_text(exc: BaseException) -> str:
-    """``<Class>: <text>`` and the implementation's own file and line that raised it."""
-    frame = implementation_frame(exc)
-    where = f" (at {shown_path(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def run_implementation(

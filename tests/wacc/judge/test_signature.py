@@ -1,4 +1,4 @@
-"""wacc/signature.py: one bug is one signature, in the gate as in ``wacc check``; the gate's
+"""wacc/judge/signature.py: one bug is one signature, in the gate as in ``wacc check``; the gate's
 findings of a check family are replayable and carry the implementation's exception text."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import pytest
 
 from tests.wacc.planted import PLANTED
 from wacc.commands.check import _grouped
-from wacc.engine import CheckConfig, run_check
 from wacc.gate import measure as gate_measure
 from wacc.gate.compare import compare
 from wacc.gate.groups import UNREPRODUCED, group_findings
 from wacc.gate.metrics import Metrics
 from wacc.gate.outputs import failure_lines, write_junit, write_summary
-from wacc.implementation import load_implementation
+from wacc.judge.engine import CheckConfig, run_check
+from wacc.judge.implementation import load_implementation
+from wacc.judge.signature import divergence, signature
+from wacc.judge.verdict import judge
 from wacc.report.corpus import CorpusEntry, build_corpus
-from wacc.signature import divergence, signature
-from wacc.verdict import judge
 from wacc_ref.scenario import from_json
 
 SAME_DIVERGENCE = [

@@ -1,16 +1,15 @@
 """The check engine behind ``wacc check`` and the pytest plugin.
 
 For each work dtype it runs every strategy family of :data:`FAMILIES` (generated scenarios,
-:func:`wacc_ref.strategies.scenarios`) and the stateful machine of :mod:`wacc.machine` against
-an implementation, applying the chosen oracles to every scenario (:func:`wacc.verdict.judge`).
-The first failing scenario ends the search; :mod:`wacc.shrink` shrinks it, and the engine
+:func:`wacc_ref.strategies.scenarios`) and the stateful machine of :mod:`wacc.judge.machine` against
+an implementation, applying the chosen oracles to every scenario (:func:`wacc.judge.verdict.judge`).
+The first failing scenario ends the search; :mod:`wacc.judge.shrink` shrinks it, and the engine
 writes the shrunk one as ``wacc_ref`` scenario JSON, replayable with ``wacc replay``.
 ``hypothesis.target`` steers the search towards large error/bound ratios and ulps.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, given, seed, settings, target
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import HypothesisException
 
 from wacc.choices import FAMILY_NAMES, MACHINE, WORK_DTYPES
-from wacc.contract import needed_by
-from wacc.implementation import Implementation
-from wacc.profiles import profile_settings
-from wacc.shrink import shrink_scenario
-from wacc.verdict import ORACLES, ScenarioVerdict, judge
+from wacc.judge.contract import needed_by
+from wacc.judge.implementation import Implementation
+from wacc.judge.machine import run_machine
+from wacc.judge.profiles import profile_settings
+from wacc.judge.shrink import shrink_scenario
+from wacc.judge.targets import observe_metrics
+from wacc.judge.verdict import ORACLES, ScenarioVerdict, judge
 from wacc_ref import formats
 from wacc_ref.scenario import Scenario, to_json
 from wacc_ref.strategies import scenarios
@@ -39,7 +40,6 @@ __all__ = [
     "CheckReport",
     "DtypeSummary",
     "Finding",
-    "observe_metrics",
     "run_check",
     "write_finding",
     "run_family",
@@ -74,7 +74,7 @@ CORPUS_FAMILIES: tuple[str, ...] = (
     "dynamic_scaling",
 )
 # family -> the features without which its scenarios cannot run: the family is then skipped (the
-# features are reported as not judged). Declared by the contract (wacc.contract).
+# features are reported as not judged). Declared by the contract (wacc.judge.contract).
 FAMILY_FEATURES: Mapping[str, tuple[str, ...]] = {
     family: needed for family in FAMILY_NAMES if (needed := needed_by(family=family))
 }
@@ -97,7 +97,7 @@ class CheckConfig:
     oracles: tuple[str, ...] = ORACLES
     families: tuple[str, ...] = (*FAMILIES, MACHINE)
     examples: int | None = None  # per dtype and family; None: the profile's max_examples
-    shrink_seconds: float = 30.0  # per failure: the time wacc.shrink may take
+    shrink_seconds: float = 30.0  # per failure: the time wacc.judge.shrink may take
     exit_first: bool = False  # stop at the first family (of any dtype) that finds a divergence
     example_database: bool = True  # False: none, whatever the profile (the CLI unless asked)
 
@@ -155,7 +155,7 @@ def _settings(config: CheckConfig, examples: int) -> settings:
         base,
         max_examples=examples,
         derandomize=derandomize,
-        # Hypothesis finds; wacc.shrink shrinks (a strategy draw per candidate is too slow).
+        # Hypothesis finds; wacc.judge.shrink shrinks (a strategy draw per candidate is too slow).
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
         report_multiple_bugs=False,
         suppress_health_check=[*base.suppress_health_check, HealthCheck.filter_too_much],
@@ -165,17 +165,9 @@ def _settings(config: CheckConfig, examples: int) -> settings:
 
 class _FirstFailure(BaseException):
     """Raised out of Hypothesis at the first failing verdict. The engine shrinks with
-    :mod:`wacc.shrink`, so nothing is left for Hypothesis to do: as an ``AssertionError`` it
+    :mod:`wacc.judge.shrink`, so nothing is left for Hypothesis to do: as an ``AssertionError`` it
     would go on to its target phase, up to ten times ``max_examples`` calls more (measured:
     100 s after a failure found in 7 s)."""
-
-
-def observe_metrics(verdict: ScenarioVerdict) -> None:
-    # Climb towards the worst case: Hypothesis maximizes each labelled target.
-    ratio = verdict.maximum("max_ratio")
-    ulps = verdict.maximum("max_ulps")
-    target(ratio if math.isfinite(ratio) else 1e300, label="error/bound")
-    target(ulps if math.isfinite(ulps) else 1e300, label="ulps")
 
 
 def run_family(
@@ -200,8 +192,6 @@ def run_family(
             raise _FirstFailure("\n".join(verdict.describe()))
 
     if family == MACHINE:
-        from wacc.machine import run_machine
-
         try:
             run_machine(
                 implementation,
@@ -244,7 +234,7 @@ def _shrunk(
     config: CheckConfig,
     device: torch.device,
 ) -> ScenarioVerdict | None:
-    """The first failure, shrunk by :func:`wacc.shrink.shrink_scenario`, judged again."""
+    """The first failure, shrunk by :func:`wacc.judge.shrink.shrink_scenario`, judged again."""
     if not failures:
         return None
     first = failures[0]

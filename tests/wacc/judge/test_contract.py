@@ -1,4 +1,4 @@
-"""The contract in one place (:mod:`wacc.contract`): the seed API is the core, dynamic loss
+"""The contract in one place (:mod:`wacc.judge.contract`): the seed API is the core, dynamic loss
 scaling an extension, and every command (check, replay, gate, report, the pytest plugin) judges
 an implementation by the same rule: a missing core feature fails unless allowed, a missing
 extension is "not judged" and fails nothing; the gate and the report agree with the check."""
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from tests.wacc.test_plugin import _user_pytest
-from wacc.contract import CONTRACT, Coverage, feature
 from wacc.errors import UsageError
 from wacc.gate.baseline import BASELINE_FORMAT, V2_INFERRED, read_gate_file
-from wacc.implementation import load_implementation
+from wacc.judge.contract import CONTRACT, Coverage, feature
+from wacc.judge.implementation import load_implementation
 from wacc.report.previous import read_rows
 from wacc.report.provenance import Provenance
 from wacc.report.rows import NotJudged, Row
@@ -34,7 +34,7 @@ from wacc_ref.scenario import (
     to_json,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SEED_API = "tests.wacc.impls:seed_api"  # correct, written to the seed API: no dynamic scaling
 WACC_TORCH = "wacc.implementation:wacc_torch_reproducible"
 PLANTED = "tests.wacc.planted:equal_weight_mean"  # every mean microbatch weighs 1

@@ -2,10 +2,10 @@
 
 Rules: accumulate a sum or a mean (unequal token counts, explicit zero weights, rarely an invalid
 weight), finish sums or mean, checkpoint (sync or async), restore the latest checkpoint into a
-fresh instance, restore a corrupted copy. After every rule the invariant judges the scenario
-built so far with all applied oracles (:func:`wacc.verdict.judge`), so a divergence is reported
-at the first step that shows it, and Hypothesis shrinks the rule sequence; the shrunk sequence
-is a :class:`~wacc_ref.scenario.Scenario` that ``wacc replay`` runs again.
+fresh instance, restore a corrupted copy. After every rule the invariant judges the scenario built
+so far with all applied oracles (:func:`wacc.judge.verdict.judge`), so a divergence is reported at
+the first step that shows it, and Hypothesis shrinks the rule sequence; the shrunk sequence is a
+:class:`~wacc_ref.scenario.Scenario` that ``wacc replay`` runs again.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from wacc.engine import observe_metrics
-from wacc.implementation import Implementation
-from wacc.verdict import ScenarioVerdict, judge
+from wacc.judge.implementation import Implementation
+from wacc.judge.targets import observe_metrics
+from wacc.judge.verdict import ScenarioVerdict, judge
 from wacc_ref import formats
 from wacc_ref.corruption import CORRUPTION_KINDS
 from wacc_ref.scenario import (

@@ -1,10 +1,11 @@
-"""The Hypothesis profiles (wacc.profiles), shared by the suite and ``wacc check --profile``."""
+"""The Hypothesis profiles (wacc.judge.profiles), shared by the suite and ``wacc check
+--profile``."""
 
 from __future__ import annotations
 
 import pytest
 
-from wacc.profiles import NIGHTLY_FACTOR, PROFILES, profile_settings
+from wacc.judge.profiles import NIGHTLY_FACTOR, PROFILES, profile_settings
 
 
 def test_ci_is_derandomized_without_deadline_or_database() -> None:
@@ -33,7 +34,7 @@ def test_the_mutation_profile_is_ci_with_fewer_examples_and_not_offered_to_users
     ``wacc check`` accepts."""
     from hypothesis import Phase, settings
 
-    from wacc.profiles import MUTATION_PROFILE
+    from wacc.judge.profiles import MUTATION_PROFILE
 
     ci, mutation = profile_settings("ci"), settings.get_profile(MUTATION_PROFILE)
     assert mutation.derandomize and mutation.deadline is None and mutation.database is None

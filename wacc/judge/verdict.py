@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from wacc.choices import ORACLE_SET_NAMES
-from wacc.implementation import SEMANTICS_ERRORS, Implementation
-from wacc.runner import in_module_order, run_implementation
+from wacc.judge.implementation import SEMANTICS_ERRORS, Implementation
+from wacc.judge.runner import in_module_order, run_implementation
 from wacc_ref import formats
 from wacc_ref.bits import array_differences, array_key
 from wacc_ref.bounds import BoundArgumentError, error_ratio, window_error_bound
@@ -93,7 +93,7 @@ class StepVerdict:
     lines: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     # (oracle, its first failure line here) for each oracle that failed at this step: what
-    # diverged, by oracle (wacc.signature groups divergences by it)
+    # diverged, by oracle (wacc.judge.signature groups divergences by it)
     firsts: tuple[tuple[str, str], ...] = ()
 
 

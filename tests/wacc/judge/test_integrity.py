@@ -1,5 +1,5 @@
-"""wacc/integrity.py: record integrity is a declared feature, found by one probe for every layout
-(semantics §9 Reading "integrity is a declared feature")."""
+"""wacc/judge/integrity.py: record integrity is a declared feature, found by one probe for every
+layout (semantics §9 Reading "integrity is a declared feature")."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from torch import nn
 import wacc_torch
 from tests.wacc import impls
 from wacc import baselines
-from wacc.implementation import error_class, load_implementation, wacc_torch_reproducible
-from wacc.integrity import (
+from wacc.implementation import wacc_torch_reproducible
+from wacc.judge.implementation import error_class, load_implementation
+from wacc.judge.integrity import (
     OPAQUE_INTEGRITY_KINDS,
     PROBE_FLIPS,
     SCHEMA_INTEGRITY_KINDS,

@@ -16,8 +16,8 @@ feature fails nothing, without any flag: every command reports it as ``not judge
 (...)`` and runs none of the steps, families and corpus keys that need it.
 
 Every command (``check``, ``replay``, ``gate``, ``report``, the pytest plugin) reads an
-implementation's features with :func:`wacc.implementation.load_implementation` and decides with
-:class:`Coverage`. Light at import (no torch, no reference): :mod:`wacc.choices` builds the
+implementation's features with :func:`wacc.judge.implementation.load_implementation` and decides
+with :class:`Coverage`. Light at import (no torch, no reference): :mod:`wacc.choices` builds the
 command line from it.
 """
 

@@ -1,4 +1,5 @@
-"""Running scenarios on any implementation (wacc.runner): records, corruptions, foreign errors."""
+"""Running scenarios on any implementation (wacc.judge.runner): records, corruptions, foreign
+errors."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from wacc.implementation import DEFAULT_IMPL, Implementation, load_implementation
-from wacc.runner import AGNOSTIC_CORRUPTIONS, follows_schema, run_implementation
-from wacc.verdict import judge
+from wacc.judge.implementation import DEFAULT_IMPL, Implementation, load_implementation
+from wacc.judge.runner import AGNOSTIC_CORRUPTIONS, follows_schema, run_implementation
+from wacc.judge.verdict import judge
 from wacc_ref.corruption import CORRUPTION_KINDS
 from wacc_ref.scenario import Accumulate, Checkpoint, Finish, RestoreCorrupted, Scenario, to_json
 
@@ -85,14 +86,14 @@ def test_a_foreign_exception_is_a_divergence_not_a_crash() -> None:
 
 def _line_of(path: str, text: str) -> int:
     """The 1-based line of ``path`` (from the repository root) that holds ``text``, once."""
-    lines = (Path(__file__).resolve().parents[2] / path).read_text(encoding="utf-8").splitlines()
+    lines = (Path(__file__).resolve().parents[3] / path).read_text(encoding="utf-8").splitlines()
     (number,) = [n for n, line in enumerate(lines, start=1) if text in line]
     return number
 
 
 def test_the_implementations_frame_skips_torch_and_the_judge() -> None:
     """The frame named is the implementation's own, even when torch raised inside its call."""
-    from wacc.runner import implementation_frame
+    from wacc.judge.exceptions import implementation_frame
 
     def implementation() -> None:
         torch.nn.Linear(2, 2)(torch.zeros(3))  # raised under torch/nn/modules/*.py

@@ -1,4 +1,5 @@
-"""The check engine (wacc.engine): wacc_torch passes every family; a fault is found and shrunk."""
+"""The check engine (wacc.judge.engine): wacc_torch passes every family; a fault is found and
+shrunk."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.wacc_torch.support import DEVICES
-from wacc.engine import FAMILIES, MACHINE, CheckConfig, DtypeSummary, run_check, run_family
-from wacc.implementation import DEFAULT_IMPL, load_implementation
+from wacc.judge.engine import FAMILIES, MACHINE, CheckConfig, DtypeSummary, run_check, run_family
+from wacc.judge.implementation import DEFAULT_IMPL, load_implementation
 from wacc_ref import formats
 from wacc_ref.scenario import Accumulate, from_json, to_json
 

@@ -1,0 +1,1 @@
+"""Tests of the judge's core (wacc/judge/), one file per module."""
