@@ -18,26 +18,28 @@ import pytest
 import torch
 
 from tests.wacc.test_cli import wacc
-from wacc.report.device_ops import BODY, ONE, OP, TWO, classify, op_rows
+from wacc.report.device_ops import BODY, ONE, OP, TWO, OpRow, classify, op_rows
 from wacc.report.device_section import DEVICE_CSV_FIELDS, read_csv
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 
 
-def _op(rows: list, op: str, dtype: str):  # type: ignore[no-untyped-def]
+def _op(rows: list[OpRow], op: str, dtype: str) -> OpRow:
     (row,) = (r for r in rows if (r.op, r.dtype) == (op, dtype))
     return row
 
 
 @pytest.fixture(scope="module")
-def cpu_rows() -> list:  # type: ignore[type-arg]
+def cpu_rows() -> list[OpRow]:
     """The section's element-wise rows on the CPU, float16 and bfloat16."""
     return op_rows("cpu", dtypes=("float16", "bfloat16"))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_cpu_add_with_alpha_rounds_alpha_to_the_dtype_first(cpu_rows: list, dtype: str) -> None:  # type: ignore[type-arg]
+def test_cpu_add_with_alpha_rounds_alpha_to_the_dtype_first(
+    cpu_rows: list[OpRow], dtype: str
+) -> None:
     """PyTorch's CPU ``add_(other, alpha=1/3)`` on float16/bfloat16 reads alpha as the tensor's
     dtype (vectorized body): the section says "two roundings" for the body, and the experiment
     here agrees: the body equals ``x + half(alpha)·y`` computed in float32 and rounded to the
@@ -59,7 +61,7 @@ def test_cpu_add_with_alpha_rounds_alpha_to_the_dtype_first(cpu_rows: list, dtyp
 
 
 def test_cpu_scalar_tail_is_op_rounded_and_add_without_alpha_is_correctly_rounded(
-    cpu_rows: list,  # type: ignore[type-arg]
+    cpu_rows: list[OpRow],
 ) -> None:
     """The CPU kernel's scalar tail computes ``a + alpha * b`` on c10::Half/BFloat16, each
     operation rounded to the dtype: "op-rounded" is among the tail's names; ``add_`` without

@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-only", action="store_true",
         help="write only the device section (device.md, device.csv, reduction.csv, "
         "reduction_error.png) into --out, each part written as soon as it is done: what "
-        "scripts/device_check.sh runs",
+        "scripts/device_check.sh runs (its loops: the quick corpus; --quick: 20 scenarios, "
+        "--full: the default corpus)",
     )  # fmt: skip
     parser.add_argument(
         "--rehearsal", action="store_true",
@@ -317,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files, compared=compared, audit=audit_lines,
-        unsupported=coverage_lines, not_judged=not_judged, device=device_lines,
+        unsupported=coverage_lines, not_judged=not_judged,
+        device_section=device_lines,
     )  # fmt: skip
     # The previous report's stale files go (only those it listed as its own), never a user's.
     record_files(out, [*written, index])
@@ -360,13 +362,18 @@ def _device_only(args: argparse.Namespace, devices: list[str], size: str) -> int
     started = time.perf_counter()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(size=size, corpus_seed=args.seed)
-    if size == "quick":  # the first scenario of each family x work dtype: the CI rehearsal's size
+    # The loops on each device: the quick corpus (120 scenarios, one per cell: about a minute
+    # per device on 2 cores), the default one with --full; with --quick (the CI rehearsal) the
+    # first scenario of each family x work dtype (20).
+    corpus = build_corpus(size="default" if size == "full" else "quick", corpus_seed=args.seed)
+    if size == "quick":
         firsts = {(e.family, e.scenario.work_dtype): e for e in reversed(corpus)}
         corpus = [e for e in corpus if firsts[e.family, e.scenario.work_dtype] is e]
+    label = {"quick": "quick, first of each family x work dtype", "default": "quick"}
     provenance = collect_provenance(
-        devices=devices, corpus_seed=args.seed, corpus_size=size, scenarios=len(corpus)
-    )
+        devices=devices, corpus_seed=args.seed, corpus_size=label.get(size, "default"),
+        scenarios=len(corpus),
+    )  # fmt: skip
     judged: list[object] = []
 
     def judge() -> list[object]:

@@ -185,12 +185,12 @@ def write_index(
     not_judged: Sequence[NotJudged] = (),
     compared: tuple[str, Sequence[str], Sequence[Sequence[str]]] | None = None,
     audit: Sequence[str] | None = None,
-    device: Sequence[str] | None = None,
+    device_section: Sequence[str] | None = None,
 ) -> Path:
     """``index.md``: provenance, the headline table (and, with ``compared`` = (the previous
     report's folder, a header, rows), the same lines next to the previous report's), each
-    figure with what it shows, ``audit``'s lines (the training-frameworks section) and
-    ``device``'s (the device section, :func:`wacc.report.device_section.device_markdown`)."""
+    figure with what it shows, ``audit``'s lines (the training-frameworks section) and the
+    ``device_section``'s (:func:`wacc.report.device_section.device_markdown`)."""
     parts = ["# wacc report", "", *provenance.lines(), ""]
     parts += [
         "## Headline",
@@ -274,7 +274,7 @@ def write_index(
                     parts.append(f"| {device} | {dtype} | {shown} |")
         parts.append("")
     parts += list(audit or ())
-    parts += list(device or ())
+    parts += list(device_section or ())
     parts += [
         "## Files",
         "",
@@ -287,7 +287,7 @@ def write_index(
                 "- `device.csv`: the device section's tables (column `table`); `reduction.csv`: "
                 "the data-parallel reduction's models and gloo measured, per dtype x world size"
             ]
-            if device
+            if device_section
             else []
         ),
         "",
