@@ -113,6 +113,27 @@ def test_index_has_the_audits_section_and_figure(report: Path, audit: Path) -> N
     assert (report / "figures" / "audit.png").read_bytes() == (audit / "audit.png").read_bytes()
 
 
+def test_index_has_the_device_section_and_its_tables_are_device_csv(report: Path) -> None:
+    """A CPU report has the device section: its tables are device.csv's rows cell for cell, the
+    CUDA-only parts are skipped with a reason (no rehearsal asked), the reduction figure and
+    reduction.csv (gloo measured beside the models) are written and listed in the manifest."""
+    from tests.wacc.test_report_device import check_tables_match_csv
+    from wacc.report.device_section import read_csv
+
+    index = (report / "index.md").read_text(encoding="utf-8")
+    section = index.split("\n## Devices\n", 1)[1].split("\n## ", 1)[0]
+    check_tables_match_csv(section, report / "device.csv")
+    rows = read_csv(report / "device.csv")
+    skipped = {r["table"] for r in rows if r["note"].startswith("skipped: ")}
+    assert skipped == {"precision", "fp8"} and "Rehearsal" not in section
+    assert {r["device"] for r in rows if r["table"] == "ops"} == {"cpu"}
+    assert "(figures/reduction_error.png)" in section
+    with (report / "reduction.csv").open(newline="", encoding="utf-8") as handle:
+        assert "gloo_measured" in {row["model"] for row in csv.DictReader(handle)}
+    listed = set((report / MANIFEST).read_text(encoding="utf-8").splitlines())
+    assert {"device.csv", "reduction.csv", "figures/reduction_error.png"} <= listed
+
+
 def test_a_report_removes_only_its_own_stale_files(report: Path) -> None:
     """A report into a folder with files in it: the user's files (in scenarios/, figures/ and
     beside them) survive untouched; the files the earlier report listed as its own and this one

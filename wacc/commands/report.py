@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,6 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a `wacc audit --out` folder: its table and figure become the report's section on "
         "training frameworks (the repository's committed run: reports/audit)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-only", action="store_true",
+        help="write only the device section (device.md, device.csv, reduction.csv, "
+        "reduction_error.png) into --out, each part written as soon as it is done: what "
+        "scripts/device_check.sh runs (its loops: the quick corpus; --quick: 20 scenarios, "
+        "--full: the default corpus)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rehearsal", action="store_true",
+        help="with --device cpu: run the device section's CUDA-only parts (TF32 rows, FP8) on "
+        "the CPU, marked `cpu (rehearsal)` (the device check's CI run)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -116,7 +129,15 @@ def run(args: argparse.Namespace) -> int:
         from wacc.report.audit_section import read_audit
 
         audit = read_audit(args.audit)
+    if args.rehearsal and args.device != "cpu":
+        raise UsageError(f"--rehearsal runs the CUDA parts on the CPU: it needs --device cpu, "
+                         f"not --device {args.device}")  # fmt: skip
+    if args.device_only and (args.impl or args.compare_to or args.audit):
+        raise UsageError("--device-only writes the device section alone: no --impl, "
+                         "--compare-to or --audit")  # fmt: skip
     devices = _devices(args.device)
+    if args.device_only:
+        return _device_only(args, devices, size)
     from tqdm import tqdm
 
     from wacc.judge.implementation import load_implementation
@@ -257,6 +278,25 @@ def run(args: argparse.Namespace) -> int:
         )
     steps.update(1)
     steps.close()
+    from wacc.report.device_section import (
+        build_device_section,
+        device_markdown,
+        write_reduction_csv,
+    )
+    from wacc.report.device_section import write_csv as write_device_csv
+
+    section = build_device_section(
+        out / "figures", devices, rehearsal=args.rehearsal, quick=size == "quick", judged=rows
+    )
+    device_files = [write_device_csv(section.rows, out / "device.csv")]
+    if section.figure is not None:  # None: the reduction part failed (its row says why)
+        device_files += [write_reduction_csv(section.reduction, out / "reduction.csv"),
+                         section.figure]  # fmt: skip
+    device_lines = device_markdown(
+        section.rows, csv_name="device.csv", reduction_csv="reduction.csv",
+        figure=section.figure.relative_to(out).as_posix() if section.figure else None,
+        rehearsal=args.rehearsal,
+    )  # fmt: skip
     provenance = type(provenance)(
         **{**provenance.__dict__, "wall_seconds": time.perf_counter() - started}
     )
@@ -268,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         compared = (str(args.compare_to), COMPARISON_HEADER, comparison_rows(changes))
     audit_lines = None
     written = [out / "divergence.csv", *(path for path, _ in shown.values())]
+    written += device_files
     written += [out / row.replay for row in rows if row.replay]
     if audit is not None:
         from wacc.report.audit_section import audit_markdown, copy_figure
@@ -279,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files, compared=compared, audit=audit_lines,
         unsupported=coverage_lines, not_judged=not_judged,
+        device_section=device_lines,
     )  # fmt: skip
     # The previous report's stale files go (only those it listed as its own), never a user's.
     record_files(out, [*written, index])
@@ -301,3 +343,74 @@ def run(args: argparse.Namespace) -> int:
     print(f"report: {index} ({time.perf_counter() - started:.1f} s)")
     failing = [row for row in rows if row.implementation in judged and row.failed]
     return 1 if failing or unsupported else 0
+
+
+def _device_only(args: argparse.Namespace, devices: list[str], size: str) -> int:
+    """``wacc report --device-only``: the device section alone into ``--out``, rewritten after
+    each part (a run cut by a time cap keeps what was done); exit 1 when wacc_torch fails."""
+    from wacc.report.corpus import build_corpus
+    from wacc.report.device_section import (
+        PARTS,
+        DeviceSection,
+        build_device_section,
+        device_markdown,
+        write_csv,
+        write_reduction_csv,
+    )
+    from wacc.report.provenance import collect_provenance
+    from wacc.report.rows import IMPLEMENTATIONS, judge_corpus
+
+    started = time.perf_counter()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    # The loops on each device: the quick corpus (120 scenarios, one per cell: about a minute
+    # per device on 2 cores), the default one with --full; with --quick (the CI rehearsal) the
+    # first scenario of each family x work dtype (20).
+    corpus = build_corpus(size="default" if size == "full" else "quick", corpus_seed=args.seed)
+    if size == "quick":
+        firsts = {(e.family, e.scenario.work_dtype): e for e in reversed(corpus)}
+        corpus = [e for e in corpus if firsts[e.family, e.scenario.work_dtype] is e]
+    label = {"quick": "quick, first of each family x work dtype", "default": "quick"}
+    provenance = collect_provenance(
+        devices=devices, corpus_seed=args.seed, corpus_size=label.get(size, "default"),
+        scenarios=len(corpus),
+    )  # fmt: skip
+    judged: list[object] = []
+
+    def judge() -> list[object]:
+        rows, _ = judge_corpus(corpus, implementations=IMPLEMENTATIONS, devices=devices)
+        judged.extend(rows)
+        return judged
+
+    def write(section: DeviceSection) -> None:
+        write_csv(section.rows, out / "device.csv")
+        if section.reduction:
+            write_reduction_csv(section.reduction, out / "reduction.csv")
+        pending = [part for part in PARTS if part not in section.done]
+        lines = [
+            "# wacc device section", "", *provenance.lines(), "",
+            *device_markdown(
+                section.rows,
+                figure=section.figure.name if section.figure is not None else None,
+                csv_name="device.csv", reduction_csv="reduction.csv",
+                rehearsal=section.rehearsal,
+            ),
+            f"Parts done: {', '.join(section.done)}"
+            + (f"; not done (cut or still running): {', '.join(pending)}" if pending else "")
+            + f" ({time.perf_counter() - started:.1f} s).",
+            "",
+        ]  # fmt: skip
+        temporary = out / f".device.md.{os.getpid()}.tmp"
+        temporary.write_text("\n".join(lines), encoding="utf-8")
+        os.replace(temporary, out / "device.md")
+        print(f"device section: {', '.join(section.done)} done "
+              f"({time.perf_counter() - started:.1f} s)", flush=True)  # fmt: skip
+
+    build_device_section(out, devices, rehearsal=args.rehearsal, quick=size == "quick",
+                         judge=judge, after_part=write)  # fmt: skip
+    failing = [
+        row for row in judged
+        if getattr(row, "implementation", "").startswith("wacc_torch") and row.failed  # type: ignore[attr-defined]
+    ]  # fmt: skip
+    print(f"report: {out / 'device.md'} ({time.perf_counter() - started:.1f} s)")
+    return 1 if failing else 0

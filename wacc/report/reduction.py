@@ -36,10 +36,12 @@ from wacc_ref.bounds import error_ratio, gamma
 
 __all__ = [
     "DTYPES",
+    "GLOO_MEASURED",
     "MODELS",
     "REDUCTION_CSV_FIELDS",
     "WORLD_SIZES",
     "ReductionPoint",
+    "measured_point",
     "reduction_figure",
     "reduction_points",
     "reduction_report",
@@ -51,6 +53,7 @@ WORLD_SIZES: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 MODELS: tuple[str, ...] = ("ring_sum", "tree_sum", "gloo_ring", "nccl_avg", "sum_then_divide")
 _MEANS = frozenset({"nccl_avg", "sum_then_divide"})
+GLOO_MEASURED = "gloo_measured"  # a real gloo all_reduce on this CPU, beside the models
 ELEMENTS = 256
 SEED = 36
 
@@ -119,10 +122,15 @@ def _relative(result: float, exact: Fraction) -> float:
     return math.inf if exact == 0 else float(error / abs(exact))
 
 
-def _point(model: str, values: npt.NDArray[np.float64], dtype: str) -> ReductionPoint:
+def _point(
+    model: str,
+    values: npt.NDArray[np.float64],
+    dtype: str,
+    result: npt.NDArray[np.float64] | None = None,
+) -> ReductionPoint:
     n = values.shape[0]
     mean = model in _MEANS
-    result = _reduce(model, values, dtype)
+    result = _reduce(model, values, dtype) if result is None else result
     sums = R.exact_sums(values, dtype)
     exact = np.array([s / n for s in sums] if mean else list(sums), dtype=object)
     relative = np.array(
@@ -134,7 +142,9 @@ def _point(model: str, values: npt.NDArray[np.float64], dtype: str) -> Reduction
         model=model,
         median_rel_error=float(np.median(relative)),
         max_rel_error=float(relative.max()),
-        max_error_over_bound=error_ratio(result, exact, _bound(model, values, dtype)),
+        max_error_over_bound=error_ratio(
+            result, exact, _bound("gloo_ring" if model == GLOO_MEASURED else model, values, dtype)
+        ),
         avg_factor_bias=float(R.avg_factor_relative_error(n, dtype)) if model == "nccl_avg" else 0,
     )
 
@@ -156,6 +166,14 @@ def reduction_points(
     return points
 
 
+def measured_point(
+    result: npt.NDArray[np.float64], values: npt.NDArray[np.float64], dtype: str
+) -> ReductionPoint:
+    """The point of a measured gloo SUM ``result`` of ``values`` (model :data:`GLOO_MEASURED`,
+    judged against the exact sum and the SUM bound)."""
+    return _point(GLOO_MEASURED, values, dtype, result)
+
+
 def reduction_rows(points: Sequence[ReductionPoint]) -> list[dict[str, str]]:
     """The table as CSV rows (keys :data:`REDUCTION_CSV_FIELDS`; floats in ``repr``, exact)."""
     return [{key: str(value) for key, value in asdict(point).items()} for point in points]
@@ -166,6 +184,7 @@ _STYLES: Mapping[str, tuple[str, str, str, str]] = {
     "ring_sum": ("#1f77b4", "-", "o", "ring SUM in T (NCCL)"),
     "tree_sum": ("#ff7f0e", "-", "s", "binary-tree SUM in T (NCCL)"),
     "gloo_ring": ("#9467bd", ":", "x", "gloo ring SUM (torch on CPU; checked bit for bit)"),
+    GLOO_MEASURED: ("#000000", "", "+", "gloo SUM measured on this CPU"),
     "nccl_avg": ("#d62728", "-", "^", "NCCL AVG: x·round_T(1/N), ring SUM"),
     "sum_then_divide": ("#2ca02c", "--", "D", "ring SUM, then ÷N once (wacc_torch §7+§8)"),
 }
@@ -183,11 +202,13 @@ def reduction_figure(points: Sequence[ReductionPoint], path: Path) -> Path:
         floor = min(positive) / 4 if positive else 1e-10  # exact results are drawn here
         for model, (color, line, marker, label) in _STYLES.items():
             series = sorted((p for p in chosen if p.model == model), key=lambda p: p.world_size)
+            markersize = 11 if model == GLOO_MEASURED else 6  # drawn over the model it equals
             if not series:
                 continue
             axis.plot(
                 [p.world_size for p in series], [max(p.max_rel_error, floor) for p in series],
-                line, marker=marker, color=color, label=label, markersize=6,
+                linestyle=line or "none", marker=marker, color=color, label=label,
+                markersize=markersize,
                 markerfacecolor="none" if marker in "sD" else None,
             )  # fmt: skip
         worst = [gamma(n - 1, dtype) for n in sizes]
@@ -215,10 +236,15 @@ def reduction_figure(points: Sequence[ReductionPoint], path: Path) -> Path:
 
 
 def reduction_report(
-    directory: Path, *, world_sizes: Sequence[int] = WORLD_SIZES, elements: int = ELEMENTS
+    directory: Path,
+    *,
+    world_sizes: Sequence[int] = WORLD_SIZES,
+    elements: int = ELEMENTS,
+    measured: Sequence[ReductionPoint] = (),
 ) -> tuple[Path, list[dict[str, str]]]:
     """The section in one call: the figure ``directory/reduction_error.png`` and the table rows
-    (CSV, :data:`REDUCTION_CSV_FIELDS`)."""
-    points = reduction_points(world_sizes=world_sizes, elements=elements)
+    (CSV, :data:`REDUCTION_CSV_FIELDS`), with the ``measured`` points (:func:`measured_point`)
+    drawn and listed beside the models."""
+    points = reduction_points(world_sizes=world_sizes, elements=elements) + list(measured)
     figure = reduction_figure(points, directory / "reduction_error.png")
     return figure, reduction_rows(points)

@@ -185,10 +185,12 @@ def write_index(
     not_judged: Sequence[NotJudged] = (),
     compared: tuple[str, Sequence[str], Sequence[Sequence[str]]] | None = None,
     audit: Sequence[str] | None = None,
+    device_section: Sequence[str] | None = None,
 ) -> Path:
     """``index.md``: provenance, the headline table (and, with ``compared`` = (the previous
     report's folder, a header, rows), the same lines next to the previous report's), each
-    figure with what it shows, and ``audit``'s lines (the training-frameworks section)."""
+    figure with what it shows, ``audit``'s lines (the training-frameworks section) and the
+    ``device_section``'s (:func:`wacc.report.device_section.device_markdown`)."""
     parts = ["# wacc report", "", *provenance.lines(), ""]
     parts += [
         "## Headline",
@@ -272,6 +274,7 @@ def write_index(
                     parts.append(f"| {device} | {dtype} | {shown} |")
         parts.append("")
     parts += list(audit or ())
+    parts += list(device_section or ())
     parts += [
         "## Files",
         "",
@@ -279,6 +282,14 @@ def write_index(
         + ", ".join(CSV_COLUMNS),
         f"- `scenarios/`: {replay_files} replay files, one per scenario that a row fails "
         "(`wacc replay scenarios/<file> --impl <factory>`)",
+        *(
+            [
+                "- `device.csv`: the device section's tables (column `table`); `reduction.csv`: "
+                "the data-parallel reduction's models and gloo measured, per dtype x world size"
+            ]
+            if device_section
+            else []
+        ),
         "",
     ]
     path = out / "index.md"
