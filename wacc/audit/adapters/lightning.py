@@ -184,6 +184,10 @@ AUTOMATIC = Adapter(
     code_path="Trainer.fit: automatic.py ClosureResult.from_training_step_output: "
     "loss / accumulate_grad_batches",
     run=run_automatic,
+    fixed_by="lightning+wacc",
+    cause="lightning/pytorch/loops/optimization/automatic.py:83 (lightning 2.6.6) divides each "
+    "training_step loss by accumulate_grad_batches (`closure_loss = closure_loss / normalize`): "
+    "every microbatch weighs 1/K whatever its token count.",
     **_COMMON,  # type: ignore[arg-type]
 )
 MANUAL = Adapter(
@@ -192,5 +196,9 @@ MANUAL = Adapter(
     code_path="Trainer.fit: training_step: manual_backward(loss / N); "
     "opt.step() if (batch_idx + 1) % N == 0",
     run=run_manual,
+    fixed_by="lightning-manual+wacc",
+    cause="the manual-optimisation guide's recipe (docs/source-pytorch/model/"
+    'manual_optimization.rst, "Gradient Accumulation") backwards `loss / N`: every '
+    "microbatch weighs 1/N whatever its token count.",
     **_COMMON,  # type: ignore[arg-type]
 )
