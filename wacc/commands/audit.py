@@ -43,6 +43,7 @@ _BUILTIN = (
     "lightning-manual",
     "lightning-manual+wacc",
     "keras",
+    "keras+wacc",
     "deepspeed",
     "deepspeed+wacc",
     "peft-lora-gpt2",

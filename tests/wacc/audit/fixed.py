@@ -10,15 +10,17 @@ from wacc.audit.runner import AuditResult, LoopFacts
 WINDOWS = ("unequal", "equal", "zero", "longtail")  # every window the audit knows
 
 
-def assert_every_window_passes(result: AuditResult, loop: str) -> None:
+def assert_every_window_passes(result: AuditResult, loop: str, *, exact: bool = True) -> None:
     """Each window's cell passes (float64 run within the bound, the audited-dtype run within
-    it too), divides by the true count, is finite and deterministic."""
+    it too), divides by the true count, is finite and deterministic; with ``exact``, the
+    float64 run carries float64 rounding only (its err/bound < 1e-6)."""
     cells = [c for c in result.cells if c.adapter == loop]
     assert [c.window for c in cells] == list(WINDOWS)
     for cell in cells:
         assert cell.status == "ok", (cell.window, cell.status)
         assert cell.verdict == "pass", (cell.window, cell.semantic_ratio)
-        assert cell.ratio <= 1.0 and cell.semantic_ratio < 1e-6, (cell.window, cell.ratio)
+        assert cell.ratio <= 1.0, (cell.window, cell.ratio)
+        assert cell.semantic_ratio < 1e-6 or not exact, (cell.window, cell.semantic_ratio)
         assert cell.counted == cell.true_count, (cell.window, cell.counted)
         assert cell.finite and cell.deterministic
 

@@ -31,11 +31,12 @@ def test_lightning_absent_is_a_not_installed_row(
     assert result.facts[0].status == "not installed"
 
 
-def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loop", ["keras", "keras+wacc"])
+def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
     """With `keras` unimportable (None in sys.modules: its spec is not found), the Keras adapter
     reports "not installed" without trying an import, and the audit gives the row."""
     monkeypatch.setitem(sys.modules, "keras", None)
-    adapter = ADAPTERS["keras"]
+    adapter = ADAPTERS[loop]
     assert adapter.unavailable() == "not installed"
     result = run_audit([adapter], [build_window("equal")])
     assert [c.status for c in result.cells] == ["not installed"]
