@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from wacc.audit.adapters.lightning import _quiet, _Stopped
+from wacc.audit.adapters.lightning import fit_window
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
@@ -85,7 +85,8 @@ def _module(task: LoopTask, pl: Any, *, manual: bool) -> Any:
             super().__init__()
             self.model = task.build_model()
             self.automatic_optimization = not manual
-            self.accumulator = WeightedGradientsAccumulator(dtype=task.dtype, loss_scale=1.0)
+            if manual:  # the recipe's own accumulator (automatic: the callback's)
+                self.accumulator = WeightedGradientsAccumulator(dtype=task.dtype, loss_scale=1.0)
             self.window_tokens: float | None = None
 
         def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -143,39 +144,18 @@ def _trainer(task: LoopTask, pl: Any, *, manual: bool, callbacks: list[Any]) -> 
 def _run(task: LoopTask, *, manual: bool) -> LoopRun:
     pl: Any = importlib.import_module("lightning.pytorch")
 
-    class Capture(pl.Callback):
-        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
-            task.record_gradients(module.model)
-
-    class Checkpoint(pl.Callback):
-        def on_train_batch_end(
-            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
-            if batch_idx + 1 == task.checkpoint_after:
-                trainer.save_checkpoint(str(path))
-                raise _Stopped
-
     def loader() -> _ResumableLoader:
         data = task.dataset
         return _ResumableLoader(data, batch_size=1, sampler=_Sampler(len(data)))
 
-    seen: list[str] = []
-    path = task.workdir / "lightning_mid_window.ckpt"
-    with _quiet(seen):
-        resume: dict[str, str] = {}
-        if task.checkpoint_after is not None:
-            stopped = _trainer(task, pl, manual=manual, callbacks=[Checkpoint()])
-            try:
-                stopped.fit(_module(task, pl, manual=manual), loader())
-            except _Stopped:
-                resume["ckpt_path"] = str(path)
-            else:
-                raise RuntimeError("the checkpoint callback never ran")
-        trainer = _trainer(task, pl, manual=manual, callbacks=[Capture()])
-        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        before = None if scaler is None else float(scaler.get_scale())
-        module = _module(task, pl, manual=manual)
-        trainer.fit(module, loader(), **resume)
+    trainer, module, scaler, before = fit_window(
+        task,
+        pl,
+        [],
+        module=lambda: _module(task, pl, manual=manual),
+        trainer=lambda callbacks: _trainer(task, pl, manual=manual, callbacks=callbacks),
+        loader=loader,
+    )
     # What finish_mean divided by (the callback's or the manual module's last window).
     holder = module if manual else next(c for c in trainer.callbacks if hasattr(c, "window_tokens"))
     counted = holder.window_tokens
