@@ -13,7 +13,9 @@ from wacc.audit.runner import run_audit
 from wacc.audit.windows import build_window
 
 
-@pytest.mark.parametrize("loop", ["lightning", "lightning-manual"])
+@pytest.mark.parametrize(
+    "loop", ["lightning", "lightning+wacc", "lightning-manual", "lightning-manual+wacc"]
+)
 def test_lightning_absent_is_a_not_installed_row(
     monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
@@ -29,25 +31,27 @@ def test_lightning_absent_is_a_not_installed_row(
     assert result.facts[0].status == "not installed"
 
 
-def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loop", ["keras", "keras+wacc"])
+def test_keras_absent_is_a_not_installed_row(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
     """With `keras` unimportable (None in sys.modules: its spec is not found), the Keras adapter
     reports "not installed" without trying an import, and the audit gives the row."""
     monkeypatch.setitem(sys.modules, "keras", None)
-    adapter = ADAPTERS["keras"]
+    adapter = ADAPTERS[loop]
     assert adapter.unavailable() == "not installed"
     result = run_audit([adapter], [build_window("equal")])
     assert [c.status for c in result.cells] == ["not installed"]
 
 
+@pytest.mark.parametrize("loop", ["deepspeed", "deepspeed+wacc"])
 def test_deepspeed_absent_is_a_quiet_not_installed_row(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], loop: str
 ) -> None:
     """With `deepspeed` unimportable, its adapter (whose import check runs on DeepSpeed's CPU
     accelerator) reports "not installed", prints nothing, leaves DS_ACCELERATOR as it was, and
     the audit gives a row per window saying so."""
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    adapter = ADAPTERS["deepspeed"]
+    adapter = ADAPTERS[loop]
     assert adapter.unavailable() == "not installed"
     assert "DS_ACCELERATOR" not in os.environ
     result = run_audit([adapter, ADAPTERS["nanogpt"]], [build_window("equal")])

@@ -183,8 +183,9 @@ def _world(dtype: torch.dtype) -> Iterator[Any]:
             sys.excepthook = hook
 
 
-def _engine(task: LoopTask, deepspeed: Any) -> tuple[Any, torch.nn.Module]:
-    """A fresh model, client ``SGD`` and engine (module docstring)."""
+def _engine(task: LoopTask, deepspeed: Any, **options: Any) -> tuple[Any, torch.nn.Module]:
+    """A fresh model, client ``SGD`` and engine (module docstring); ``options`` go into the
+    config as they are."""
     model = task.build_model()
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
@@ -197,6 +198,7 @@ def _engine(task: LoopTask, deepspeed: Any) -> tuple[Any, torch.nn.Module]:
     }
     if task.fp16:
         config["torch_autocast"] = {"enabled": True, "dtype": "fp16"}
+    config.update(options)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, model
 
@@ -262,4 +264,9 @@ ADAPTER = DeepSpeedAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    fixed_by="deepspeed+wacc",
+    cause="deepspeed/runtime/engine.py:3413 (deepspeed 0.19.8, DeepSpeedEngine.backward) divides "
+    "each microbatch's loss by gradient_accumulation_steps (`loss = loss / "
+    "self.gradient_accumulation_steps() if scale_wrt_gas else loss`): every microbatch weighs "
+    "1/K whatever its token count.",
 )

@@ -200,15 +200,23 @@ def _quiet(policy: str | None) -> Iterator[None]:
         keras.mixed_precision.set_global_policy(previous)
 
 
-def _model(task: LoopTask, keras: Any, *, built: bool = False) -> Any:
-    """A compiled Keras model around a fresh ``task.build_model()`` (module docstring)."""
+def _model(task: LoopTask, keras: Any, *, built: bool = False, wacc: bool = False) -> Any:
+    """A compiled Keras model around a fresh ``task.build_model()`` (module docstring); with
+    ``wacc``, the ``keras+wacc`` model (:mod:`wacc.audit.adapters.keras_wacc`)."""
     module = task.build_model()
     names = {id(p): name for name, p in module.named_parameters()}
     steps = task.num_microbatches
+    bases: tuple[type, ...] = (keras.Model,)
+    options: dict[str, Any] = {}
+    if wacc:
+        from wacc_torch.integrations.keras import TokenWeightedTrainStep
 
-    class AuditLM(keras.Model):
+        bases = (TokenWeightedTrainStep, keras.Model)
+        options = {"steps": steps, "tokens": _target_tokens}
+
+    class AuditLM(*bases):  # type: ignore[misc]
         def __init__(self) -> None:
-            super().__init__(name="audit_lm")
+            super().__init__(name="audit_lm", **options)
             self.lm = keras.layers.TorchModuleWrapper(module)
 
         def call(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -233,7 +241,7 @@ def _model(task: LoopTask, keras: Any, *, built: bool = False) -> Any:
     scale = None if task.loss_scale == 1.0 else task.loss_scale
     optimizer = RecordingSGD(
         learning_rate=task.learning_rate,
-        gradient_accumulation_steps=steps if steps > 1 else None,
+        gradient_accumulation_steps=steps if steps > 1 and not wacc else None,
         loss_scale_factor=scale,
     )
     # The float64 run keeps the loss in float64 (Keras's losses compute in floatx, float32).
@@ -245,12 +253,19 @@ def _model(task: LoopTask, keras: Any, *, built: bool = False) -> Any:
     return model
 
 
+def _target_tokens(y: torch.Tensor) -> torch.Tensor:
+    """The targets a batch's masked-mean loss divides by (``labels[1:] != -100``)."""
+    return (y != IGNORE_INDEX).sum()
+
+
 def _fit(model: Any, task: LoopTask, start: int, callbacks: list[Any] | None = None) -> None:
     loader = torch.utils.data.DataLoader(_Pairs(task, start), batch_size=1, shuffle=False)
     model.fit(loader, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
 
 
-def resume(task: LoopTask, *, save_weights: bool = False, build_optimizer: bool = True) -> Any:
+def resume(
+    task: LoopTask, *, save_weights: bool = False, build_optimizer: bool = True, wacc: bool = False
+) -> Any:
     """Run ``task.checkpoint_after`` microbatches, save with ``model.save`` (``.keras``) or
     ``model.save_weights`` (``.weights.h5``), then a fresh model loads it with ``load_weights``
     (its optimizer built first, unless ``build_optimizer`` is False); returns that fresh model."""
@@ -267,36 +282,38 @@ def resume(task: LoopTask, *, save_weights: bool = False, build_optimizer: bool 
                 raise _Stopped
 
     try:
-        _fit(_model(task, keras), task, 0, callbacks=[Checkpoint()])
+        _fit(_model(task, keras, wacc=wacc), task, 0, callbacks=[Checkpoint()])
     except _Stopped:
         pass
     else:
         raise RuntimeError("the checkpoint callback never ran")
-    model = _model(task, keras, built=True)
+    model = _model(task, keras, built=True, wacc=wacc)
     if build_optimizer:
         model.optimizer.build(model.trainable_variables)
     model.load_weights(path)
     return model
 
 
-def run(task: LoopTask) -> LoopRun:
-    """``model.fit`` with ``SGD(gradient_accumulation_steps=K)`` (module docstring)."""
+def run(task: LoopTask, *, wacc: bool = False) -> LoopRun:
+    """``model.fit`` with ``SGD(gradient_accumulation_steps=K)`` (module docstring); with
+    ``wacc``, the ``keras+wacc`` loop."""
     keras = import_keras()
     with _quiet("mixed_float16" if task.fp16 else None):
         if task.checkpoint_after is not None:
-            model = resume(task)
+            model = resume(task, wacc=wacc)
             _fit(model, task, task.checkpoint_after)
-            return LoopRun(counted_tokens=None, note=FLOAT32_WEIGHTS)
-        model = _model(task, keras)
+        else:
+            model = _model(task, keras, wacc=wacc)
+            _fit(model, task, 0)
         optimizer = model.optimizer
         scaler = optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
-        _fit(model, task, 0)
+    counted = model.window_tokens if wacc else None
     if not task.fp16:
-        return LoopRun(counted_tokens=None, note=FLOAT32_WEIGHTS)
+        return LoopRun(counted_tokens=counted, note=FLOAT32_WEIGHTS)
     if scaler is None:
-        return LoopRun(counted_tokens=None, note="compile made no LossScaleOptimizer")
+        return LoopRun(counted_tokens=counted, note="compile made no LossScaleOptimizer")
     after = float(scaler.dynamic_scale.value)
-    return LoopRun(counted_tokens=None, loss_scales=(float(scaler.initial_scale), after))
+    return LoopRun(counted_tokens=counted, loss_scales=(float(scaler.initial_scale), after))
 
 
 ADAPTER = KerasAdapter(
@@ -311,4 +328,8 @@ ADAPTER = KerasAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    fixed_by="keras+wacc",
+    cause="keras/src/optimizers/base_optimizer.py:567 (keras 3.15.1, "
+    "BaseOptimizer._backend_apply_gradients) applies `(g + acc_g) / steps` on the K-th call: "
+    "every microbatch's mean weighs 1/K whatever its token count.",
 )

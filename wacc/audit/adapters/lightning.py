@@ -37,7 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -116,45 +116,66 @@ def _trainer(task: LoopTask, pl: Any, *, manual: bool, callbacks: list[Any]) -> 
     return pl.Trainer(**options)
 
 
-def _run(task: LoopTask, *, manual: bool) -> LoopRun:
-    pl: Any = importlib.import_module("lightning.pytorch")
+def fit_window(
+    task: LoopTask,
+    pl: Any,
+    seen: list[str],
+    *,
+    module: Callable[[], Any],
+    trainer: Callable[[list[Any]], Any],
+    loader: Callable[[], Any],
+) -> tuple[Any, Any, Any, float | None]:
+    """``trainer(callbacks).fit(module(), loader())`` over the window, Lightning's warnings
+    into ``seen``; with ``task.checkpoint_after``, first a run stopped there by
+    ``trainer.save_checkpoint`` and then the fit of fresh objects from it (``ckpt_path``).
+    Returns the last trainer and module, the precision plugin's ``GradScaler`` (or None) and
+    its scale before the fit."""
+    path = task.workdir / "lightning_mid_window.ckpt"
 
     class Capture(pl.Callback):
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
             task.record_gradients(module.model)
 
     class Checkpoint(pl.Callback):
-        def __init__(self, after: int) -> None:
-            self.after = after
-
         def on_train_batch_end(
             self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
-            if batch_idx + 1 == self.after:
+            if batch_idx + 1 == task.checkpoint_after:
                 trainer.save_checkpoint(str(path))
                 raise _Stopped
+
+    with _quiet(seen):
+        resume: dict[str, str] = {}
+        if task.checkpoint_after is not None:
+            try:
+                trainer([Checkpoint()]).fit(module(), loader())
+            except _Stopped:
+                resume["ckpt_path"] = str(path)
+            else:
+                raise RuntimeError("the checkpoint callback never ran")
+        last = trainer([Capture()])
+        scaler = getattr(last.strategy.precision_plugin, "scaler", None)
+        before = None if scaler is None else float(scaler.get_scale())
+        fitted = module()
+        last.fit(fitted, loader(), **resume)
+    return last, fitted, scaler, before
+
+
+def _run(task: LoopTask, *, manual: bool) -> LoopRun:
+    pl: Any = importlib.import_module("lightning.pytorch")
 
     def loader() -> torch.utils.data.DataLoader[Any]:
         return torch.utils.data.DataLoader(task.dataset, batch_size=1, shuffle=False)
 
     seen: list[str] = []
-    path = task.workdir / "lightning_mid_window.ckpt"
-    with _quiet(seen):
-        resume: dict[str, str] = {}
-        if task.checkpoint_after is not None:
-            stopped = _trainer(
-                task, pl, manual=manual, callbacks=[Checkpoint(task.checkpoint_after)]
-            )
-            try:
-                stopped.fit(_module(task, pl, manual=manual), loader())
-            except _Stopped:
-                resume["ckpt_path"] = str(path)
-            else:
-                raise RuntimeError("the checkpoint callback never ran")
-        trainer = _trainer(task, pl, manual=manual, callbacks=[Capture()])
-        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        before = None if scaler is None else float(scaler.get_scale())
-        trainer.fit(_module(task, pl, manual=manual), loader(), **resume)
+    trainer, _, scaler, before = fit_window(
+        task,
+        pl,
+        seen,
+        module=lambda: _module(task, pl, manual=manual),
+        trainer=lambda callbacks: _trainer(task, pl, manual=manual, callbacks=callbacks),
+        loader=loader,
+    )
     if not task.fp16:
         return LoopRun(counted_tokens=None)
     if scaler is None or before is None:
@@ -184,6 +205,10 @@ AUTOMATIC = Adapter(
     code_path="Trainer.fit: automatic.py ClosureResult.from_training_step_output: "
     "loss / accumulate_grad_batches",
     run=run_automatic,
+    fixed_by="lightning+wacc",
+    cause="lightning/pytorch/loops/optimization/automatic.py:83 (lightning 2.6.6) divides each "
+    "training_step loss by accumulate_grad_batches (`closure_loss = closure_loss / normalize`): "
+    "every microbatch weighs 1/K whatever its token count.",
     **_COMMON,  # type: ignore[arg-type]
 )
 MANUAL = Adapter(
@@ -192,5 +217,9 @@ MANUAL = Adapter(
     code_path="Trainer.fit: training_step: manual_backward(loss / N); "
     "opt.step() if (batch_idx + 1) % N == 0",
     run=run_manual,
+    fixed_by="lightning-manual+wacc",
+    cause="the manual-optimisation guide's recipe (docs/source-pytorch/model/"
+    'manual_optimization.rst, "Gradient Accumulation") backwards `loss / N`: every '
+    "microbatch weighs 1/N whatever its token count.",
     **_COMMON,  # type: ignore[arg-type]
 )

@@ -109,4 +109,8 @@ ADAPTER = Adapter(
     "init_from='resume' restarts the iteration on new random batches",
     run=run,
     fp16=None,
+    fixed_by="nanogpt+wacc",
+    cause="karpathy/nanoGPT train.py@3adf61e L292-314 divides each microbatch's mean loss by "
+    "gradient_accumulation_steps (`loss = loss / gradient_accumulation_steps`): every microbatch "
+    "weighs 1/K whatever its token count.",
 )

@@ -134,4 +134,8 @@ PIXPARSE = Adapter(
     checkpoint=None,
     run=_pixparse,
     fp16=None,
+    fixed_by="pixparse+wacc",
+    cause="pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
+    "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
+    "1/K whatever its token count.",
 )
