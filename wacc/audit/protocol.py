@@ -174,6 +174,8 @@ class Adapter:
     run: Callable[[LoopTask], LoopRun]
     fp16: str | None = "no float16 mode"  # None: runs its float16 path when task.fp16; else why not
     unsupported: str | None = None  # why this loop is never run here (its rows say so)
+    fixed_by: str | None = None  # the `+wacc` row (an adapter's name) whose integration fixes it
+    cause: str | None = None  # why the loop fails: one sentence naming the framework's file:line
 
     def unavailable(self) -> str | None:
         """None when every required module imports; else "not run: …" (``unsupported``), "not

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from wacc.audit.adapters import (
     accelerate,
+    accelerate_wacc,
     deepspeed,
     keras,
     lightning,
@@ -13,6 +14,7 @@ from wacc.audit.adapters import (
     pytorch_native,
     timm,
     trainer,
+    trainer_wacc,
     trl_sft,
     wacc_torch,
 )
@@ -24,20 +26,27 @@ ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
         trainer.HUB,
+        trainer_wacc.HUB,
         trainer.LLAMA,
         trainer.QWEN2,
         trainer.GPT_NEOX,
         trainer.OPT,
         trainer.BERT,
+        trainer_wacc.BERT,
         trainer.T5,
+        trainer_wacc.T5,
         trainer.PLAIN,
+        trainer_wacc.PLAIN,
         accelerate.ACCUMULATE,
+        accelerate_wacc.ACCUMULATE,
         accelerate.VARIABLE,
+        accelerate_wacc.VARIABLE,
         lightning.AUTOMATIC,
         lightning.MANUAL,
         keras.ADAPTER,
         deepspeed.ADAPTER,
         peft_lora.LORA_GPT2,
+        trainer_wacc.LORA_GPT2,
         peft_lora.LORA_LLAMA,
         trl_sft.PADDING,
         trl_sft.PADDING_FP32,

@@ -130,6 +130,9 @@ ACCUMULATE = Adapter(
     title="accelerate accumulate() (documented loop)",
     code_path="Accelerator(gradient_accumulation_steps=K).accumulate(model); accelerator.backward",
     run=run_accumulate,
+    fixed_by="accelerate+wacc",
+    cause="Accelerator.backward divides each microbatch's mean loss by gradient_accumulation_steps "
+    "(accelerate/accelerator.py:2757): every microbatch weighs the same, whatever its tokens.",
     **_COMMON,  # type: ignore[arg-type]
 )
 VARIABLE = Adapter(
@@ -137,5 +140,9 @@ VARIABLE = Adapter(
     title="accelerate variable-size fix (num_items_in_batch)",
     code_path="guide 'variable size': loss_sum*K*num_processes/num_items_in_batch; backward",
     run=run_variable,
+    fixed_by="accelerate-variable+wacc",
+    cause="The guide's loop counts num_items_in_batch as labels.ne(-100) over the unshifted labels "
+    "(accelerate docs, usage_guides/gradient_accumulation.md, 'variable size') while the causal "
+    "LM's loss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )
