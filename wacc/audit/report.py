@@ -65,14 +65,14 @@ def cell_rows(result: AuditResult) -> list[dict[str, str]]:
 
 
 def _windows_passed(result: AuditResult, loop: str) -> str:
-    """How ``loop`` fared on this run's windows: "passes every window", "fails 2 of 4 windows",
-    or what kept it from running."""
+    """How ``loop`` fared on this run's windows: "passes all 4 windows", "fails 2 of 4 windows",
+    "not in this run", or what kept it from running."""
     cells = [c for c in result.cells if c.adapter == loop]
     if not cells:
         return "not in this run"
     failed = sum(c.verdict != "pass" for c in cells)
     if failed == 0:
-        return f"passes every window ({len(cells)})"
+        return f"passes all {len(cells)} windows"
     ran = [c for c in cells if c.status == "ok"]
     if not ran:
         return cells[0].verdict.split(":")[0]
@@ -92,10 +92,9 @@ def fix_lines(result: AuditResult) -> list[str]:
         if adapter.fixed_by is None:
             fix = "No wacc integration fixes it."
         else:
-            fix = (
-                f"Fixed by `{adapter.fixed_by}` "
-                f"({_windows_passed(result, adapter.fixed_by)} in this run)."
-            )
+            fared = _windows_passed(result, adapter.fixed_by)
+            where = "" if fared == "not in this run" else " in this run"
+            fix = f"Fixed by `{adapter.fixed_by}` ({fared}{where})."
         lines.append(f"- `{adapter.name}` ({_windows_passed(result, adapter.name)}): {cause} {fix}")
     return lines
 

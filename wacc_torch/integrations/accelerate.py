@@ -101,7 +101,7 @@ class WaccAccumulation:
         ``accelerator.autocast()``."""
         if self._own_scaler:
             return torch.autocast(self.accelerator.device.type, dtype=torch.float16)
-        return self.accelerator.autocast()  # type: ignore[no-any-return]
+        return self.accelerator.autocast()
 
     def backward(
         self, loss: torch.Tensor, tokens: int | float | torch.Tensor, *, last: bool | None = None

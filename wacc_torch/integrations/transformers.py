@@ -217,7 +217,7 @@ class WaccTrainerMixin:
 def _save_window_callback(trainer: WaccTrainerMixin, base: type) -> Any:
     """A ``TrainerCallback`` (``base``) that writes the window into each checkpoint directory."""
 
-    class SaveWindow(base):  # type: ignore[misc,valid-type]
+    class SaveWindow(base):
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if os.path.isdir(directory):

@@ -40,12 +40,15 @@ __all__ = ["ACCUMULATE", "VARIABLE"]
 
 def _fresh(task: LoopTask) -> tuple[Any, torch.nn.Module, Any]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     # Each run stands for a training script of its own (a restart after a checkpoint included),
     # but accelerate keeps one AcceleratorState per process and refuses another mixed precision
     # ("restart your runtime completely"): forget it, as a new process would start without it.
+    # Its GradientState too: a Trainer run before leaves end_of_dataloader set, and accumulate()
+    # would then sync (step) on every batch.
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     options: dict[str, Any] = {"mixed_precision": "fp16"} if task.fp16 else {}
     accelerator = Accelerator(
         gradient_accumulation_steps=task.num_microbatches, cpu=True, **options
@@ -141,8 +144,8 @@ VARIABLE = Adapter(
     code_path="guide 'variable size': loss_sum*K*num_processes/num_items_in_batch; backward",
     run=run_variable,
     fixed_by="accelerate-variable+wacc",
-    cause="The guide's loop counts num_items_in_batch as labels.ne(-100) over the unshifted labels "
-    "(accelerate docs, usage_guides/gradient_accumulation.md, 'variable size') while the causal "
-    "LM's loss shifts them: one token too many per sequence.",
+    cause="The guide's skeleton counts num_items_in_batch as batch['labels'].ne(-100), over the "
+    "unshifted labels (accelerate's docs/source/usage_guides/gradient_accumulation.md:280), while "
+    "a causal LM's loss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )

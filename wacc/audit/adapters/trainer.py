@@ -117,7 +117,7 @@ def _counted(trainer: Any, counts: list[float]) -> float | None:
     """What the window was divided by: a ``WaccTrainer``'s own count, else the Trainer's
     ``num_items_in_batch`` as the model received it (None: never handed over)."""
     if hasattr(trainer, "window_tokens"):
-        return trainer.window_tokens  # type: ignore[no-any-return]
+        return trainer.window_tokens
     return counts[-1] if counts else None
 
 
