@@ -113,6 +113,12 @@ class WaccTrainerMixin:
         **kwargs: Any,
     ) -> None:
         transformers = _transformers()
+        if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
+            # Without it Trainer.training_step divides every microbatch's loss by K itself.
+            raise ImportError(
+                f"{_BY} needs a transformers whose Trainer has loss_is_scaled_for_ga (5.x); "
+                f"this is transformers {transformers.__version__}: pip install 'wacc[frameworks]'"
+            )
         if shift_labels is not None and not isinstance(shift_labels, bool):
             raise TypeError(f"shift_labels must be True, False or None, got {shift_labels!r}")
         super().__init__(*args, **kwargs)

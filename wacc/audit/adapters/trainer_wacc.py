@@ -9,8 +9,8 @@ into ``.grad`` before the Trainer's step; the plain ``nn.Module`` is told ``shif
 Trainer checkpoints only at optimizer steps (``checkpoint-1``, with ``wacc_window.pt``: the empty
 window and the scaler), and the interrupted window is recomputed. Float16: on CPU accelerate has
 no ``GradScaler`` and no float16 autocast, so ``WaccTrainer`` runs the forward under float16
-autocast with a ``WindowLossScaler`` (GradScaler's defaults) that skips an overflowing window
-whole; the scaler's scale is reported around the window. It starts at ``2**12``, as the
+autocast with a ``WindowLossScaler`` that skips an overflowing window whole; the scaler's scale
+is reported around the window. It starts at ``2**12`` (GradScaler's other defaults), as the
 ``wacc_torch`` rows (:data:`wacc.audit.adapters.wacc_torch.FP16_INIT_SCALE`): at GradScaler's
 ``2**16`` the float16 backward overflows on the clean window too (measured), so a running loop
 skips windows until its scale has backed off there; the audit starts where it would have settled.
