@@ -135,7 +135,8 @@ ACCUMULATE = Adapter(
     run=run_accumulate,
     fixed_by="accelerate+wacc",
     cause="Accelerator.backward divides each microbatch's mean loss by gradient_accumulation_steps "
-    "(accelerate/accelerator.py:2757): every microbatch weighs the same, whatever its tokens.",
+    "(accelerate 1.16.0: accelerator.py:2757): every microbatch weighs the same, whatever its "
+    "tokens.",
     **_COMMON,  # type: ignore[arg-type]
 )
 VARIABLE = Adapter(
@@ -145,7 +146,8 @@ VARIABLE = Adapter(
     run=run_variable,
     fixed_by="accelerate-variable+wacc",
     cause="The guide's skeleton counts num_items_in_batch as batch['labels'].ne(-100), over the "
-    "unshifted labels (accelerate's docs/source/usage_guides/gradient_accumulation.md:280), while "
+    "unshifted labels (accelerate's docs/source/usage_guides/gradient_accumulation.md:280, at "
+    "16cb6eb), while "
     "a causal LM's loss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )

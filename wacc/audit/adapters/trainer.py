@@ -164,8 +164,8 @@ HUB = Adapter(
     code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
     fixed_by="trainer-hub+wacc",
     cause="GPT2LMHeadModel sets no loss_type, so Trainer counts num_items_in_batch over the "
-    "unshifted labels (transformers/trainer.py:543, :2377) while the model's ForCausalLMLoss "
-    "shifts them: one token too many per sequence.",
+    "unshifted labels (transformers 5.25.0: trainer.py:543, :2377) while the model's "
+    "ForCausalLMLoss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )
 LLAMA = Adapter(
@@ -204,8 +204,8 @@ BERT = Adapter(
     code_path=_NUM_ITEMS + "; BertForMaskedLM.forward: CrossEntropyLoss() mean, count unread",
     fixed_by="trainer-bert+wacc",
     cause="BertForMaskedLM.forward returns CrossEntropyLoss()'s microbatch mean and never reads "
-    "num_items_in_batch (transformers/models/bert/modeling_bert.py:813), while Trainer skips its "
-    "division by K because the forward takes **kwargs (transformers/trainer.py:2151): the window "
+    "num_items_in_batch (transformers 5.25.0: models/bert/modeling_bert.py:813), while Trainer "
+    "skips its division by K because the forward takes **kwargs (trainer.py:2151): the window "
     "gets the sum of the K means.",
     **_COMMON,  # type: ignore[arg-type]
 )
@@ -217,9 +217,9 @@ T5 = Adapter(
     + "; T5ForConditionalGeneration.forward: CrossEntropyLoss(ignore_index=-100) mean, unread",
     fixed_by="trainer-t5+wacc",
     cause="T5ForConditionalGeneration.forward returns CrossEntropyLoss(ignore_index=-100)'s "
-    "microbatch mean and never reads num_items_in_batch (transformers/models/t5/modeling_t5.py:"
-    "1054), while Trainer skips its division by K (transformers/trainer.py:2151): the window gets "
-    "the sum of the K means.",
+    "microbatch mean and never reads num_items_in_batch (transformers 5.25.0: models/t5/"
+    "modeling_t5.py:1054), while Trainer skips its division by K (trainer.py:2151): the window "
+    "gets the sum of the K means.",
     **_COMMON,  # type: ignore[arg-type]
 )
 PLAIN = Adapter(
@@ -229,7 +229,7 @@ PLAIN = Adapter(
     code_path="Trainer.train: training_step -> loss / current_gradient_accumulation_steps",
     fixed_by="trainer-plain+wacc",
     cause="Trainer.training_step divides each microbatch's own mean loss by the number of "
-    "microbatches (transformers/trainer.py:2156): every microbatch weighs the same, whatever its "
-    "tokens.",
+    "microbatches (transformers 5.25.0: trainer.py:2156): every microbatch weighs the same, "
+    "whatever its tokens.",
     **_COMMON,  # type: ignore[arg-type]
 )

@@ -223,10 +223,10 @@ def run_packing(task: LoopTask) -> LoopRun:
 
 
 _BF16 = (
-    "SFTConfig.bf16 defaults to True, also on CPU (trl/trainer/base_config.py:108), and TRL's "
-    "fused LM head computes in the autocast dtype (trl/kernels/chunked_logprob.py:330): the head "
+    "SFTConfig.bf16 defaults to True, also on CPU (trl 1.16.0: trainer/base_config.py:108), and "
+    "TRL's fused LM head computes in the autocast dtype (kernels/chunked_logprob.py:330): the head "
     "is bfloat16 even for a float64 model. Precision, not weighting: the count is right and "
-    "bf16=False passes (trl-sft-fp32), so no wacc integration changes it."
+    "bf16=False passes (trl-sft-fp32; packed too), so no wacc integration changes it."
 )
 _COMMON = dict(requires=("trl", "datasets", "transformers", "accelerate"), model="llama",
                loss_scale=False, checked="trl 1.16.0 with transformers 5.24.0, datasets 5.2.0",
