@@ -5,6 +5,7 @@ checked by ``test_report.py``."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -20,16 +21,20 @@ from wacc.audit.report import CSV_COLUMNS, write_csv, write_markdown
 from wacc.audit.runner import run_audit
 from wacc.audit.windows import build_window
 from wacc.errors import UsageError
-from wacc.report.audit_section import COLUMNS, audit_markdown, read_audit
+from wacc.report.audit_section import COLUMNS, OPTIONAL_COLUMNS, audit_markdown, read_audit
 
 REPO = Path(__file__).resolve().parents[2]
 LOOPS = REPO / "tests" / "wacc" / "audit" / "loops.py"
+CAUSE = "each microbatch's mean loss / K (loops.py:22): equal weighting."
 
 
 def make_audit_folder(folder: Path) -> Path:
     """What ``wacc audit --out folder`` writes, for a failing loop (equal weighting) and one that
-    does not run, on two windows (the command's own writers, in this process)."""
-    adapters = [user_adapter(f"{LOOPS}:equal_weighting"), user_adapter(f"{LOOPS}:raises")]
+    does not run, on two windows (the command's own writers, in this process); the failing loop
+    names its cause and its fix row (``plain``, not in this run)."""
+    failing = user_adapter(f"{LOOPS}:equal_weighting")
+    failing = dataclasses.replace(failing, cause=CAUSE, fixed_by="plain")
+    adapters = [failing, user_adapter(f"{LOOPS}:raises")]
     result = run_audit(adapters, [build_window("unequal"), build_window("equal")])
     folder.mkdir(parents=True, exist_ok=True)
     provenance = collect_provenance()
@@ -51,7 +56,7 @@ def _records(folder: Path) -> list[dict[str, str]]:
 
 def test_the_section_reads_only_columns_the_audit_writes() -> None:
     """Every column the section reads is one ``wacc audit`` writes."""
-    assert set(COLUMNS) <= set(CSV_COLUMNS)
+    assert set(COLUMNS) | set(OPTIONAL_COLUMNS) <= set(CSV_COLUMNS)
 
 
 def test_the_section_shows_each_loop_and_window_as_the_csv_has_it(audit: Path) -> None:
@@ -71,6 +76,44 @@ def test_the_section_shows_each_loop_and_window_as_the_csv_has_it(audit: Path) -
     assert f"commit `{records[0]['wacc_commit']}`" in text
     assert "1 of 2 loops fail a window" in text
     assert "![wacc audit](figures/audit.png)" in text
+
+
+def test_the_section_names_each_failing_loops_cause_and_fix(audit: Path) -> None:
+    """A failing loop's row names its fix row and its cause is listed under the table; a loop
+    that did not fail (it raised) names none."""
+    text = "\n".join(audit_markdown(read_audit(audit), "figures/audit.png"))
+    lines = text.splitlines()
+    failing = next(line for line in lines if line.startswith(f"| {LOOPS}:equal_weighting |"))
+    raised = next(line for line in lines if line.startswith(f"| {LOOPS}:raises |"))
+    assert failing.endswith("| `plain` |") and raised.endswith("| - |")
+    assert f"- `{LOOPS}:equal_weighting`: {CAUSE}" in lines
+    assert sum(line.startswith("- `") for line in lines) == 1
+
+
+def test_an_audit_without_causes_still_reads(audit: Path, tmp_path: Path) -> None:
+    """An audit.csv written before causes were recorded (no cause, fixed_by columns) reads, and
+    its section names no fix."""
+    folder = tmp_path / "old"
+    shutil.copytree(audit, folder)
+    records = [{k: v for k, v in r.items() if k not in OPTIONAL_COLUMNS} for r in _records(audit)]
+    with (folder / "audit.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    run = read_audit(folder)
+    assert all(row.cause == "" and row.fixed_by == "" for row in run.rows)
+    assert "`plain`" not in "\n".join(audit_markdown(run, "figures/audit.png"))
+
+
+def test_audit_md_says_why_a_loop_fails_and_what_fixes_it(audit: Path) -> None:
+    """audit.md's "Causes and fixes" names the failing loop, how it fared, its cause and its fix
+    row, and how that row fared in the run (absent here)."""
+    text = (audit / "audit.md").read_text(encoding="utf-8")
+    section = text.split("## Causes and fixes\n\n", 1)[1].split("\n\n", 1)[0]
+    assert section == (
+        f"- `{LOOPS}:equal_weighting` (fails 1 of 2 windows): {CAUSE} Fixed by `plain` (not in "
+        f"this run)."
+    )
 
 
 def _corrupt(audit: Path, tmp_path: Path, line: int, column: str, value: str) -> Path:
@@ -105,6 +148,8 @@ def _corrupt(audit: Path, tmp_path: Path, line: int, column: str, value: str) ->
         (2, "dtype", "float8", "is not one of"),
         (2, "verdict", " ", "is empty"),
         (2, "loop", "", "is empty"),
+        (2, "cause", "one\ntwo", "holds a line break"),
+        (2, "fixed_by", "a|b", "holds '|' or a line break (breaks the table)"),
         (4, "wacc_commit", "abc", "differs from line 2's"),
         (3, "wall_seconds", "soon", "differs from line 2's"),
     ],

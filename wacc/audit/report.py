@@ -9,7 +9,10 @@ from pathlib import Path
 from wacc.audit.provenance import PROVENANCE_COLUMNS, AuditProvenance
 from wacc.audit.runner import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
 
-__all__ = ["CSV_COLUMNS", "cell_rows", "fact_rows", "render_table", "write_csv", "write_markdown"]
+__all__ = [
+    "CSV_COLUMNS", "cell_rows", "fact_rows", "fix_lines", "render_table", "write_csv",
+    "write_markdown",
+]  # fmt: skip
 
 CELL_COLUMNS = (
     "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
@@ -59,6 +62,41 @@ def cell_rows(result: AuditResult) -> list[dict[str, str]]:
             }
         )  # fmt: skip
     return rows
+
+
+def _windows_passed(result: AuditResult, loop: str) -> str:
+    """How ``loop`` fared on this run's windows: "passes all 4 windows", "fails 2 of 4 windows",
+    "not in this run", or what kept it from running."""
+    cells = [c for c in result.cells if c.adapter == loop]
+    if not cells:
+        return "not in this run"
+    failed = sum(c.verdict != "pass" for c in cells)
+    if failed == 0:
+        return f"passes all {len(cells)} windows"
+    ran = [c for c in cells if c.status == "ok"]
+    if not ran:
+        return cells[0].verdict.split(":")[0]
+    return f"fails {failed} of {len(cells)} windows"
+
+
+def fix_lines(result: AuditResult) -> list[str]:
+    """One line per loop that fails a window: the cause in the framework's source
+    (``Adapter.cause``) and the ``+wacc`` row whose integration fixes it (``Adapter.fixed_by``),
+    with how that row fared in this run."""
+    lines = []
+    for fact in result.facts:
+        adapter = fact.adapter
+        if not any(c.adapter == adapter.name and c.verdict == "FAIL" for c in result.cells):
+            continue
+        cause = adapter.cause or "cause not recorded."
+        if adapter.fixed_by is None:
+            fix = "No wacc integration fixes it."
+        else:
+            fared = _windows_passed(result, adapter.fixed_by)
+            where = "" if fared == "not in this run" else " in this run"
+            fix = f"Fixed by `{adapter.fixed_by}` ({fared}{where})."
+        lines.append(f"- `{adapter.name}` ({_windows_passed(result, adapter.name)}): {cause} {fix}")
+    return lines
 
 
 def _float64_copy(fact: LoopFacts) -> str:
@@ -130,12 +168,14 @@ def render_table(result: AuditResult) -> str:
     header = f"wacc audit — dtype {result.dtype}; windows: " + "; ".join(
         w.describe() for w in result.windows
     )
+    fixes = fix_lines(result)
     return "\n\n".join(
         [
             header,
             _text_table(cell_rows(result), CELL_COLUMNS),
             _text_table(fact_rows(result), FACT_COLUMNS),
         ]
+        + (["Causes and fixes:\n" + "\n".join(fixes)] if fixes else [])
     )
 
 
@@ -165,6 +205,7 @@ compute" when the path never ran in float16 (accelerate, and so Trainer, off-GPU
 def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance) -> None:
     """``audit.md``: provenance, windows, both tables, how to read them, notes."""
     notes = [f"- `{f.adapter.name}`: {n}" for f in result.facts for n in dict.fromkeys(f.notes)]
+    fixes = fix_lines(result)
     paths = [
         f"- `{f.adapter.name}` — {f.adapter.title} (checked: {f.adapter.checked or 'n/a'}): "
         f"`{f.adapter.code_path}`"
@@ -180,6 +221,9 @@ def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance)
             _md_table(cell_rows(result), CELL_COLUMNS),
             "## Per loop",
             _md_table(fact_rows(result), FACT_COLUMNS),
+        ]
+        + (["## Causes and fixes\n\n" + "\n".join(fixes)] if fixes else [])
+        + [
             _METHOD.format(scale=TEST_LOSS_SCALE),
             "## Code paths driven\n\n" + "\n".join(paths),
         ]
@@ -193,8 +237,8 @@ CSV_COLUMNS = (
     "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
     "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
     "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
-    "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts",
-    *PROVENANCE_COLUMNS,
+    "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts", "cause",
+    "fixed_by", *PROVENANCE_COLUMNS,
 )  # fmt: skip
 """``audit.csv``'s columns, the run's provenance on every row."""
 
@@ -226,6 +270,7 @@ def write_csv(result: AuditResult, path: Path, provenance: AuditProvenance) -> N
                     "fixed_loss_scale": f.loss_scale, "fp16_overflow": f.fp16,
                     "truth_casts": ";".join(f.truth_casts),
                     "loss_casts": ";".join(f.loss_casts),
+                    "cause": f.adapter.cause or "", "fixed_by": f.adapter.fixed_by or "",
                     **provenance.columns(),
                 }
             )  # fmt: skip

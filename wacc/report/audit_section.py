@@ -27,6 +27,8 @@ COLUMNS = (
     "tokens_true", "mid_window_resume", "wacc_version", "wacc_commit", "date", "machine",
     "torch", "python", "wall_seconds",
 )  # fmt: skip
+# Read when present (an audit.csv of wacc 0.2.0 has neither): why a loop fails and its fix row.
+OPTIONAL_COLUMNS = ("cause", "fixed_by")
 _DTYPES = ("float32", "bfloat16", "float16")
 _MAX_BYTES = 64 * 2**20  # audit.csv and audit.png: a few kB each for every built-in loop
 # A count as the audit writes it: ASCII digits (``str.isdigit`` also takes '²' and '١٢').
@@ -45,6 +47,8 @@ class AuditRow:
     tokens_counted: float | None
     tokens_true: int
     mid_window_resume: str
+    cause: str = ""  # why the loop fails, in the framework's source ("" when not recorded)
+    fixed_by: str = ""  # the `+wacc` row whose integration fixes it ("" when none)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,18 @@ def _name(path: Path, line: int, column: str, value: str) -> str:
     if TABLE_BREAKERS.search(_text(path, line, column, value)):
         raise _fail(path, line, column, value, "holds '|' or a line break (breaks the table)")
     return value
+
+
+def _one_line(path: Path, line: int, column: str, value: str) -> str:
+    """A sentence the section shows under its table: no line break."""
+    if "\n" in value or "\r" in value:
+        raise _fail(path, line, column, value, "holds a line break")
+    return value
+
+
+def _fix_name(path: Path, line: int, value: str) -> str:
+    """``fixed_by``: empty, or a loop name (:func:`_name`)."""
+    return value if value == "" else _name(path, line, "fixed_by", value)
 
 
 def _error(path: Path, line: int, verdict: str, value: str) -> float:
@@ -147,6 +163,8 @@ def read_audit(folder: Path) -> AuditRun:
                 tokens_counted=None if math.isnan(counted) else counted,
                 tokens_true=int(true),
                 mid_window_resume=record["mid_window_resume"],
+                cause=_one_line(path, line, "cause", record.get("cause", "")),
+                fixed_by=_fix_name(path, line, record.get("fixed_by", "")),
             )
         )
         key = (rows[-1].loop, rows[-1].window)
@@ -194,9 +212,10 @@ def audit_markdown(run: AuditRun, figure: str) -> list[str]:
         f"count. {len(failing)} of {len(loops)} loops fail a window. The audit's own "
         "`audit.md` has every column and the cause of each failure.",
         "",
-        "| loop | version | " + " | ".join(windows) + " | tokens | mid-window resume |",
-        "|" + "---|" * (len(windows) + 4),
+        "| loop | version | " + " | ".join(windows) + " | tokens | mid-window resume | fixed by |",
+        "|" + "---|" * (len(windows) + 5),
     ]
+    causes = []
     for loop in loops:
         rows = [by.get((loop, w)) for w in windows]
         head = next(r for r in rows if r is not None)
@@ -210,9 +229,17 @@ def audit_markdown(run: AuditRun, figure: str) -> list[str]:
             )
         resume = head.mid_window_resume.replace("|", "\\|") or "-"
         cells = [_cell(r) if r is not None else "-" for r in rows]
+        failed = any(r is not None and r.verdict == "FAIL" for r in rows)
+        fix = f"`{head.fixed_by}`" if failed and head.fixed_by else "-"
         lines.append(
-            f"| {loop} | {head.version or '-'} | " + " | ".join(cells) + f" | {tokens} | {resume} |"
+            f"| {loop} | {head.version or '-'} | "
+            + " | ".join(cells)
+            + f" | {tokens} | {resume} | {fix} |"
         )
+        if failed and head.cause:
+            causes.append(f"- `{loop}`: {head.cause}")
+    if causes:
+        lines += ["", "Why each failing loop fails, in its framework's source:", "", *causes]
     lines += ["", f"![wacc audit]({figure})", ""]
     return lines
 

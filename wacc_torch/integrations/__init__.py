@@ -1,5 +1,7 @@
-"""Token-weighted, resumable accumulation inside the training frameworks people use, built on
-:class:`wacc_torch.WeightedGradientsAccumulator`: one module per framework
-(``wacc_torch.integrations.<framework>``), each importing its framework only when used and
-raising :class:`ImportError` naming the extra to install when it is missing.  Importing
-``wacc_torch`` imports none of them."""
+"""Token-weighted, resumable gradient accumulation inside training frameworks, on ``wacc_torch``.
+
+One module per framework (``wacc_torch.integrations.transformers``, ``...accelerate``, ...). This
+package imports nothing: each module imports its framework lazily and raises one ``ImportError``
+naming the extra to install when the framework is missing, so ``import wacc_torch`` still needs
+torch only.
+"""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from wacc.audit.adapters import (
     accelerate,
+    accelerate_wacc,
     deepspeed,
     deepspeed_wacc,
     keras,
@@ -18,6 +19,7 @@ from wacc.audit.adapters import (
     pytorch_native,
     timm,
     trainer,
+    trainer_wacc,
     trl_sft,
     wacc_torch,
 )
@@ -29,15 +31,21 @@ ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
         trainer.HUB,
+        trainer_wacc.HUB,
         trainer.LLAMA,
         trainer.QWEN2,
         trainer.GPT_NEOX,
         trainer.OPT,
         trainer.BERT,
+        trainer_wacc.BERT,
         trainer.T5,
+        trainer_wacc.T5,
         trainer.PLAIN,
+        trainer_wacc.PLAIN,
         accelerate.ACCUMULATE,
+        accelerate_wacc.ACCUMULATE,
         accelerate.VARIABLE,
+        accelerate_wacc.VARIABLE,
         lightning.AUTOMATIC,
         lightning_wacc.AUTOMATIC,
         lightning.MANUAL,
@@ -47,6 +55,7 @@ ADAPTERS: dict[str, Adapter] = {
         deepspeed.ADAPTER,
         deepspeed_wacc.ADAPTER,
         peft_lora.LORA_GPT2,
+        trainer_wacc.LORA_GPT2,
         peft_lora.LORA_LLAMA,
         trl_sft.PADDING,
         trl_sft.PADDING_FP32,

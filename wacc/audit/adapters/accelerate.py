@@ -40,12 +40,15 @@ __all__ = ["ACCUMULATE", "VARIABLE"]
 
 def _fresh(task: LoopTask) -> tuple[Any, torch.nn.Module, Any]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     # Each run stands for a training script of its own (a restart after a checkpoint included),
     # but accelerate keeps one AcceleratorState per process and refuses another mixed precision
     # ("restart your runtime completely"): forget it, as a new process would start without it.
+    # Its GradientState too: a Trainer run before leaves end_of_dataloader set, and accumulate()
+    # would then sync (step) on every batch.
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     options: dict[str, Any] = {"mixed_precision": "fp16"} if task.fp16 else {}
     accelerator = Accelerator(
         gradient_accumulation_steps=task.num_microbatches, cpu=True, **options
@@ -130,6 +133,10 @@ ACCUMULATE = Adapter(
     title="accelerate accumulate() (documented loop)",
     code_path="Accelerator(gradient_accumulation_steps=K).accumulate(model); accelerator.backward",
     run=run_accumulate,
+    fixed_by="accelerate+wacc",
+    cause="Accelerator.backward divides each microbatch's mean loss by gradient_accumulation_steps "
+    "(accelerate 1.16.0: accelerator.py:2757): every microbatch weighs the same, whatever its "
+    "tokens.",
     **_COMMON,  # type: ignore[arg-type]
 )
 VARIABLE = Adapter(
@@ -137,5 +144,10 @@ VARIABLE = Adapter(
     title="accelerate variable-size fix (num_items_in_batch)",
     code_path="guide 'variable size': loss_sum*K*num_processes/num_items_in_batch; backward",
     run=run_variable,
+    fixed_by="accelerate-variable+wacc",
+    cause="The guide's skeleton counts num_items_in_batch as batch['labels'].ne(-100), over the "
+    "unshifted labels (accelerate's docs/source/usage_guides/gradient_accumulation.md:280, at "
+    "16cb6eb), while "
+    "a causal LM's loss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )

@@ -57,7 +57,9 @@ from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 __all__ = ["BERT", "GPT_NEOX", "HUB", "LLAMA", "OPT", "PLAIN", "QWEN2", "T5"]
 
 
-def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool) -> Any:
+def _trainer(
+    task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool, kind: Any = None
+) -> Any:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     class Capture(TrainerCallback):
@@ -79,7 +81,7 @@ def _trainer(task: LoopTask, model: torch.nn.Module, *, steps: int, capture: boo
     dataset: Any = task.dataset
     if task.checkpoint_after is not None:  # two windows: the second is the one interrupted
         dataset = torch.utils.data.ConcatDataset([task.dataset, task.dataset])
-    trainer = Trainer(
+    trainer = (kind or Trainer)(
         model=model,
         args=TrainingArguments(**options),
         train_dataset=dataset,
@@ -98,6 +100,29 @@ def _no_scaler(accelerator: Any) -> str:
 
 def run(task: LoopTask) -> LoopRun:
     """One ``Trainer.train()`` over the window (module docstring)."""
+    return run_with(task, None)
+
+
+def _scaler_scale(trainer: Any) -> float | None:
+    """The scale of the loss scaler that decides the window (None: there is none): accelerate's
+    ``GradScaler``, or the ``WindowLossScaler`` of a ``WaccTrainer`` on its CPU float16 path."""
+    window = getattr(trainer, "wacc", None)
+    if window is not None and window.loss_scaler is not None:
+        return float(window.loss_scaler.scale)
+    scaler = trainer.accelerator.scaler
+    return None if scaler is None else float(scaler.get_scale())
+
+
+def _counted(trainer: Any, counts: list[float]) -> float | None:
+    """What the window was divided by: a ``WaccTrainer``'s own count, else the Trainer's
+    ``num_items_in_batch`` as the model received it (None: never handed over)."""
+    if hasattr(trainer, "window_tokens"):
+        return trainer.window_tokens
+    return counts[-1] if counts else None
+
+
+def run_with(task: LoopTask, kind: Any) -> LoopRun:
+    """:func:`run` with the Trainer class ``kind`` (None: ``transformers.Trainer``)."""
     model = task.build_model()
     counts: list[float] = []
 
@@ -107,25 +132,26 @@ def run(task: LoopTask) -> LoopRun:
 
     model.register_forward_pre_hook(note_count, with_kwargs=True)
     if task.fp16:
-        trainer = _trainer(task, model, steps=1, capture=True)
-        scaler = trainer.accelerator.scaler
-        before = None if scaler is None else float(scaler.get_scale())
+        trainer = _trainer(task, model, steps=1, capture=True, kind=kind)
+        before = _scaler_scale(trainer)
         trainer.train()
-        counted = counts[0] if counts else None
-        if scaler is None or before is None:
+        counted, after = _counted(trainer, counts), _scaler_scale(trainer)
+        if before is None or after is None:
             return LoopRun(counted_tokens=counted, note=_no_scaler(trainer.accelerator))
-        return LoopRun(counted_tokens=counted, loss_scales=(before, float(scaler.get_scale())))
+        return LoopRun(counted_tokens=counted, loss_scales=(before, after))
     if task.checkpoint_after is None:
-        _trainer(task, model, steps=1, capture=True).train()
-        return LoopRun(counted_tokens=counts[0] if counts else None)
+        trainer = _trainer(task, model, steps=1, capture=True, kind=kind)
+        trainer.train()
+        return LoopRun(counted_tokens=_counted(trainer, counts))
     # The first window ends with checkpoint-1 (Trainer saves only at optimizer steps); the run
     # "stops" inside the second window, and a fresh Trainer resumes from checkpoint-1.
-    _trainer(task, model, steps=1, capture=False).train()
+    _trainer(task, model, steps=1, capture=False, kind=kind).train()
     resumed = task.build_model()
     resumed.register_forward_pre_hook(note_count, with_kwargs=True)
     checkpoint = task.workdir / "trainer" / "checkpoint-1"
-    _trainer(task, resumed, steps=2, capture=True).train(resume_from_checkpoint=str(checkpoint))
-    return LoopRun(counted_tokens=counts[-1] if counts else None, resume="replay")
+    trainer = _trainer(task, resumed, steps=2, capture=True, kind=kind)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return LoopRun(counted_tokens=_counted(trainer, counts), resume="replay")
 
 
 _COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
@@ -136,6 +162,10 @@ HUB = Adapter(
     title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
     model="gpt2",
     code_path="Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)",
+    fixed_by="trainer-hub+wacc",
+    cause="GPT2LMHeadModel sets no loss_type, so Trainer counts num_items_in_batch over the "
+    "unshifted labels (transformers 5.25.0: trainer.py:543, :2377) while the model's "
+    "ForCausalLMLoss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )
 LLAMA = Adapter(
@@ -172,6 +202,11 @@ BERT = Adapter(
     title="Trainer + BertForMaskedLM (masked LM)",
     model="bert",
     code_path=_NUM_ITEMS + "; BertForMaskedLM.forward: CrossEntropyLoss() mean, count unread",
+    fixed_by="trainer-bert+wacc",
+    cause="BertForMaskedLM.forward returns CrossEntropyLoss()'s microbatch mean and never reads "
+    "num_items_in_batch (transformers 5.25.0: models/bert/modeling_bert.py:813), while Trainer "
+    "skips its division by K because the forward takes **kwargs (trainer.py:2151): the window "
+    "gets the sum of the K means.",
     **_COMMON,  # type: ignore[arg-type]
 )
 T5 = Adapter(
@@ -180,6 +215,11 @@ T5 = Adapter(
     model="t5",
     code_path=_NUM_ITEMS
     + "; T5ForConditionalGeneration.forward: CrossEntropyLoss(ignore_index=-100) mean, unread",
+    fixed_by="trainer-t5+wacc",
+    cause="T5ForConditionalGeneration.forward returns CrossEntropyLoss(ignore_index=-100)'s "
+    "microbatch mean and never reads num_items_in_batch (transformers 5.25.0: models/t5/"
+    "modeling_t5.py:1054), while Trainer skips its division by K (trainer.py:2151): the window "
+    "gets the sum of the K means.",
     **_COMMON,  # type: ignore[arg-type]
 )
 PLAIN = Adapter(
@@ -187,5 +227,9 @@ PLAIN = Adapter(
     title="Trainer + plain nn.Module (own mean loss)",
     model="plain",
     code_path="Trainer.train: training_step -> loss / current_gradient_accumulation_steps",
+    fixed_by="trainer-plain+wacc",
+    cause="Trainer.training_step divides each microbatch's own mean loss by the number of "
+    "microbatches (transformers 5.25.0: trainer.py:2156): every microbatch weighs the same, "
+    "whatever its tokens.",
     **_COMMON,  # type: ignore[arg-type]
 )

@@ -222,6 +222,12 @@ def run_packing(task: LoopTask) -> LoopRun:
     return _run(task, packing=True, bf16=None)
 
 
+_BF16 = (
+    "SFTConfig.bf16 defaults to True, also on CPU (trl 1.16.0: trainer/base_config.py:108), and "
+    "TRL's fused LM head computes in the autocast dtype (kernels/chunked_logprob.py:330): the head "
+    "is bfloat16 even for a float64 model. Precision, not weighting: the count is right and "
+    "bf16=False passes (trl-sft-fp32; packed too), so no wacc integration changes it."
+)
 _COMMON = dict(requires=("trl", "datasets", "transformers", "accelerate"), model="llama",
                loss_scale=False, checked="trl 1.16.0 with transformers 5.24.0, datasets 5.2.0",
                fp16=None)  # fmt: skip
@@ -231,6 +237,7 @@ PADDING = Adapter(
     code_path="SFTTrainer.train: compute_loss: -log_probs.sum() / num_items_in_batch",
     checkpoint=None,
     run=run_padding,
+    cause=_BF16,
     **_COMMON,  # type: ignore[arg-type]
 )
 PADDING_FP32 = Adapter(
@@ -247,5 +254,6 @@ PACKING = Adapter(
     code_path="SFTTrainer: pack_dataset(bfd) -> padding-free rows; compute_loss / num_items",
     checkpoint="packing two copies of the window mixes them in one packed row",
     run=run_packing,
+    cause=_BF16,
     **_COMMON,  # type: ignore[arg-type]
 )
