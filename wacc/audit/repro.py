@@ -16,7 +16,8 @@ in the audit — ``transformers.Trainer`` (every ``trainer-*`` model family and 
 loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightning-manual``,
 ``keras``, ``deepspeed``, ``trl-sft`` and ``trl-sft-packing``, ``nanogpt``, ``pixparse`` and
 ``plain`` — except ``timm`` (its loop needs torchvision; ``pixparse`` is the same loop without
-it), ``torchtune`` and ``torchtitan`` (not runnable next to this torch); the rest pass in the
+it) and ``torchtune`` (its recipe driven through a stand-in object: a note says it has none);
+``torchtitan`` and the rest pass in the
 committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A user's own loop
 (``module:function`` or ``path/file.py:function``) gets one written from the ``LoopTask`` it ran
 (:mod:`wacc.audit.repro_templates.user`; the file ``<module>.<function>-<window>.py``): the script
