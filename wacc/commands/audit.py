@@ -49,6 +49,8 @@ _BUILTIN = (
     "trl-sft-packing",
     "torchtune",
     "torchtitan",
+    "litgpt",
+    "litgpt-bf16-mixed",
     "timm",
     "pixparse",
     "nanogpt",
