@@ -51,6 +51,7 @@ _BUILTIN = (
     "torchtitan",
     "litgpt",
     "litgpt-bf16-mixed",
+    "olmo-core",
     "timm",
     "pixparse",
     "nanogpt",
