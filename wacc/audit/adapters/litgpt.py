@@ -31,6 +31,7 @@ own (litgpt's ``16-mixed`` is Fabric's: GPU only).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -49,16 +50,16 @@ class _Logits(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids)["logits"]  # type: ignore[no-any-return]
+        return self.model(input_ids=input_ids)["logits"]
 
 
 def _fit(task: LoopTask, precision: str) -> LoopRun:
     """``fit``'s accumulation over the window on a Fabric at ``precision`` (module docstring)."""
-    import lightning as L
+    lightning: Any = importlib.import_module("lightning")  # typed only where it is installed
     from litgpt.args import TrainArgs
     from litgpt.utils import CycleIterator, chunked_cross_entropy
 
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)  # type: ignore[arg-type]
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, precision=precision)
     model = task.build_model()
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)

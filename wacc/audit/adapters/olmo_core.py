@@ -77,7 +77,7 @@ class _Transformer(nn.Module):
         batch = input_ids.shape[0]
 
         def finalize(loss: torch.Tensor) -> torch.Tensor:
-            return LMHead._finalize_loss(  # type: ignore[arg-type]
+            return LMHead._finalize_loss(
                 head, loss, batch, loss_reduction=loss_reduction, loss_div_factor=loss_div_factor
             )
 

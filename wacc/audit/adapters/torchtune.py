@@ -61,7 +61,7 @@ class _Logits(nn.Module):
         self.model = model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens)["logits"]  # type: ignore[no-any-return]
+        return self.model(input_ids=tokens)["logits"]
 
 
 class _Silent:
@@ -107,6 +107,7 @@ def run(task: LoopTask) -> LoopRun:
         rows = [{"tokens": b["input_ids"].tolist(), "labels": b["labels"].tolist()} for b in batch]
         return padded_collate_sft(rows, padding_idx=0, ignore_idx=loss_fn.ignore_index)
 
+    sampler: torch.utils.data.DistributedSampler[dict[str, torch.Tensor]]
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=sampler, collate_fn=collate)
     recipe = recipe_class.__new__(recipe_class)  # setup() reads files: its objects set here
