@@ -1,7 +1,11 @@
 """What the audit measures for one gradient against the truth.
 
 * relative L2 error ``‖F − T‖ / ‖T‖`` and the max relative element error
-  ``max_i |F_i − T_i| / |T_i|`` over elements with ``T_i ≠ 0``;
+  ``max_i |F_i − T_i| / |T_i|``, over the elements where a relative error means something (the
+  table's: ``T_i`` in ``D``'s normal range and above its own bound ``B_i``, as ``wacc check``
+  reads it, :func:`wacc.judge.verdict._rel_error`; where ``B_i ≥ |T_i|`` a microbatch's gradient
+  cancels, one spacing off a tiny ``T_i`` reads as 10**12, and the bound judges that element) and
+  over every ``T_i ≠ 0`` (``audit.csv`` keeps both);
 * the error in units of the bound for the same sums: ``wacc_ref.bounds.window_error_bound`` for
   summing the window's per-microbatch loss-sum gradients ``g_k`` (float64, each converted once
   into the audited dtype ``D``: an ideal, correctly rounded backward) with the true weights
@@ -29,12 +33,14 @@ from numpy.typing import NDArray
 
 from wacc.audit.truth import Truth
 from wacc_ref.bounds import error_ratio, window_error_bound
+from wacc_ref.formats import get_format
 
 __all__ = [
     "bound_for",
     "bound_ratio",
     "gradient_hash",
     "max_relative_element",
+    "meaningful_relative_element",
     "normwise_ratio",
     "relative_l2",
 ]
@@ -58,6 +64,31 @@ def max_relative_element(observed: NDArray[np.float64], truth: NDArray[np.float6
     if not nonzero.any():
         return 0.0
     return float(np.max(np.abs(observed[nonzero] - truth[nonzero]) / np.abs(truth[nonzero])))
+
+
+def meaningful_relative_element(
+    observed: NDArray[np.float64],
+    truth: NDArray[np.float64],
+    bound: NDArray[np.float64],
+    dtype: str,
+) -> tuple[float, int, float]:
+    """``max |observed_i − truth_i| / |truth_i|`` over the elements with ``|truth_i|`` in
+    ``dtype``'s normal range and above ``bound_i`` (module docstring), how many those are, and
+    ``|truth_i| / max |truth|`` at the maximum (how small the element is next to the gradient's
+    largest: a run in ``dtype`` rounds every element by about its unit times that largest, so on
+    a small element the relative error is that rounding, not the loop's weighting); +inf, 0, nan
+    for a non-finite ``observed``; 0.0, 0, nan when no element qualifies."""
+    if not np.all(np.isfinite(observed)):
+        return math.inf, 0, math.nan
+    magnitude = np.abs(truth)
+    with np.errstate(invalid="ignore"):
+        meaningful = (magnitude >= get_format(dtype).min_normal) & (magnitude > bound)
+    count = int(meaningful.sum())
+    if count == 0:
+        return 0.0, 0, math.nan
+    error = np.abs(observed[meaningful] - truth[meaningful]) / magnitude[meaningful]
+    worst = int(np.argmax(error))
+    return float(error[worst]), count, float(magnitude[meaningful][worst] / magnitude.max())
 
 
 def bound_for(truth: Truth, dtype: str) -> NDArray[np.float64]:

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import textwrap
+from importlib import metadata
 from pathlib import Path
 
+from wacc.audit.protocol import Adapter
 from wacc.audit.provenance import PROVENANCE_COLUMNS, AuditProvenance
 from wacc.audit.runner import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
 
 __all__ = [
-    "CSV_COLUMNS", "cell_rows", "fact_rows", "fix_lines", "render_table", "write_csv",
-    "write_markdown",
+    "CSV_COLUMNS", "basis", "cell_rows", "checked_versions", "fact_rows", "fix_lines",
+    "render_table", "write_csv", "write_markdown",
 ]  # fmt: skip
 
 CELL_COLUMNS = (
     "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
-    "err/bound (f64 run)", "tokens counted/true", "deterministic",
+    "err/bound (f64 run)", "tokens counted/true", "deterministic", "basis",
 )  # fmt: skip
+# The terminal's cell table: the same cells under short headers (a legend follows it), no basis.
+_TERMINAL_HEADERS = {
+    "err/bound (D run)": "err/bnd D", "err/bound (f64 run)": "err/bnd f64", "deterministic": "det.",
+}  # fmt: skip
+WIDTH = 120  # the terminal's columns: every line of the stdout report fits
 FACT_COLUMNS = (
     "loop", "version", "model", "float64 copy", "reads window first", "zero-target window",
     "mid-window resume", "resumed rel L2", "fixed loss scale", "fp16 overflow",
@@ -42,6 +51,33 @@ def _tokens(cell: Cell) -> str:
     return f"{counted}/{cell.true_count}{mark}"
 
 
+def basis(cell: Cell, dtype: str) -> str:
+    """Why the verdict is what it is, with the reason for a number that looks alarming next to
+    it: the verdict is the float64 run's (the loop's weighting alone); the run in ``dtype`` also
+    carries its own forward/backward rounding, which no bound covers, and which is all of a
+    small element's relative error."""
+    if cell.status != "ok":
+        return ""
+    if not cell.finite:
+        return "NaN/inf in the gradient"
+    f64 = _num(cell.semantic_ratio)
+    if cell.verdict == "FAIL":
+        return f"the f64 run is {f64} bounds off: the loop's weighting or count"
+    parts = [f"the f64 run is within the bound ({f64})"]
+    if cell.ratio > 1:
+        parts.append(
+            f"err/bound (D run) {_num(cell.ratio)} is the {dtype} run's own forward/backward "
+            "rounding, which no bound covers"
+        )
+    if cell.max_rel_normal >= 1:
+        parts.append(
+            f"max rel elem {_num(cell.max_rel_normal)} is on an element {cell.max_rel_share:.1e}"
+            f" of the gradient's largest, which the {dtype} run's rounding (about its unit times"
+            " the largest) swamps"
+        )
+    return "; ".join(parts)
+
+
 def cell_rows(result: AuditResult) -> list[dict[str, str]]:
     """One row per loop × window, keyed by :data:`CELL_COLUMNS`."""
     rows = []
@@ -53,12 +89,13 @@ def cell_rows(result: AuditResult) -> list[dict[str, str]]:
                 "window": cell.window,
                 "verdict": cell.verdict.split(":")[0],
                 "rel L2": _num(cell.rel_l2) if ran else "-",
-                "max rel elem": _num(cell.max_rel) if ran else "-",
+                "max rel elem": _num(cell.max_rel_normal) if ran else "-",
                 "err/bound (D run)": _num(cell.ratio) if ran else "-",
                 "err/bound (f64 run)": _num(cell.semantic_ratio) if ran else "-",
                 "tokens counted/true": _tokens(cell),
                 "deterministic": "-" if cell.deterministic is None else
                 ("yes" if cell.deterministic else "NO"),
+                "basis": basis(cell, result.dtype),
             }
         )  # fmt: skip
     return rows
@@ -127,6 +164,34 @@ def _zero_target(result: AuditResult, fact: LoopFacts) -> str:
     return "-"
 
 
+_PAIR = re.compile(r"([A-Za-z][\w.-]*) (\d[\w.+-]*)")
+
+
+def checked_versions(adapter: Adapter) -> str:
+    """``checked: …`` for the loop, saying so when an installed distribution it names has
+    another version than the one it was checked with (a local label such as ``+cpu`` and a
+    ``.x`` wildcard match)."""
+    if not adapter.checked:
+        return "checked: n/a"
+    differ = []
+    for name, checked in _PAIR.findall(adapter.checked):
+        try:
+            installed = metadata.version(name)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue  # not a distribution installed here (a commit, "record format 1")
+        public = installed.split("+")[0]
+        if checked.endswith(".x"):
+            same = public.startswith(checked[:-1])
+        else:
+            same = public == checked.split("+")[0]
+        if not same:
+            differ.append(f"{name} {installed}")
+    text = f"checked: {adapter.checked}"
+    if differ:
+        text += f" (installed: {', '.join(differ)}: the versions differ)"
+    return text
+
+
 def fact_rows(result: AuditResult) -> list[dict[str, str]]:
     """One row per loop, keyed by :data:`FACT_COLUMNS`."""
     rows = []
@@ -163,19 +228,65 @@ def _md_table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def render_table(result: AuditResult) -> str:
-    """The stdout report: both tables, plain text."""
-    header = f"wacc audit — dtype {result.dtype}; windows: " + "; ".join(
-        w.describe() for w in result.windows
+def _wrap(text: str, first: str = "") -> str:
+    """``text`` in lines of at most :data:`WIDTH`, the first indented by ``first``, the others
+    by 2 more (4 at least)."""
+    rest = " " * max(4, len(first) + 2)
+    return textwrap.fill(text, width=WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False)  # fmt: skip
+
+
+def _legend(result: AuditResult) -> str:
+    return _wrap(
+        f"err/bnd: ‖F − T‖/‖B‖ of the {result.dtype} run (D) and of the float64 run (f64, the "
+        "verdict: pass iff <= 1); max rel elem: over the elements whose exact value is in "
+        f"{result.dtype}'s normal range and above its own bound (elsewhere a microbatch's "
+        "gradient cancels, one spacing off reads as 1e12 and the bound judges it; audit.csv "
+        "has both); det.: two runs hash the same."
     )
-    fixes = fix_lines(result)
+
+
+def _why(result: AuditResult) -> list[str]:
+    """One line per passing cell with a number that looks alarming (its D run above its bound,
+    a max rel elem of 1 or more): why it passes."""
+    return [
+        _wrap(f"{c.adapter} / {c.window}: pass: {basis(c, result.dtype)}.", "  ")
+        for c in result.cells
+        if c.status == "ok" and c.verdict == "pass" and (c.ratio > 1 or c.max_rel_normal >= 1)
+    ]
+
+
+def _fact_blocks(result: AuditResult) -> str:
+    """Per loop, its facts as wrapped lines (the wide table is audit.md's)."""
+    blocks = []
+    for fact, row in zip(result.facts, fact_rows(result), strict=True):
+        head = f"{row['loop']}: version {row['version']}; {checked_versions(fact.adapter)}; "
+        head += f"model {row['model']}"
+        if fact.status != "ok":
+            blocks.append(_wrap(f"{head}: {fact.status}"))
+            continue
+        rest = "; ".join(f"{c}: {row[c]}" for c in FACT_COLUMNS[3:])
+        blocks.append(_wrap(head) + "\n" + _wrap(rest, "    "))
+    return "\n".join(blocks)
+
+
+def render_table(result: AuditResult) -> str:
+    """The stdout report, every line at most :data:`WIDTH` columns (a loop name permitting):
+    the cells under short headers, a legend, why a pass shows a D run above its bound, and per
+    loop its facts (the wide tables are :func:`write_markdown`'s)."""
+    header = _wrap(
+        f"wacc audit — dtype {result.dtype}; windows: "
+        + "; ".join(w.describe() for w in result.windows)
+    )
+    rows = [
+        {_TERMINAL_HEADERS.get(c, c): r[c] for c in CELL_COLUMNS[:-1]} for r in cell_rows(result)
+    ]
+    columns = tuple(_TERMINAL_HEADERS.get(c, c) for c in CELL_COLUMNS[:-1])
+    cells = "\n".join([_text_table(rows, columns), _legend(result), *_why(result)])
+    facts = "Per loop (the full table is audit.md's):\n" + _fact_blocks(result)
+    fixes = [_wrap(line, "  ") for line in fix_lines(result)]
     return "\n\n".join(
-        [
-            header,
-            _text_table(cell_rows(result), CELL_COLUMNS),
-            _text_table(fact_rows(result), FACT_COLUMNS),
-        ]
-        + (["Causes and fixes:\n" + "\n".join(fixes)] if fixes else [])
+        [header, cells, facts] + (["Causes and fixes:\n" + "\n".join(fixes)] if fixes else [])
     )
 
 
@@ -184,11 +295,16 @@ _METHOD = """\
 on a float64 copy of the same model (its own cross-entropy on the logits, `-100` ignored, over the
 labels its family's loss uses: shifted for a causal LM, unshifted for a masked LM or a seq2seq
 decoder). `rel L2` = ‖F − T‖/‖T‖ and `max rel elem` = max |F_i − T_i|/|T_i| for the gradient F the
-loop hands its optimizer in the audited dtype. `err/bound` = ‖F − T‖/‖B‖ with B the per-element
-bound of `wacc_ref.bounds.window_error_bound` for summing the window's per-microbatch loss-sum
-gradients in the audited dtype and dividing by the true count (the D run also carries its own
-forward/backward rounding). `verdict` = pass iff the loop's run *in float64* is within that
-bound (it isolates what the loop computes from rounding) and its gradient is finite.
+loop hands its optimizer in the audited dtype, over the elements where a relative error means
+something: T_i in the dtype's normal range and above its own bound B_i (where B_i ≥ |T_i| a
+microbatch's gradient cancels, one spacing off a tiny T_i reads as 1e12, and the bound judges the
+element; `audit.csv` has it over every nonzero T_i too, `max_rel_element`). `err/bound` =
+‖F − T‖/‖B‖ with B the per-element bound of `wacc_ref.bounds.window_error_bound` for summing
+the window's per-microbatch loss-sum gradients in the audited dtype and dividing by the true
+count (the D run also carries its own forward/backward rounding). `verdict` = pass iff the
+loop's run *in float64* is within that bound (it isolates what the loop computes from rounding)
+and its gradient is finite; `basis` says so per row, and why a pass may show an `err/bound (D
+run)` above 1 (the D run's own forward/backward rounding, which no bound covers).
 `reads window first`: whether every microbatch was read before the first backward (measured).
 `mid-window resume`: checkpoint after K // 2 microbatches with the loop's own checkpoint call,
 restore into fresh objects, finish the window. `fixed loss scale`: a run with S = {scale:g}
@@ -207,7 +323,7 @@ def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance)
     notes = [f"- `{f.adapter.name}`: {n}" for f in result.facts for n in dict.fromkeys(f.notes)]
     fixes = fix_lines(result)
     paths = [
-        f"- `{f.adapter.name}` — {f.adapter.title} (checked: {f.adapter.checked or 'n/a'}): "
+        f"- `{f.adapter.name}` — {f.adapter.title} ({checked_versions(f.adapter)}): "
         f"`{f.adapter.code_path}`"
         for f in result.facts
     ]
@@ -234,7 +350,9 @@ def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance)
 
 CSV_COLUMNS = (
     "loop", "window", "status", "verdict", "version", "model", "dtype", "rel_l2",
-    "max_rel_element", "err_over_bound", "element_err_over_bound", "f64_rel_l2",
+    "max_rel_element", "max_rel_element_normal", "normal_elements", "max_rel_element_share",
+    "err_over_bound",
+    "element_err_over_bound", "f64_rel_l2",
     "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
     "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
     "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts", "cause",
@@ -257,7 +375,9 @@ def write_csv(result: AuditResult, path: Path, provenance: AuditProvenance) -> N
                     "loop": c.adapter, "window": c.window, "status": c.status,
                     "verdict": c.verdict, "version": f.version, "model": f.model,
                     "dtype": result.dtype, "rel_l2": repr(c.rel_l2), "max_rel_element":
-                    repr(c.max_rel), "err_over_bound": repr(c.ratio),
+                    repr(c.max_rel), "max_rel_element_normal": repr(c.max_rel_normal),
+                    "normal_elements": c.normal_elements,
+                    "max_rel_element_share": repr(c.max_rel_share), "err_over_bound": repr(c.ratio),
                     "element_err_over_bound": repr(c.element_ratio),
                     "f64_rel_l2": repr(c.semantic_rel_l2),
                     "f64_err_over_bound": repr(c.semantic_ratio),

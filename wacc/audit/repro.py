@@ -16,8 +16,13 @@ in the audit — ``transformers.Trainer`` (every ``trainer-*`` model family and 
 loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightning-manual``,
 ``keras``, ``deepspeed``, ``trl-sft`` and ``trl-sft-packing``, ``nanogpt``, ``pixparse`` and
 ``plain`` — except ``timm`` (its loop needs torchvision; ``pixparse`` is the same loop without
-it), ``torchtune`` and ``torchtitan`` (not runnable next to this torch); the rest pass in the
-committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A failure of a loop without one gets
+it) and ``torchtune`` (its recipe driven through a stand-in object: a note says it has none);
+``torchtitan`` and the rest pass in the
+committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A user's own loop
+(``module:function`` or ``path/file.py:function``) gets one written from the ``LoopTask`` it ran
+(:mod:`wacc.audit.repro_templates.user`; the file ``<module>.<function>-<window>.py``): the script
+imports the user's function from where the audit found it and calls it with that task written out
+as a class, so it needs whatever the user's module imports.  A failure of a loop without one gets
 a note (``no reproducer template for this loop``), and so does a lost resume whose template has
 no restart (``plain``, ``pixparse``, ``accelerate*`` and ``lightning*`` have one).
 
@@ -54,7 +59,7 @@ from wacc.audit.models import (
     lora_options,
 )
 from wacc.audit.protocol import Adapter
-from wacc.audit.repro_templates import LOOPS, LoopTemplate
+from wacc.audit.repro_templates import LOOPS, LoopTemplate, user
 from wacc.audit.repro_templates.common import EXACT, FAMILIES, GRADIENT, PLAIN_MODEL, RESULT
 from wacc.audit.runner import AuditResult, Cell, LoopFacts
 from wacc.audit.windows import IGNORE_INDEX, Window
@@ -87,12 +92,12 @@ def write_reproducers(result: AuditResult, directory: Path) -> tuple[list[Reprod
     for cell in result.cells:
         if cell.verdict != "FAIL":
             continue
-        template = LOOPS.get(cell.adapter)
+        template = LOOPS.get(cell.adapter) or _user_template(facts[cell.adapter].adapter, result)
         if template is None:
             notes.append(f"{cell.adapter} / {cell.window}: no reproducer template for this loop")
             continue
         fact = facts[cell.adapter]
-        path = directory / f"{cell.adapter}-{cell.window}.py"
+        path = directory / f"{_stem(cell.adapter)}-{cell.window}.py"
         text = _script(result.dtype, fact.adapter, windows[cell.window], template, cell=cell)
         path.write_text(text, encoding="utf-8")
         written.append(
@@ -102,16 +107,57 @@ def write_reproducers(result: AuditResult, directory: Path) -> tuple[list[Reprod
     for fact in result.facts:
         if fact.status != "ok" or fact.resume != LOST or first is None:
             continue
-        template = LOOPS.get(fact.adapter.name)
+        template = LOOPS.get(fact.adapter.name) or _user_template(fact.adapter, result)
         if template is None or template.resume is None or fact.resume_after is None:
             notes.append(f"{fact.adapter.name}: no reproducer for its mid-window resume")
             continue
-        path = directory / f"{fact.adapter.name}-{first.name}-resume.py"
+        path = directory / f"{_stem(fact.adapter.name)}-{first.name}-resume.py"
         path.write_text(_script(result.dtype, fact.adapter, first, template, fact=fact), "utf-8")
         written.append(
             Reproducer(path, fact.adapter.name, first.name, True, result.dtype, fact.resume_rel_l2)
         )
     return written, notes
+
+
+def _stem(loop: str) -> str:
+    """The file name's start for ``loop``: a built-in loop's name; a user loop's module (or file
+    name without ``.py``) and function joined by a dot (no folder, no colon)."""
+    if ":" not in loop:
+        return loop
+    location, function = loop.rsplit(":", 1)
+    return f"{Path(location).name.removesuffix('.py')}.{function}"
+
+
+def _user_template(adapter: Adapter, result: AuditResult) -> LoopTemplate | None:
+    """The template of a user loop (``module:function`` or ``path/file.py:function``): its
+    function imported from where the audit found it and called with the ``LoopTask`` written out
+    (:mod:`wacc.audit.repro_templates.user`); None for a built-in loop or a function whose
+    module cannot be located (no file)."""
+    from wacc.audit.adapters import ADAPTERS
+
+    if adapter.name in ADAPTERS or ":" not in adapter.name:
+        return None
+    location, function = adapter.name.rsplit(":", 1)
+    module_name = getattr(adapter.run, "__module__", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return None
+
+    def text(resume: bool) -> str:
+        weights = result.dtype
+        if location.endswith(".py"):
+            return user.body(module=None, path=str(Path(file).resolve()), function=function,
+                             weights=weights, resume=resume)  # fmt: skip
+        # The import root: up from the module's file by its dotted name's depth.
+        source = Path(file).resolve()
+        if source.name == "__init__.py":
+            source = source.parent
+        root = source.parents[len(location.split(".")) - 1]
+        return user.body(module=location, path=str(root), function=function, weights=weights,
+                         resume=resume)  # fmt: skip
+
+    return LoopTemplate(f"the user loop {adapter.name}", (), user.IMPORTS, text(False), text(True))
 
 
 def _script(

@@ -44,6 +44,7 @@ from wacc.audit.metrics import (
     bound_ratio,
     gradient_hash,
     max_relative_element,
+    meaningful_relative_element,
     normwise_ratio,
     relative_l2,
 )
@@ -68,7 +69,10 @@ class Cell:
     window: str
     status: str = "ok"  # ok | not installed | not importable: … | error: …
     rel_l2: float = math.nan  # run in D vs truth
-    max_rel: float = math.nan
+    max_rel: float = math.nan  # over every nonzero truth element
+    max_rel_normal: float = math.nan  # over the meaningful ones (metrics.meaningful_relative_...)
+    normal_elements: int = 0  # how many those are
+    max_rel_share: float = math.nan  # |T_i| / max |T| at that maximum
     ratio: float = math.nan  # run in D: ‖error‖ / ‖bound(D)‖
     element_ratio: float = math.nan  # run in D: max_i |error_i| / bound_i (wacc_ref error_ratio)
     semantic_rel_l2: float = math.nan  # float64 run vs truth
@@ -386,6 +390,10 @@ def _audit_cell(
     cell.finite = bool(np.all(np.isfinite(observed)))
     cell.rel_l2 = relative_l2(observed, truth.gradient)
     cell.max_rel = max_relative_element(observed, truth.gradient)
+    dtype = str(runner.dtype).removeprefix("torch.")
+    cell.max_rel_normal, cell.normal_elements, cell.max_rel_share = meaningful_relative_element(
+        observed, truth.gradient, bound, dtype
+    )
     cell.ratio = normwise_ratio(observed, truth, bound)
     cell.element_ratio = bound_ratio(observed, truth, bound)
     _, _, semantic = runner.once(adapter, window, dtype=torch.float64)

@@ -2,13 +2,13 @@
 full-batch gradient on unequal microbatches?
 
 Runs each loop's real public code path (transformers.Trainer, accelerate, Lightning, Keras,
-DeepSpeed, PEFT, TRL, nanoGPT, the pixparse/timm loop, plain PyTorch, wacc_torch, or your own as
-module:function), each in a fresh Python process, on the same windows and compares the
-gradient captured right before the optimizer step with the float64 truth.  Writes a table to
-stdout and audit.md, audit.csv and audit.png to --out; progress goes to stderr.  A framework that
-is not installed is a row saying so.  With --repro DIR, also one standalone script per failure
-(wacc.audit.repro).  Exit 0 when every loop that ran passes, 1 when one fails (a verdict FAIL, a
-run that raised, or two runs that differ), 2 on bad usage.
+DeepSpeed, PEFT, TRL, torchtune, torchtitan, litgpt, OLMo-core, nanoGPT, the pixparse/timm loop,
+plain PyTorch, wacc_torch, or your own as module:function), each in a fresh Python process, on the
+same windows and compares the gradient captured right before the optimizer step with the float64
+truth. Writes a table to stdout and audit.md, audit.csv and audit.png to --out; progress goes to
+stderr. A framework that is not installed is a row saying so. With --repro DIR, also one standalone
+script per failure (wacc.audit.repro). Exit 0 when every loop that ran passes, 1 when one fails (a
+verdict FAIL, a run that raised, or two runs that differ), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ _BUILTIN = (
     "trl-sft-packing",
     "torchtune",
     "torchtitan",
+    "litgpt",
+    "litgpt-bf16-mixed",
+    "olmo-core",
     "timm",
     "pixparse",
     "pixparse+wacc",

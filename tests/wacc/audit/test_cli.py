@@ -132,3 +132,102 @@ def test_out_that_is_a_file_is_exit_2(tmp_path: Path) -> None:
 def test_help_lists_every_builtin_loop() -> None:
     """The command's list of built-in loops is the adapter registry, in order."""
     assert list(audit_command._BUILTIN) == list(ADAPTERS)
+
+
+AUTOCAST_LOOP = '''
+import torch
+
+from wacc.audit.protocol import LoopRun
+
+
+def autocast_mean(task):
+    """loss_sum / N under CPU bfloat16 autocast: the right weighting, rounded in bfloat16."""
+    model = task.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    task.hook_optimizer(optimizer, model)
+    data = task.dataset
+    batches = [{k: v[None] for k, v in data[i].items()} for i in range(len(data))]
+    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is never autocast
+            logits = model(input_ids=batch["input_ids"])["logits"][:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum"
+        )
+        (loss / total).backward()
+    optimizer.step()
+    return LoopRun(counted_tokens=total)
+'''
+
+
+@pytest.fixture(scope="module")
+def met(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """What a new user meets: ``wacc audit plain nanogpt loop.py:autocast_mean`` in a folder of
+    their own, where the installed torch's metadata says 9.9.9 (a ``torch-9.9.9.dist-info`` first
+    on the path: ``importlib.metadata`` finds it, ``import torch`` still imports the real one)."""
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "loop.py").write_text(AUTOCAST_LOOP, encoding="utf-8")
+    info = folder / "site" / "torch-9.9.9.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder / "site"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "wacc", "audit", "plain", "nanogpt", "loop.py:autocast_mean",
+         "--windows", "unequal", "--quiet", "--out", "out"],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # nanogpt fails
+    return done, folder / "out"
+
+
+@pytest.mark.slow
+def test_the_terminal_report_fits_120_columns(
+    met: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """Every stdout line of the report is at most 120 characters (nanoGPT's long resume reason
+    made the per-loop table 600 wide); audit.md keeps the full per-loop table."""
+    done, out = met
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    assert "fp16 overflow: skips the whole window" in done.stdout  # the facts are all there
+    assert "| loop | version | model | float64 copy | reads window first |" in (
+        out / "audit.md"
+    ).read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_pass_with_alarming_numbers_says_why(
+    met: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """A passing row whose run in the audited dtype is far above its bound (a loop that computes
+    in bfloat16 autocast) and whose max rel elem is >= 1 gets the reason beside it, on stdout
+    and in audit.md's basis column: the verdict is the float64 run's, the excess is the run's
+    own rounding, the max is on a small element."""
+    done, out = met
+    (row,) = [r for r in csv.DictReader((out / "audit.csv").read_text().splitlines())
+              if r["loop"] == "loop.py:autocast_mean"]  # fmt: skip
+    assert row["verdict"] == "pass" and float(row["err_over_bound"]) > 1, row
+    assert float(row["max_rel_element_normal"]) >= 1, row
+    why = " ".join(done.stdout.split())  # the lines are wrapped at 120
+    assert "loop.py:autocast_mean / unequal: pass: the f64 run is within the bound" in why
+    assert "is the float32 run's own forward/backward rounding, which no bound covers" in why
+    assert "of the gradient's largest" in why
+    markdown = (out / "audit.md").read_text(encoding="utf-8")
+    (line,) = [
+        x for x in markdown.splitlines() if x.startswith("| loop.py:autocast_mean | unequal")
+    ]
+    assert "which no bound covers" in line and "of the gradient's largest" in line
+
+
+@pytest.mark.slow
+def test_checked_versions_that_differ_are_said(
+    met: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """A loop checked with torch 2.13.0 next to an installed torch 9.9.9 says the versions
+    differ, on stdout and in audit.md's code paths."""
+    done, out = met
+    said = "checked: torch 2.13.0 (run here) (installed: torch 9.9.9: the versions differ)"
+    assert said in " ".join(done.stdout.split())
+    markdown = (out / "audit.md").read_text(encoding="utf-8")
+    assert "- `plain` — plain PyTorch" in markdown and said in markdown
+    assert "checked: n/a" in markdown  # the user loop names no versions: nothing to compare

@@ -13,6 +13,7 @@ run concurrently (each spends most of its time importing torch and its framework
 from __future__ import annotations
 
 import ast
+import csv
 import dataclasses
 import os
 import re
@@ -234,3 +235,73 @@ def test_cli_writes_the_failing_rows_script_and_keeps_exit_1(tmp_path: Path) -> 
     assert done.returncode == 1, done.stderr
     assert sorted(p.name for p in repro.iterdir()) == ["nanogpt-unequal.py"]
     assert f"wrote 1 reproducer to {repro}" in done.stderr
+
+
+USER_LOOP = '''
+import torch
+
+from wacc.audit.protocol import LoopRun
+
+
+def mean_of_means(task):
+    """Each microbatch's mean loss / K; resumed from a state_dict, losing the pending .grad."""
+    model = task.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    task.hook_optimizer(optimizer, model)
+    data = task.dataset
+    for index in range(len(data)):
+        if index == task.checkpoint_after:
+            path = task.workdir / "checkpoint.pt"
+            torch.save(model.state_dict(), path)
+            model = task.build_model()
+            model.load_state_dict(torch.load(path, weights_only=True))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            task.hook_optimizer(optimizer, model)
+        batch = {k: v[None] for k, v in data[index].items()}
+        (model(**batch)["loss"] / task.num_microbatches).backward()
+    optimizer.step()
+    return LoopRun(counted_tokens=None)
+
+
+mean_of_means.checkpoint = True
+'''
+
+
+@pytest.mark.slow
+def test_a_user_loop_gets_reproducers_that_print_its_rows_numbers(tmp_path: Path) -> None:
+    """``wacc audit loops/mine.py:mean_of_means --repro DIR`` (a user's file in a folder) writes a
+    script for the FAIL row and one for the lost mid-window resume, each from the LoopTask the
+    loop ran; run from another folder, with no wacc import of its own (the user's module imports
+    ``LoopRun``), each prints the row's number from audit.csv (f64 rel L2; resumed rel L2), within
+    the float64 summation-order tolerance of :func:`_tolerance`."""
+    (tmp_path / "loops").mkdir()
+    (tmp_path / "loops" / "mine.py").write_text(USER_LOOP, encoding="utf-8")
+    repro = tmp_path / "repro"
+    done = _wacc(
+        "loops/mine.py:mean_of_means", "--windows", "unequal", "--quiet", "--out",
+        str(tmp_path / "out"), "--repro", str(repro), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "wrote 2 reproducers" in done.stderr, done.stderr
+    assert "no reproducer" not in done.stderr
+    (row,) = csv.DictReader((tmp_path / "out" / "audit.csv").read_text("utf-8").splitlines())
+    assert row["verdict"] == "FAIL" and row["mid_window_resume"] == LOST, row
+    expected = {
+        "mine.mean_of_means-unequal.py": float(row["f64_rel_l2"]),
+        "mine.mean_of_means-unequal-resume.py": float(row["resumed_rel_l2"]),
+    }
+    assert sorted(p.name for p in repro.iterdir()) == sorted(expected)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, number in expected.items():
+        script = repro / name
+        assert all(n.split(".")[0] not in WACC for names in imports(script) for n in names)
+        run = subprocess.run(
+            [sys.executable, str(script)], cwd=elsewhere, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+        (printed,) = NUMBER.findall(run.stdout)
+        resume = name.endswith("-resume.py")
+        reproducer = Reproducer(script, "plain", "unequal", resume, "float32", number)
+        assert abs(float(printed) - number) <= _tolerance(reproducer), (name, printed, number)

@@ -21,7 +21,8 @@ and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deeps
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
 ``lightning`` loops.
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
-torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops.
+torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
+user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
 """
 
 from __future__ import annotations
