@@ -104,6 +104,10 @@ def _adapter(name: str, precision: str, title: str) -> Adapter:
         checkpoint="fit saves at save_interval optimizer steps, never inside a window",
         run=lambda task: _fit(task, precision),
         fp16="no float16 path on the CPU: litgpt's 16-mixed is Fabric's GPU precision",
+        cause="litgpt/finetune/full.py:272-294 (litgpt 0.5.13, fit) divides each microbatch's mean "
+        "loss by gradient_accumulation_iters, so every microbatch weighs the same; no wacc "
+        "integration yet: fit's loop is nanoGPT's under Fabric, and nanogpt+wacc shows it written "
+        "with WeightedGradientsAccumulator.",
     )
 
 
