@@ -6,13 +6,23 @@ blocks, the pull-request summary's length and the JUnit times, without a run.
 
 from __future__ import annotations
 
+import math
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from wacc.gate.compare import compare
+from tests.wacc.rendered import markdown_table, section, shows_metric, text_table
+from wacc.gate.compare import Comparison, compare
 from wacc.gate.groups import UNREPRODUCED, group_findings
 from wacc.gate.measure import GateFinding, Metrics
-from wacc.gate.outputs import SUMMARY_MAX_LINES, failure_lines, write_junit, write_summary
+from wacc.gate.outputs import (
+    SUMMARY_MAX_LINES,
+    failure_lines,
+    replay_command,
+    table,
+    write_junit,
+    write_summary,
+)
 
 DIVISION = "[emulation] step # (finish_mean) grads[#][flat #]: expected #, got #"
 RAISED = "[error] step # (accumulate) error expected None, got unexpected RuntimeError"
@@ -163,3 +173,149 @@ def test_a_group_shows_its_shortest_replayable_scenario() -> None:
     (group,) = group_findings(run)
     assert group.first is short and group.first_key == "float64/windows/corpus"
     assert group.count == 3
+
+
+# Every status a key can have, with metrics of many digits that differ from column to column,
+# so that a swapped column or another rounding reads as another value (issue 33).
+_RUN = {
+    "bfloat16/sums/corpus": Metrics(
+        scenarios=12, failing=0, max_ulps=2.0, max_ratio=0.123456789, milliseconds=1234
+    ),
+    "float16/windows/corpus": Metrics(  # max_ratio above the baseline's: REGRESSION
+        scenarios=7, failing=0, max_ulps=0.0, max_ratio=0.99999, milliseconds=5
+    ),
+    "float32/windows/corpus": Metrics(  # both metrics below the baseline's: improved
+        scenarios=9, failing=0, max_ulps=1.5, max_ratio=1.234567e-05, milliseconds=20
+    ),
+    "float64/windows/check": Metrics(
+        scenarios=30,
+        failing=2,
+        max_ulps=12345.678,
+        max_ratio=math.inf,
+        milliseconds=987,
+        findings=[finding(DIVISION, 1), finding(RAISED, 2), finding(DIVISION, 3, replay=False)],
+    ),  # fmt: skip
+    "float64/mean/check": Metrics(scenarios=3, max_ulps=0.5, max_ratio=0.25, milliseconds=1),
+}
+_BASE = {
+    "bfloat16/sums/corpus": Metrics(scenarios=12, max_ulps=2.0, max_ratio=0.123456789),
+    "float16/windows/corpus": Metrics(scenarios=7, max_ulps=0.0, max_ratio=0.5),
+    "float32/windows/corpus": Metrics(scenarios=9, max_ulps=3.75, max_ratio=6.54321e-4),
+    "float64/windows/check": Metrics(scenarios=28, max_ulps=7.0, max_ratio=0.0),
+    "float16/dynamic_scaling/corpus": Metrics(scenarios=4, max_ulps=1.0, max_ratio=0.75),
+}
+_NOT_JUDGED = ["found_inf: not judged (an extension the implementation lacks)"]
+
+
+def _comparison() -> Comparison:
+    comparison = compare(
+        _RUN, _BASE, not_judged=["float16/dynamic_scaling/corpus"], new=["float64/mean/check"]
+    )
+    statuses = {row[3] for row in comparison.rows}
+    assert statuses == {"ok", "REGRESSION", "improved", "FAIL", "new", "not judged"}
+    return comparison
+
+
+def _assert_row_shows(cells: dict[str, str], row: tuple[str, Metrics, Metrics, str]) -> None:
+    """A rendered row of the gate's table against the comparison row it renders, column by
+    column name: the key, the run's counts, each metric ``now (baseline)``, the status."""
+    key, now, base, status = row
+    assert cells["dtype/family/source"] == key
+    assert cells["scenarios"] == str(now.scenarios)
+    assert cells["failing"] == str(now.failing)
+    for column, metric in (("max ulps (baseline)", "max_ulps"),
+                           ("max err/bound (baseline)", "max_ratio")):  # fmt: skip
+        shown = re.fullmatch(r"(\S+) \((\S+)\)", cells[column])
+        assert shown is not None, cells[column]
+        assert shows_metric(shown[1], getattr(now, metric)), (column, cells[column], now)
+        assert shows_metric(shown[2], getattr(base, metric)), (column, cells[column], base)
+    assert cells["status"] == status
+
+
+def test_the_printed_table_shows_every_key_as_compared() -> None:
+    """The gate's terminal table, read back by column name, has one row per compared key in the
+    comparison's order, each cell the value the comparison holds (metrics to 4 significant
+    digits, the baseline's in parentheses)."""
+    comparison = _comparison()
+    rows = text_table(table(comparison))
+    assert len(rows) == len(comparison.rows)
+    for cells, row in zip(rows, comparison.rows, strict=True):
+        _assert_row_shows(cells, row)
+
+
+def test_the_summary_table_shows_every_key_that_is_not_ok(tmp_path: Path) -> None:
+    """gate.md's table, read back by column name, has exactly the keys whose status is not
+    ``ok``, in order, each cell the value the comparison holds; its headline counts agree."""
+    comparison = _comparison()
+    text = write_summary(
+        comparison, tmp_path / "gate.md", implementation="x:make", seconds=3.0,
+        groups=group_findings(_RUN), not_judged=_NOT_JUDGED,
+    ).read_text(encoding="utf-8")  # fmt: skip
+    rows = markdown_table(text)
+    notable = [row for row in comparison.rows if row[3] != "ok"]
+    assert len(rows) == len(notable) == 5
+    for cells, row in zip(rows, notable, strict=True):
+        _assert_row_shows(cells, row)
+    ok = len(comparison.rows) - len(notable)
+    assert (
+        f"3 failing scenario(s) in 2 distinct failure(s), {len(comparison.regressions)} "
+        f"regression(s), {len(comparison.improvements)} improvement(s); {ok} of "
+        f"{len(comparison.rows)} keys as in the baseline." in text
+    )
+    assert f"- {_NOT_JUDGED[0]}" in section(text, "**Not judged**")
+
+
+def test_the_junit_xml_has_one_case_per_key_with_its_outcome(tmp_path: Path) -> None:
+    """The JUnit XML, read back, has a case ``features`` and one per compared key: its time the
+    key's measured milliseconds, failed (typed by the status) for FAIL and REGRESSION with the
+    comparison's lines for that key, skipped with why for a key not judged, passed otherwise."""
+    comparison = _comparison()
+    path = write_junit(
+        comparison, tmp_path / "gate.xml", implementation="x:make", not_judged=_NOT_JUDGED
+    )
+    cases = list(ET.parse(path).iter("testcase"))
+    assert [case.get("name") for case in cases] == ["features"] + [r[0] for r in comparison.rows]
+    assert all(case.get("classname") == "wacc.gate" for case in cases)
+    assert list(cases[0]) == []
+    for case, (key, now, _, status) in zip(cases[1:], comparison.rows, strict=True):
+        assert float(case.get("time", "nan")) == now.milliseconds / 1000, key
+        results = list(case)
+        lines = [
+            line
+            for line in comparison.failures + comparison.regressions
+            if line.startswith(f"{key}:")
+        ]
+        if status in ("FAIL", "REGRESSION"):
+            (failure,) = results
+            assert failure.tag == "failure" and failure.get("type") == status
+            assert failure.get("message") == lines[0][:200]
+            replays = [
+                f"replay: {replay_command(f.replay, 'x:make')}"
+                for f in now.findings[:3]
+                if f.replay is not None
+            ]
+            assert (failure.text or "").splitlines() == lines + replays
+        elif status == "not judged":
+            (skipped,) = results
+            assert skipped.tag == "skipped" and skipped.get("message") == _NOT_JUDGED[0]
+            assert (skipped.text or "") == "\n".join(_NOT_JUDGED)
+        else:
+            assert results == [] and lines == [], key
+
+
+def test_a_lost_feature_fails_the_features_case(tmp_path: Path) -> None:
+    """A feature lost since the baseline fails the JUnit case ``features`` as a REGRESSION with
+    every lost line, and heads gate.md's regressions."""
+    lost = ["lost found_inf: the baseline was made with it", "lost loss_scaler: likewise"]
+    comparison = compare(_RUN, _BASE, not_judged=["float16/dynamic_scaling/corpus"],
+                         new=["float64/mean/check"], lost=lost)  # fmt: skip
+    path = write_junit(comparison, tmp_path / "gate.xml", implementation="x:make")
+    case = next(c for c in ET.parse(path).iter("testcase") if c.get("name") == "features")
+    (failure,) = list(case)
+    assert failure.get("type") == "REGRESSION" and failure.get("message") == lost[0]
+    assert (failure.text or "").splitlines() == lost
+    text = write_summary(
+        comparison, tmp_path / "gate.md", implementation="x:make", seconds=0.0
+    ).read_text(encoding="utf-8")
+    listed = [line for line in section(text, "**Regressions**").splitlines() if line]
+    assert listed[:2] == [f"- {line}" for line in lost]

@@ -1,0 +1,205 @@
+"""``wacc.audit.report``: the terminal tables and ``audit.md``, read back by column name, show
+what ``audit.csv`` holds for the same result, cell by cell (issue 33). The result is made here
+by hand (every kind of cell: a pass, a FAIL, a loop that did not run, a miscount, a mean per
+microbatch, a nondeterministic run), so that each column's values differ from its neighbours'."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from tests.wacc.rendered import markdown_tables, section, shows_metric, text_table
+from wacc.audit.protocol import Adapter
+from wacc.audit.provenance import AuditProvenance
+from wacc.audit.report import (
+    CELL_COLUMNS,
+    FACT_COLUMNS,
+    render_table,
+    write_csv,
+    write_markdown,
+)
+from wacc.audit.runner import AuditResult, Cell, LoopFacts
+from wacc.audit.windows import Window
+
+
+def _adapter(name: str) -> Adapter:
+    return Adapter(
+        name=name, title=f"{name} | loop", requires=(), model="causal", code_path=f"{name}.step",
+        checked=">=1.0", loss_scale=True, checkpoint=None, run=lambda task: None,  # type: ignore[arg-type,return-value]
+    )  # fmt: skip
+
+
+_BOOM = "error: RuntimeError: boom (loop.py:3)"  # as the runner words a loop that raised
+
+
+def _result() -> AuditResult:
+    good, bad, broken = _adapter("good"), _adapter("bad"), _adapter("broken")
+    cells = [
+        Cell("good", "unequal", rel_l2=1.23456e-7, max_rel=2.34567e-6, ratio=0.0345678,
+             element_ratio=0.5, semantic_rel_l2=4.5678e-16, semantic_ratio=0.00123456,
+             semantic_element_ratio=0.25, counted=211.0, true_count=211, deterministic=True,
+             digest="ab12"),
+        Cell("good", "zero", rel_l2=0.0, max_rel=0.0, ratio=0.0, semantic_ratio=0.0,
+             counted=None, true_count=0, finite=False, deterministic=None, digest="cd34"),
+        Cell("bad", "unequal", rel_l2=0.456789, max_rel=987.654, ratio=12345.6,
+             element_ratio=3.0, semantic_rel_l2=0.3456, semantic_ratio=5678.91,
+             semantic_element_ratio=7.0, counted=4.0, true_count=211, deterministic=False,
+             digest="ef56"),
+        Cell("bad", "zero", rel_l2=math.inf, max_rel=math.nan, ratio=math.inf,
+             semantic_ratio=0.125, counted=1.0, true_count=0, deterministic=True),
+        Cell("broken", "unequal", status=_BOOM, true_count=211),
+    ]  # fmt: skip
+    facts = [
+        LoopFacts(good, version="1.2.3", model="causal", needs_total="yes (measured)",
+                  resume="exact", resume_rel_l2=0.0, loss_scale="exact", fp16="skips the window"),
+        LoopFacts(bad, version="", model="causal", truth_casts=("lm_head -> float32",),
+                  loss_casts=("loss -> float32", "ce -> float32"), needs_total="no",
+                  resume="differs", resume_rel_l2=3.14159e-3, loss_scale="differs",
+                  fp16="applies non-finite gradients", notes=["a note", "a note"]),
+        LoopFacts(broken, status=_BOOM, model="causal"),
+    ]  # fmt: skip
+    windows = [Window("unequal", (1, 7, 200, 3), ()), Window("zero", (0, 0), ())]
+    return AuditResult(dtype="bfloat16", windows=windows, facts=facts, cells=cells)
+
+
+_PROVENANCE = AuditProvenance("9.9", "abc123", "2026-01-01", "test machine", "2.13", "3.12", 1.5)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[dict[str, str]]]:
+    """The terminal text, audit.md and audit.csv's rows of one result."""
+    folder = tmp_path_factory.mktemp("audit")
+    result = _result()
+    write_markdown(result, folder / "audit.md", _PROVENANCE)
+    write_csv(result, folder / "audit.csv", _PROVENANCE)
+    with (folder / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        records = list(csv.DictReader(handle))
+    return render_table(result), (folder / "audit.md").read_text(encoding="utf-8"), records
+
+
+def _number(cell: str, text: str) -> None:
+    """A metric cell against the CSV's full-precision value: ``-`` for nan, else 3 digits."""
+    value = float(text)
+    if math.isnan(value):
+        assert cell == "-", (cell, text)
+    else:
+        assert shows_metric(cell, value, digits=3), (cell, text)
+
+
+def _assert_cell_row(cells: dict[str, str], record: dict[str, str]) -> None:
+    """One row of the per-window table against its audit.csv row, by column name."""
+    assert cells["loop"] == record["loop"] and cells["window"] == record["window"]
+    assert cells["verdict"] == record["verdict"].split(":")[0]
+    ran = record["status"] == "ok"
+    for column, field in (("rel L2", "rel_l2"), ("max rel elem", "max_rel_element"),
+                          ("err/bound (D run)", "err_over_bound"),
+                          ("err/bound (f64 run)", "f64_err_over_bound")):  # fmt: skip
+        if ran:
+            _number(cells[column], record[field])
+        else:
+            assert cells[column] == "-", column
+    true = record["tokens_true"]
+    if not ran:
+        expected = "-"
+    elif record["tokens_counted"] == "":
+        expected = f"per-microbatch mean/{true}"
+    else:
+        counted = float(record["tokens_counted"])
+        expected = f"{counted:g}/{true}" + ("" if counted == int(true) else " (!)")
+    assert cells["tokens counted/true"] == expected
+    assert (
+        cells["deterministic"] == {"True": "yes", "False": "NO", "": "-"}[record["deterministic"]]
+    )
+
+
+def _assert_fact_row(cells: dict[str, str], records: list[dict[str, str]]) -> None:
+    """One row of the per-loop table against its loop's audit.csv rows, by column name."""
+    mine = [r for r in records if r["loop"] == cells["loop"]]
+    first = mine[0]
+    ran = first["status"] == "ok"
+    assert cells["version"] == (first["version"] or "-")
+    assert cells["model"] == first["model"]
+    assert cells["reads window first"] == (first["reads_window_first"] if ran else first["status"])
+    for column, field in (("mid-window resume", "mid_window_resume"),
+                          ("fixed loss scale", "fixed_loss_scale"),
+                          ("fp16 overflow", "fp16_overflow")):  # fmt: skip
+        assert cells[column] == (first[field] if ran else "-"), column
+    if ran:
+        _number(cells["resumed rel L2"], first["resumed_rel_l2"])
+    else:
+        assert cells["resumed rel L2"] == "-"
+    copy = cells["float64 copy"]
+    if not ran:
+        assert copy == "-"
+    elif not first["truth_casts"] and not first["loss_casts"]:
+        assert copy == "clean"
+    else:
+        for field, what in (("truth_casts", "forward casts"), ("loss_casts", "own loss casts")):
+            names = sorted({c.split(" -> ")[0] for c in first[field].split(";") if c})
+            if names:
+                assert f"{what} to float32 ({', '.join(names)})" in copy, (field, copy)
+            else:
+                assert what not in copy
+    zero = [r for r in mine if r["window"] == "zero"]
+    if not ran or not zero:
+        assert cells["zero-target window"] == "-"
+    else:
+        finite = "finite" if zero[0]["finite"] == "True" else "NaN/inf gradient"
+        assert cells["zero-target window"] == f"{finite}, {zero[0]['verdict']}"
+
+
+def _check_tables(tables: list[list[dict[str, str]]], records: list[dict[str, str]]) -> None:
+    by_cell, by_loop = tables
+    assert [tuple(row) for row in by_cell] == [CELL_COLUMNS] * len(records)
+    assert [(r["loop"], r["window"]) for r in by_cell] == [
+        (r["loop"], r["window"]) for r in records
+    ]
+    for cells, record in zip(by_cell, records, strict=True):
+        _assert_cell_row(cells, record)
+    assert [tuple(row) for row in by_loop] == [FACT_COLUMNS] * 3
+    assert [r["loop"] for r in by_loop] == list(dict.fromkeys(r["loop"] for r in records))
+    for cells in by_loop:
+        _assert_fact_row(cells, records)
+
+
+def test_audit_md_shows_what_audit_csv_holds(
+    written: tuple[str, str, list[dict[str, str]]],
+) -> None:
+    """audit.md's two tables, read back by column name, show for every loop x window and every
+    loop what audit.csv has (metrics to 3 significant digits, ``-`` where nothing ran), a ``|``
+    in a cell escaped so the table keeps its columns."""
+    _, markdown, records = written
+    tables = [
+        *markdown_tables(section(markdown, "## Per loop and window")),
+        *markdown_tables(section(markdown, "## Per loop")),
+    ]
+    _check_tables(tables, records)
+
+
+def test_the_terminal_tables_show_what_audit_csv_holds(
+    written: tuple[str, str, list[dict[str, str]]],
+) -> None:
+    """The two tables printed on the terminal, read back by column name, show what audit.csv
+    has, as audit.md does; the header names the dtype and every window."""
+    text, _, records = written
+    header, by_cell, by_loop = text.split("\n\n")
+    assert header == "wacc audit — dtype bfloat16; windows: unequal (1, 7, 200, 3); zero (0, 0)"
+    _check_tables([text_table(by_cell), text_table(by_loop)], records)
+
+
+def test_audit_md_states_provenance_windows_code_paths_and_each_note_once(
+    written: tuple[str, str, list[dict[str, str]]],
+) -> None:
+    """audit.md names the dtype and provenance, each window with its targets, each loop's code
+    path and checked range, and a loop's repeated note once."""
+    _, markdown, _ = written
+    assert f"dtype **bfloat16**; {_PROVENANCE.line()}" in markdown
+    assert "Windows (target tokens per microbatch): `unequal (1, 7, 200, 3)`; `zero (0, 0)`" in (
+        markdown
+    )
+    paths = section(markdown, "## Code paths driven")
+    for name in ("good", "bad", "broken"):
+        assert f"- `{name}` — {name} | loop (checked: >=1.0): `{name}.step`" in paths
+    assert section(markdown, "## Notes").strip() == "- `bad`: a note"

@@ -1,0 +1,224 @@
+"""``wacc.report.writer`` in this process: ``index.md``'s tables, read back by column name, show
+what ``divergence.csv`` (and the data the writer is given) holds, cell by cell (issue 33). The
+rows are made here by hand: every metric differs from its neighbours' in each line, so a swapped
+column or another rounding reads as another value. (The real command's report is
+``test_report.py``.)"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+
+from tests.wacc.rendered import markdown_table, section, shows_metric
+from wacc.report.provenance import Provenance
+from wacc.report.rows import NotJudged, Row
+from wacc.report.writer import CSV_COLUMNS, ORACLE_COLUMNS, write_csv, write_index
+from wacc_ref import formats
+
+PROVENANCE = Provenance(
+    versions={"wacc": "9.9", "torch": "2.13"}, commit="abc123", devices={"cpu": "test cpu"},
+    corpus_seed=7, corpus_size="quick", scenarios=5, date="2026-01-01", wall_seconds=1.25,
+)  # fmt: skip
+
+
+def _row(n: int, dtype: str, name: str, verdict: str = "pass", device: str = "cpu") -> Row:
+    # Metrics of many digits, different in each column and each row.
+    return Row(
+        scenario_id=f"{dtype}-windows-{n:04d}", family="windows", implementation=name,
+        device=device, work_dtype=dtype, grad_dtype=dtype, window_length=n + 1,
+        weight_skew=1.0 + n, loss_scale=2.0**n, max_ulps=0.0 if n == 0 else 1.23456 * 10**n,
+        max_rel_error=3.45678e-3 / (n + 1), max_ratio=0.1234567 * (n + 1),
+        verdict=verdict, replay=f"scenarios/{dtype}-windows-{n:04d}.json" if verdict != "pass"
+        else "",
+    )  # fmt: skip
+
+
+ROWS = [
+    _row(0, "float32", "wacc_torch"),
+    _row(1, "float32", "wacc_torch"),
+    _row(0, "float32", "wacc_torch", device="meta"),
+    _row(2, "float32", "pixparse_loop", verdict="fail: emulation,bound"),
+    _row(3, "float32", "pixparse_loop", verdict="fail: bound"),
+    _row(4, "float32", "pixparse_loop"),
+    _row(1, "bfloat16", "scale_times_weight", verdict="fail: semantics"),
+    _row(2, "float64", "mine.py:make"),
+    _row(5, "float64", "wacc_torch_fused"),
+]
+# A ratio just below the bound, and an infinite one: never shown as 1 or as a number.
+ROWS.append(
+    dataclasses.replace(
+        _row(0, "float16", "wacc_torch"), max_ratio=0.99999, max_ulps=math.inf, max_rel_error=0.5
+    )
+)
+NOT_JUDGED = [
+    NotJudged("float32-dynamic-0001", "dynamic_scaling", "mine.py:make", "cpu", "float32",
+              "float32", ("found_inf", "set_loss_scale")),
+]  # fmt: skip
+VARIANTS = {
+    "cpu": {"float16": Counter({"fma": 3, "mixed": 2}), "float32": Counter({"any": 7})},
+    "cuda:0": {"bfloat16": Counter({"two_step": 1})},
+}
+COMPARED = (
+    "old-report",
+    ["work dtype", "metric"],
+    [["float32", "1 (2)"], ["float16", "inf (0.5)"]],
+)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, str]]]:
+    """index.md's text and divergence.csv's rows of one report."""
+    out = tmp_path_factory.mktemp("report")
+    write_csv(ROWS, out / "divergence.csv", provenance=PROVENANCE, not_judged=NOT_JUDGED)
+    write_index(
+        out, provenance=PROVENANCE, rows=ROWS, figures={}, variants=VARIANTS, replay_files=4,
+        unsupported={"mine.py:make": ["not judged: found_inf (an extension)"], "x": []},
+        not_judged=NOT_JUDGED, compared=COMPARED, audit=["## Audit lines", "", "as given"],
+    )  # fmt: skip
+    with (out / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        records = list(csv.DictReader(handle))
+    return (out / "index.md").read_text(encoding="utf-8"), records
+
+
+def _expected_headline(records: list[dict[str, str]]) -> list[tuple[str, str, str]]:
+    """The headline's lines as the CSV's judged rows group them: (dtype, implementation, device)
+    in work-dtype order, the shipped implementations first in their order, a user's last."""
+    keys = {
+        (r["work_dtype"], r["implementation"], r["device"])
+        for r in records
+        if not r["verdict"].startswith("not judged")
+    }
+    shipped = [
+        "wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy", "pixparse_loop",
+        "scale_times_weight", "fused_undeclared",
+    ]  # fmt: skip
+
+    def order(key: tuple[str, str, str]) -> tuple[int, int, str]:
+        dtype, name, device = key
+        return (
+            formats.WORK_DTYPES.index(dtype),
+            shipped.index(name) if name in shipped else 99,
+            device,
+        )
+
+    return sorted(keys, key=order)
+
+
+def test_the_headline_shows_what_divergence_csv_holds(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """index.md's headline table, read back by column name, has one line per work dtype x
+    implementation x device of divergence.csv, in table order, each cell what the CSV's rows
+    give: the count, the largest of each metric (4 significant digits) and the verdict with the
+    failing count and the oracles that failed."""
+    index, records = written
+    lines = markdown_table(section(index, "## Headline"))
+    assert [(c["work dtype"], c["implementation"].strip("`"), c["device"]) for c in lines] == (
+        _expected_headline(records)
+    )
+    for cells in lines:
+        mine = [
+            r
+            for r in records
+            if (r["work_dtype"], r["implementation"], r["device"])
+            == (cells["work dtype"], cells["implementation"].strip("`"), cells["device"])
+            and not r["verdict"].startswith("not judged")
+        ]
+        assert cells["implementation"] == f"`{mine[0]['implementation']}`"
+        assert cells["scenarios"] == str(len(mine))
+        for column, field in (("max ulps vs emulation", "max_ulps"),
+                              ("max rel. error (normal range)", "max_rel_error_normal"),
+                              ("max error/bound", "max_ratio")):  # fmt: skip
+            value = max(float(r[field]) for r in mine)
+            assert shows_metric(cells[column], value), (column, cells[column], value)
+        failing = [r for r in mine if any(r[o] == "fail" for o in ORACLE_COLUMNS)]
+        oracles = sorted({o for r in failing for o in ORACLE_COLUMNS if r[o] == "fail"})
+        expected = f"FAIL {len(failing)}/{len(mine)} ({', '.join(oracles)})" if failing else "pass"
+        assert cells["verdict"] == expected
+
+
+def test_divergence_csv_has_every_row_and_the_not_judged_ones(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """divergence.csv has the CSV's columns, one line per row with each field as the row has it
+    (floats as repr), each oracle's pass/fail from the row's verdict, the provenance on every
+    line; then a ``not judged`` line per scenario left out, its metrics empty."""
+    _, records = written
+    assert tuple(records[0]) == CSV_COLUMNS
+    assert len(records) == len(ROWS) + len(NOT_JUDGED)
+    for record, row in zip(records, ROWS, strict=False):
+        assert record["scenario_id"] == row.scenario_id and record["device"] == row.device
+        assert float(record["max_ulps"]) == row.max_ulps
+        assert float(record["max_rel_error_normal"]) == row.max_rel_error
+        assert float(record["max_ratio"]) == row.max_ratio
+        assert record["loss_scale"] == repr(row.loss_scale)
+        assert record["window_length"] == str(row.window_length)
+        assert (record["verdict"], record["replay"]) == (row.verdict, row.replay)
+        failed = row.verdict.removeprefix("fail: ").split(",") if row.failed else []
+        assert [record[o] for o in ORACLE_COLUMNS] == [
+            "fail" if o in failed else "pass" for o in ORACLE_COLUMNS
+        ]
+        assert [record[c] for c in ("wacc_version", "torch_version", "commit", "corpus_seed",
+                                    "corpus_size", "date")] == [
+            "9.9", "2.13", "abc123", "7", "quick", "2026-01-01"]  # fmt: skip
+    skipped = records[-1]
+    assert skipped["verdict"] == "not judged: found_inf, set_loss_scale"
+    assert (skipped["scenario_id"], skipped["family"]) == (
+        "float32-dynamic-0001",
+        "dynamic_scaling",
+    )
+    assert [skipped[o] for o in ORACLE_COLUMNS] == ["not judged"] * 3
+    assert skipped["max_ulps"] == skipped["max_ratio"] == skipped["replay"] == ""
+    assert skipped["commit"] == "abc123"
+
+
+def test_the_fused_variants_table_shows_each_device_and_dtypes_counts(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """The fused-mode table, read back, has one line per device x work dtype that has counts,
+    in work-dtype order, its variants sorted by name with their counts."""
+    index, _ = written
+    lines = markdown_table(section(index, "## Fused mode: the §6 variant each device took"))
+    expected = [
+        {"device": device, "work dtype": dtype,
+         "variants matched (scenarios)": ", ".join(f"{k}: {n}" for k, n in sorted(c.items()))}
+        for device, per_dtype in VARIANTS.items()
+        for dtype in formats.WORK_DTYPES if (c := per_dtype.get(dtype))
+    ]  # fmt: skip
+    assert lines == expected
+
+
+def test_the_comparison_table_shows_the_given_header_and_rows(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """The section comparing with a previous report is the header and rows given, by name."""
+    index, _ = written
+    folder, header, cells = COMPARED
+    lines = markdown_table(section(index, f"## Compared with `{folder}`"))
+    assert lines == [dict(zip(header, row, strict=True)) for row in cells]
+
+
+def test_index_states_provenance_features_audit_and_files(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """index.md states the provenance, what each implementation lacks and how many scenarios it
+    was not judged on, the audit's lines as given, and the files with the CSV's row count and
+    columns and the replay files' count."""
+    index, _ = written
+    assert index.startswith("# wacc report\n\n" + "\n".join(PROVENANCE.lines()) + "\n\n## Headline")
+    lacking = section(index, "## Features the implementations lack").splitlines()
+    assert "- `mine.py:make`: not judged: found_inf (an extension)" in lacking
+    assert "- `mine.py:make`: 1 corpus scenario(s) x device(s) not judged" in lacking
+    assert not any(line.startswith("- `x`") for line in lacking)
+    assert section(index, "## Audit lines").strip() == "as given"
+    files = section(index, "## Files").strip().splitlines()
+    assert files == [
+        f"- `divergence.csv`: {len(ROWS)} rows (scenario x implementation x device): "
+        + ", ".join(CSV_COLUMNS),
+        "- `scenarios/`: 4 replay files, one per scenario that a row fails "
+        "(`wacc replay scenarios/<file> --impl <factory>`)",
+    ]
