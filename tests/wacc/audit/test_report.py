@@ -53,10 +53,12 @@ def _result() -> AuditResult:
     ]  # fmt: skip
     facts = [
         LoopFacts(good, version="1.2.3", model="causal", needs_total="yes (measured)",
-                  resume="exact", resume_rel_l2=0.0, loss_scale="exact", fp16="skips the window"),
-        LoopFacts(bad, version="", model="causal", truth_casts=("lm_head -> float32",),
+                  resume="bit-identical", resume_rel_l2=0.0, loss_scale="exact",
+                  fp16="skips the whole window"),
+        LoopFacts(bad, version="", model="seq2seq", truth_casts=("lm_head -> float32",),
                   loss_casts=("loss -> float32", "ce -> float32"), needs_total="no",
-                  resume="differs", resume_rel_l2=3.14159e-3, loss_scale="differs",
+                  resume="differs after resume", resume_rel_l2=3.14159e-3,
+                  loss_scale="differs with S",
                   fp16="applies non-finite gradients", notes=["a note", "a note"]),
         LoopFacts(broken, status=_BOOM, model="causal"),
     ]  # fmt: skip
