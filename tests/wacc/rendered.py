@@ -89,10 +89,23 @@ def markdown_table(text: str) -> Rows:
     return tables[0]
 
 
+def _heading_level(line: str) -> int | None:
+    """``## x`` -> 2; a whole line in bold (``**Regressions**``, gate.md's headings) -> 7, below
+    every Markdown level; any other line -> None."""
+    marks = len(line) - len(line.lstrip("#"))
+    if 0 < marks <= 6 and line[marks : marks + 1] == " ":
+        return marks
+    if len(line) > 4 and line.startswith("**") and line.endswith("**"):
+        return 7
+    return None
+
+
 def section(text: str, heading: str) -> str:
-    """The body of the Markdown section whose heading line is ``heading`` (``## Headline``), up
-    to the next heading of the same or a higher level."""
-    level = len(heading) - len(heading.lstrip("#"))
+    """The body of the Markdown section whose heading line is ``heading`` (``## Headline``, or a
+    line in bold, ``**Regressions**``), up to the next heading of the same or a higher level."""
+    level = _heading_level(heading)
+    if level is None:
+        raise TableError(f"not a heading: {heading!r}")
     lines = text.splitlines()
     try:
         start = lines.index(heading) + 1
@@ -100,8 +113,8 @@ def section(text: str, heading: str) -> str:
         raise TableError(f"no section {heading!r}") from None
     end = start
     while end < len(lines):
-        marks = len(lines[end]) - len(lines[end].lstrip("#"))
-        if 0 < marks <= level and lines[end][marks : marks + 1] == " ":
+        found = _heading_level(lines[end])
+        if found is not None and found <= level:
             break
         end += 1
     return "\n".join(lines[start:end])

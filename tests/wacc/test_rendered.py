@@ -81,12 +81,18 @@ def test_markdown_table_wants_exactly_one_table() -> None:
 
 def test_section_ends_at_the_next_heading_of_its_level() -> None:
     """A section's body stops at the next heading of the same or higher level, not at a
-    deeper one, nor at a line that merely starts with a hash."""
+    deeper one, nor at a line that merely starts with a hash; a whole line in bold is a heading
+    below every level (gate.md's), a line that only starts in bold is not."""
     text = "# t\n## A\nx\n### deeper\ny\n#notaheading\n## B\nz\n"
     assert section(text, "## A") == "x\n### deeper\ny\n#notaheading"
     assert section(text, "## B") == "z"
     with pytest.raises(TableError):
         section(text, "## C")
+    with pytest.raises(TableError):
+        section(text, "plain words")
+    bold = "**Regressions**\n\n- a\n**not a heading** here\n\n**Improvements**\n- b\n## C\nc"
+    assert section(bold, "**Regressions**") == "\n- a\n**not a heading** here\n"
+    assert section(bold, "**Improvements**") == "- b"
 
 
 TEXT = """\

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.wacc.rendered import markdown_table, section, text_table
 from tests.wacc.test_report_audit import make_audit_folder
+from tests.wacc.test_report_writer import INDEX_COLUMNS, TERMINAL_COLUMNS, assert_headline_shows
 from wacc.errors import UsageError
 from wacc.report.previous import read_rows
 from wacc.report.rows import IMPLEMENTATIONS
@@ -365,3 +367,46 @@ def test_an_implementation_without_records_runs_the_corpus_without_checkpoints(
     for row in rows:  # the twin, or a scenario the generator gave no interruption
         steps = (report / row["replay"]).read_text(encoding="utf-8")
         assert '"checkpoint"' not in steps and '"restore' not in steps, row["replay"]
+
+
+def _records(folder: Path) -> list[dict[str, str]]:
+    with (folder / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_headlines_show_what_divergence_csv_holds(run: tuple[Path, str]) -> None:
+    """The headline in index.md and the one printed, read back by column name, show for each
+    work dtype x implementation x device what the report's divergence.csv rows give (issue 33:
+    a swap of two columns, or another rounding, fails here)."""
+    report, stdout = run
+    records = _records(report)
+    index = (report / "index.md").read_text(encoding="utf-8")
+    lines = markdown_table(section(index, "## Headline"))
+    assert_headline_shows(lines, records, INDEX_COLUMNS, quoted=True)
+    assert_headline_shows(text_table(stdout), records, TERMINAL_COLUMNS, quoted=False)
+
+
+def test_the_comparison_shows_both_reports_csvs(run: tuple[Path, str]) -> None:
+    """The table comparing with the previous report, in index.md and printed, read back by
+    column name: each ``now (before)`` cell's two sides are this report's and the previous
+    report's headline values, each from its own divergence.csv."""
+    report, stdout = run
+    index = (report / "index.md").read_text(encoding="utf-8")
+    printed = stdout.split("compared with", 1)[1].split("\n", 1)[1]
+    for table in (markdown_table(section(index, f"## Compared with `{PREVIOUS}`")),
+                  text_table(printed)):  # fmt: skip
+        for side, folder in ((0, report), (1, PREVIOUS)):
+            lines = []
+            for cells in table:
+                pairs = {}
+                for column, cell in cells.items():
+                    if column in ("dtype", "implementation", "device", "change"):
+                        pairs[column] = cell
+                    else:
+                        now, _, before = cell.rpartition(" (")
+                        pairs[column] = (now, before.removesuffix(")"))[side]
+                if pairs["scenarios"] != "-":
+                    lines.append(pairs)
+            assert_headline_shows(
+                lines, _records(folder), TERMINAL_COLUMNS, quoted=False, ordered=False
+            )

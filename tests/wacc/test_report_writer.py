@@ -84,28 +84,69 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[st
     return (out / "index.md").read_text(encoding="utf-8"), records
 
 
-def _expected_headline(records: list[dict[str, str]]) -> list[tuple[str, str, str]]:
-    """The headline's lines as the CSV's judged rows group them: (dtype, implementation, device)
-    in work-dtype order, the shipped implementations first in their order, a user's last."""
-    keys = {
-        (r["work_dtype"], r["implementation"], r["device"])
-        for r in records
-        if not r["verdict"].startswith("not judged")
-    }
-    shipped = [
-        "wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy", "pixparse_loop",
-        "scale_times_weight", "fused_undeclared",
-    ]  # fmt: skip
+# The headline's columns in index.md and on the terminal, by what they show (a CSV column).
+INDEX_COLUMNS = {
+    "work_dtype": "work dtype", "device": "device", "scenarios": "scenarios",
+    "max_ulps": "max ulps vs emulation", "max_rel_error_normal": "max rel. error (normal range)",
+    "max_ratio": "max error/bound", "verdict": "verdict",
+}  # fmt: skip
+TERMINAL_COLUMNS = {
+    **INDEX_COLUMNS, "work_dtype": "dtype", "max_ulps": "max ulps",
+    "max_rel_error_normal": "max rel err (normal)", "max_ratio": "max err/bound",
+}  # fmt: skip
+_SHIPPED = [
+    "wacc_torch", "wacc_torch_fused", "wacc_torch_zero_copy", "pixparse_loop",
+    "scale_times_weight", "fused_undeclared",
+]  # fmt: skip
+
+
+def assert_headline_shows(
+    lines: list[dict[str, str]], records: list[dict[str, str]], columns: dict[str, str], *,
+    quoted: bool, ordered: bool = True,
+) -> None:  # fmt: skip
+    """A headline table read back (``columns``: CSV column -> its header there; ``quoted``: the
+    implementation in backticks) against divergence.csv's rows: one line per work dtype x
+    implementation x device of its judged rows, in table order (work dtypes in order, the
+    shipped implementations first in theirs, a user's last), each cell what those rows give:
+    their count, the largest of each metric (4 significant digits) and the verdict with the
+    failing count and the oracles that failed. ``ordered=False``: in any order."""
+    judged = [r for r in records if not r["verdict"].startswith("not judged")]
+    groups: dict[tuple[str, str, str], list[dict[str, str]]] = {}
+    for r in judged:
+        groups.setdefault((r["work_dtype"], r["implementation"], r["device"]), []).append(r)
 
     def order(key: tuple[str, str, str]) -> tuple[int, int, str]:
         dtype, name, device = key
         return (
             formats.WORK_DTYPES.index(dtype),
-            shipped.index(name) if name in shipped else 99,
+            _SHIPPED.index(name) if name in _SHIPPED else 99,
             device,
         )
 
-    return sorted(keys, key=order)
+    keys = sorted(groups, key=order)
+    assert len(lines) == len(keys)
+    if not ordered:
+        position = {(k[0], f"`{k[1]}`" if quoted else k[1], k[2]): i for i, k in enumerate(keys)}
+        lines = sorted(
+            lines,
+            key=lambda c: position.get(
+                (c[columns["work_dtype"]], c["implementation"], c[columns["device"]]), -1
+            ),
+        )
+    for cells, key in zip(lines, keys, strict=True):
+        mine = groups[key]
+        name = f"`{key[1]}`" if quoted else key[1]
+        assert (cells[columns["work_dtype"]], cells["implementation"]) == (key[0], name)
+        assert cells[columns["device"]] == key[2]
+        assert cells[columns["scenarios"]] == str(len(mine))
+        for field in ("max_ulps", "max_rel_error_normal", "max_ratio"):
+            value = max(float(r[field]) for r in mine)
+            shown = cells[columns[field]]
+            assert shows_metric(shown, value), (key, columns[field], shown, value)
+        failing = [r for r in mine if any(r[o] == "fail" for o in ORACLE_COLUMNS)]
+        oracles = sorted({o for r in failing for o in ORACLE_COLUMNS if r[o] == "fail"})
+        expected = f"FAIL {len(failing)}/{len(mine)} ({', '.join(oracles)})" if failing else "pass"
+        assert cells[columns["verdict"]] == expected, key
 
 
 def test_the_headline_shows_what_divergence_csv_holds(
@@ -117,28 +158,7 @@ def test_the_headline_shows_what_divergence_csv_holds(
     failing count and the oracles that failed."""
     index, records = written
     lines = markdown_table(section(index, "## Headline"))
-    assert [(c["work dtype"], c["implementation"].strip("`"), c["device"]) for c in lines] == (
-        _expected_headline(records)
-    )
-    for cells in lines:
-        mine = [
-            r
-            for r in records
-            if (r["work_dtype"], r["implementation"], r["device"])
-            == (cells["work dtype"], cells["implementation"].strip("`"), cells["device"])
-            and not r["verdict"].startswith("not judged")
-        ]
-        assert cells["implementation"] == f"`{mine[0]['implementation']}`"
-        assert cells["scenarios"] == str(len(mine))
-        for column, field in (("max ulps vs emulation", "max_ulps"),
-                              ("max rel. error (normal range)", "max_rel_error_normal"),
-                              ("max error/bound", "max_ratio")):  # fmt: skip
-            value = max(float(r[field]) for r in mine)
-            assert shows_metric(cells[column], value), (column, cells[column], value)
-        failing = [r for r in mine if any(r[o] == "fail" for o in ORACLE_COLUMNS)]
-        oracles = sorted({o for r in failing for o in ORACLE_COLUMNS if r[o] == "fail"})
-        expected = f"FAIL {len(failing)}/{len(mine)} ({', '.join(oracles)})" if failing else "pass"
-        assert cells["verdict"] == expected
+    assert_headline_shows(lines, records, INDEX_COLUMNS, quoted=True)
 
 
 def test_divergence_csv_has_every_row_and_the_not_judged_ones(

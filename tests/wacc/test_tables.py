@@ -68,3 +68,25 @@ def test_numbers_are_right_aligned_and_words_left_aligned() -> None:
                 assert line[start + len(cell) : end].strip() == ""
     assert lines[0].startswith("name         scenarios")
     assert lines[2] == "a                   12        1.5     inf  ok"
+
+
+def test_every_kind_of_number_is_right_aligned_in_a_wide_column() -> None:
+    """In a column wider than its cells, ``12``, ``1.5``, ``1.235e-05``, ``2e+10`` and ``inf``
+    end where the column ends; ``1.2.3`` (a version, not a number), ``1e5x`` and ``-`` start where
+    it starts."""
+    cells = ["12", "1.5", "1.235e-05", "2e+10", "inf", "1.2.3", "1e5x", "-"]
+    lines = render_table(["a wide column's header"], [[cell] for cell in cells]).splitlines()
+    width = len("a wide column's header")
+    for line, cell in zip(lines[2:], cells, strict=True):
+        if cell in ("1.2.3", "1e5x", "-"):
+            assert line == cell, line
+        else:
+            assert line == cell.rjust(width), line
+
+
+@pytest.mark.parametrize("row", [["a"], ["a", "b", "c"]])
+def test_a_row_of_another_width_than_the_header_is_refused(row: list[str]) -> None:
+    """A row with a cell missing or one too many is an error, never a table whose cells stand
+    under another column's header."""
+    with pytest.raises(ValueError, match="zip"):
+        render_table(["x", "y"], [row])
