@@ -24,6 +24,7 @@ __all__ = [
     "metric_value",
     "section",
     "shows_metric",
+    "text_alignments",
     "text_table",
 ]
 
@@ -120,11 +121,8 @@ def section(text: str, heading: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def text_table(text: str) -> Rows:
-    """A fixed-width terminal table (its header line, a line of dash runs separated by spaces,
-    then one line per row) as rows keyed by header. Each column spans its run of dashes: a cell
-    is what lies there, left- or right-aligned, stripped. Text before the header is ignored up
-    to the first line that is only dash runs; the rows end at the first blank line."""
+def _layout(text: str) -> tuple[list[str], int, list[tuple[int, int]]]:
+    """A text table's lines, the index of its line of dashes, and each column's span."""
     lines = text.splitlines()
     try:
         rule = next(
@@ -137,25 +135,65 @@ def text_table(text: str) -> Rows:
     spans = [(m.start(), m.end()) for m in _DASHES.finditer(lines[rule])]
     if any(b[0] - a[1] < 2 for a, b in zip(spans, spans[1:], strict=False)):
         raise TableError(f"columns not two spaces apart: {lines[rule]!r}")
+    return lines, rule, spans
 
-    def cells(line: str) -> list[str]:
-        # A character outside every span would be a cell spilling into its neighbour's gap.
-        for a, b in zip(spans, spans[1:], strict=False):
-            if line[a[1] : b[0]].strip():
-                raise TableError(f"a cell wider than its column: {line!r}")
-        if line[spans[-1][1] :].strip():
-            raise TableError(f"a cell wider than the last column: {line!r}")
-        return [line[start:end].strip() for start, end in spans]
 
-    header = cells(lines[rule - 1])
-    if len(set(header)) != len(header):
-        raise TableError(f"a header named twice: {header}")
+def _spans(line: str, spans: list[tuple[int, int]]) -> list[str]:
+    """The raw text of each column's span in ``line`` (a cell spilling out of it is an error)."""
+    for a, b in zip(spans, spans[1:], strict=False):
+        if line[a[1] : b[0]].strip():
+            raise TableError(f"a cell wider than its column: {line!r}")
+    if line[spans[-1][1] :].strip():
+        raise TableError(f"a cell wider than the last column: {line!r}")
+    return [line[start:end] for start, end in spans]
+
+
+def _body(lines: list[str], rule: int) -> list[str]:
     body = []
     for line in lines[rule + 1 :]:
         if not line.strip():
             break
-        body.append(dict(zip(header, cells(line), strict=True)))
+        body.append(line)
     return body
+
+
+def text_table(text: str) -> Rows:
+    """A fixed-width terminal table (its header line, a line of dash runs separated by spaces,
+    then one line per row) as rows keyed by header. Each column spans its run of dashes: a cell
+    is what lies there, left- or right-aligned, stripped. Text before the header is ignored up
+    to the first line that is only dash runs; the rows end at the first blank line."""
+    lines, rule, spans = _layout(text)
+    header = [cell.strip() for cell in _spans(lines[rule - 1], spans)]
+    if len(set(header)) != len(header):
+        raise TableError(f"a header named twice: {header}")
+    return [
+        dict(zip(header, (cell.strip() for cell in _spans(line, spans)), strict=True))
+        for line in _body(lines, rule)
+    ]
+
+
+def text_alignments(text: str, *, header: bool = False) -> Rows:
+    """How each cell of a text table sits in its column: ``left`` (starts where the column
+    starts), ``right`` (ends where it ends), ``fills`` (both), ``empty``, or ``middle``; one
+    row per body row (the header row first with ``header=True``), keyed by header."""
+    lines, rule, spans = _layout(text)
+    names = [cell.strip() for cell in _spans(lines[rule - 1], spans)]
+
+    def where(raw: str) -> str:
+        if not raw.strip():
+            return "empty"
+        left, right = raw[:1] != " ", len(raw) == len(raw.rstrip()) and raw[-1:] != " "
+        return {(True, True): "fills", (True, False): "left", (False, True): "right"}.get(
+            (left, right), "middle"
+        )
+
+    rows = ([lines[rule - 1]] if header else []) + _body(lines, rule)
+    return [
+        dict(
+            zip(names, (where(raw) for raw in _spans(line.ljust(spans[-1][1]), spans)), strict=True)
+        )
+        for line in rows
+    ]
 
 
 def metric_value(cell: str) -> float:

@@ -15,6 +15,7 @@ from tests.wacc.rendered import (
     metric_value,
     section,
     shows_metric,
+    text_alignments,
     text_table,
 )
 
@@ -172,3 +173,17 @@ def test_a_metric_shown_wrong_is_noticed(cell: str, value: float) -> None:
 def test_metric_value_reads_inf_and_numbers() -> None:
     """The number a metric cell shows."""
     assert metric_value("inf") == math.inf and metric_value("1.5e-05") == 1.5e-5
+
+
+def test_text_alignments_say_where_each_cell_sits() -> None:
+    """Each cell of a text table is left-aligned, right-aligned, fills its column, is empty, or
+    sits in the middle; a line shorter than the table (its trailing spaces stripped) reads as
+    padded."""
+    text = "name  count  note\n----  -----  ------\na        12  x\nlong  12345\n  b     1     ok\n"
+    assert text_alignments(text, header=True) == [
+        {"name": "fills", "count": "fills", "note": "left"},
+        {"name": "left", "count": "right", "note": "left"},
+        {"name": "fills", "count": "fills", "note": "empty"},
+        {"name": "middle", "count": "middle", "note": "middle"},
+    ]
+    assert text_alignments(text)[0] == {"name": "left", "count": "right", "note": "left"}

@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -69,10 +70,11 @@ COMPARED = (
 )
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, str]]]:
+# Per test (not per module): mutmut counts a fixture's calls for the test that set it up first.
+@pytest.fixture
+def written(tmp_path: Path) -> tuple[str, list[dict[str, str]]]:
     """index.md's text and divergence.csv's rows of one report."""
-    out = tmp_path_factory.mktemp("report")
+    out = tmp_path
     write_csv(ROWS, out / "divergence.csv", provenance=PROVENANCE, not_judged=NOT_JUDGED)
     write_index(
         out, provenance=PROVENANCE, rows=ROWS, figures={}, variants=VARIANTS, replay_files=4,
