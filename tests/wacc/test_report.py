@@ -24,7 +24,6 @@ from wacc.report.writer import (
     MANIFEST,
     ORACLE_COLUMNS,
     ROW_COLUMNS,
-    record_files,
 )
 from wacc_ref import formats
 
@@ -132,34 +131,6 @@ def test_a_report_removes_only_its_own_stale_files(report: Path) -> None:
         replays | {name for name in USERS_FILES if name.startswith("scenarios/")}
     )
     assert {"index.md", "divergence.csv", *(f"figures/{f}" for f in FIGURES)} <= set(listed)
-
-
-def test_a_manifest_never_removes_what_is_not_the_reports(tmp_path: Path) -> None:
-    """Whatever a manifest lists, only a replay file under scenarios/ or a figure under figures/
-    is removed (not another name, a path out of the folder, or a symlink), and only when this
-    report did not write it; the new manifest lists what this report wrote."""
-    outside = tmp_path / "outside.json"
-    out = tmp_path / "report"
-    names = ["notes.md", "../outside.json", "scenarios/../notes.md", "scenarios/link.json",
-             "scenarios/old.json", "scenarios/new.json", "figures/old.png"]  # fmt: skip
-    (out / "scenarios").mkdir(parents=True)
-    (out / "figures").mkdir()
-    for path in (outside, out / "notes.md", out / "scenarios" / "old.json",
-                 out / "scenarios" / "new.json", out / "figures" / "old.png"):  # fmt: skip
-        path.write_text("x", encoding="utf-8")
-    (out / "scenarios" / "link.json").symlink_to(out / "notes.md")
-    (out / MANIFEST).write_text("\n".join(names) + "\n", encoding="utf-8")
-    removed = record_files(out, [out / "scenarios" / "new.json"])
-    assert sorted(p.relative_to(out).as_posix() for p in removed) == [
-        "figures/old.png", "scenarios/old.json"
-    ]  # fmt: skip
-    assert (
-        outside.exists()
-        and (out / "notes.md").exists()
-        and (out / "scenarios" / "new.json").exists()
-    )
-    assert (out / "scenarios" / "link.json").is_symlink()
-    assert (out / MANIFEST).read_text(encoding="utf-8") == "scenarios/new.json\n"
 
 
 def test_index_lists_what_each_implementation_lacks(report: Path) -> None:

@@ -15,10 +15,20 @@ from pathlib import Path
 import pytest
 
 from tests.wacc.rendered import markdown_table, section, shows_metric
+from wacc.report.corpus import FUSED_SUFFIX, build_corpus
 from wacc.report.provenance import Provenance
 from wacc.report.rows import NotJudged, Row
-from wacc.report.writer import CSV_COLUMNS, ORACLE_COLUMNS, write_csv, write_index
+from wacc.report.writer import (
+    CSV_COLUMNS,
+    MANIFEST,
+    ORACLE_COLUMNS,
+    record_files,
+    write_csv,
+    write_index,
+    write_scenarios,
+)
 from wacc_ref import formats
+from wacc_ref.scenario import from_json, to_json
 
 PROVENANCE = Provenance(
     versions={"wacc": "9.9", "torch": "2.13"}, commit="abc123", devices={"cpu": "test cpu"},
@@ -244,3 +254,85 @@ def test_index_states_provenance_features_audit_and_files(
         "- `scenarios/`: 4 replay files, one per scenario that a row fails "
         "(`wacc replay scenarios/<file> --impl <factory>`)",
     ]
+
+
+def test_a_manifest_never_removes_what_is_not_the_reports(tmp_path: Path) -> None:
+    """Whatever a manifest lists, only a replay file under scenarios/ or a figure under figures/
+    is removed (not another name, a path out of the folder, or a symlink), and only when this
+    report did not write it; the new manifest lists what this report wrote."""
+    outside = tmp_path / "outside.json"
+    out = tmp_path / "report"
+    names = ["notes.md", "../outside.json", "scenarios/../notes.md", "scenarios/link.json",
+             "scenarios/old.json", "scenarios/new.json", "figures/old.png"]  # fmt: skip
+    (out / "scenarios").mkdir(parents=True)
+    (out / "figures").mkdir()
+    for path in (outside, out / "notes.md", out / "scenarios" / "old.json",
+                 out / "scenarios" / "new.json", out / "figures" / "old.png"):  # fmt: skip
+        path.write_text("x", encoding="utf-8")
+    (out / "scenarios" / "link.json").symlink_to(out / "notes.md")
+    (out / MANIFEST).write_text("\n".join(names) + "\n", encoding="utf-8")
+    removed = record_files(out, [out / "scenarios" / "new.json"])
+    assert sorted(p.relative_to(out).as_posix() for p in removed) == [
+        "figures/old.png", "scenarios/old.json"
+    ]  # fmt: skip
+    assert (
+        outside.exists()
+        and (out / "notes.md").exists()
+        and (out / "scenarios" / "new.json").exists()
+    )
+    assert (out / "scenarios" / "link.json").is_symlink()
+    assert (out / MANIFEST).read_text(encoding="utf-8") == "scenarios/new.json\n"
+    # A second report into the folder: what the first wrote and this one did not is removed.
+    (out / "scenarios" / "newer.json").write_text("y", encoding="utf-8")
+    assert record_files(out, [out / "scenarios" / "newer.json"]) == [out / "scenarios" / "new.json"]
+    assert (out / MANIFEST).read_text(encoding="utf-8") == "scenarios/newer.json\n"
+
+
+def test_a_first_report_removes_nothing_and_lists_its_files(tmp_path: Path) -> None:
+    """Without a manifest (a first report, or one by a wacc before 0.3) nothing is removed; the
+    new manifest lists this report's files, sorted, one a line, and no temporary is left."""
+    out = tmp_path / "report"
+    (out / "scenarios").mkdir(parents=True)
+    old = out / "scenarios" / "old.json"
+    old.write_text("x", encoding="utf-8")
+    written = [out / "index.md", out / "scenarios" / "b.json", out / "scenarios" / "a.json"]
+    assert record_files(out, written) == []
+    assert (out / MANIFEST).read_text(encoding="utf-8") == (
+        "index.md\nscenarios/a.json\nscenarios/b.json\n"
+    )
+    assert old.exists()
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "scenarios"]
+
+
+def test_each_failing_rows_replay_file_holds_its_scenario(tmp_path: Path) -> None:
+    """Every replay file the failing rows name is written once under the report's folder, as
+    the scenario's JSON (indented, a final newline), the fused twin for a fused suffix; the
+    count returned is the number of files."""
+    corpus = build_corpus(size="quick")[:3]
+    first, second = corpus[0], corpus[1]
+    names = [f"scenarios/{first.scenario_id}.json",
+             f"scenarios/{second.scenario_id}{FUSED_SUFFIX}.json"]  # fmt: skip
+    rows = [
+        dataclasses.replace(ROWS[3], scenario_id=first.scenario_id, replay=names[0]),
+        dataclasses.replace(ROWS[4], scenario_id=first.scenario_id, replay=names[0]),
+        dataclasses.replace(ROWS[3], scenario_id=second.scenario_id, replay=names[1]),
+        dataclasses.replace(ROWS[0], scenario_id=corpus[2].scenario_id),  # passes: no file
+    ]
+    out = tmp_path / "report"
+    assert write_scenarios(rows, corpus, out) == 2
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.json")) == sorted(names)
+    for name, scenario in zip(
+        names, [first.scenario, dataclasses.replace(second.scenario, fused=True)], strict=True
+    ):
+        text = (out / name).read_text(encoding="utf-8")
+        assert text == to_json(scenario, indent=1) + "\n"
+        assert from_json(text) == scenario
+
+
+def test_a_version_not_recorded_reads_as_a_question_mark(tmp_path: Path) -> None:
+    """divergence.csv's wacc and torch versions are ``?`` when the provenance has none."""
+    bare = dataclasses.replace(PROVENANCE, versions={"numpy": "2.0"})
+    write_csv(ROWS[:1], tmp_path / "d.csv", provenance=bare)
+    with (tmp_path / "d.csv").open(newline="", encoding="utf-8") as handle:
+        (record,) = list(csv.DictReader(handle))
+    assert (record["wacc_version"], record["torch_version"]) == ("?", "?")
