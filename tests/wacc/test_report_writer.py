@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -86,10 +87,11 @@ def written(tmp_path: Path) -> tuple[str, list[dict[str, str]]]:
     """index.md's text and divergence.csv's rows of one report."""
     out = tmp_path
     write_csv(ROWS, out / "divergence.csv", provenance=PROVENANCE, not_judged=NOT_JUDGED)
+    figures = {"A figure": (out / "figures" / "a.png", "What it shows.")}
     write_index(
-        out, provenance=PROVENANCE, rows=ROWS, figures={}, variants=VARIANTS, replay_files=4,
+        out, provenance=PROVENANCE, rows=ROWS, figures=figures, variants=VARIANTS, replay_files=4,
         unsupported={"mine.py:make": ["not judged: found_inf (an extension)"], "x": []},
-        not_judged=NOT_JUDGED, compared=COMPARED, audit=["## Audit lines", "", "as given"],
+        not_judged=NOT_JUDGED, compared=COMPARED, audit=["## Audit lines", "", "as given", ""],
     )  # fmt: skip
     with (out / "divergence.csv").open(newline="", encoding="utf-8") as handle:
         records = list(csv.DictReader(handle))
@@ -336,3 +338,53 @@ def test_a_version_not_recorded_reads_as_a_question_mark(tmp_path: Path) -> None
     with (tmp_path / "d.csv").open(newline="", encoding="utf-8") as handle:
         (record,) = list(csv.DictReader(handle))
     assert (record["wacc_version"], record["torch_version"]) == ("?", "?")
+
+
+def test_index_is_its_sections_in_order_each_heading_set_apart(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """index.md has its title, then the headline, the comparison, the missing features, each
+    figure (its caption and the image), the fused variants, the audit's lines and the files, in
+    that order; each heading stands between blank lines; the file ends with one newline."""
+    index, _ = written
+    lines = index.split("\n")
+    headings = [line for line in lines if line.startswith("#")]
+    assert headings == [
+        "# wacc report", "## Headline", "## Compared with `old-report`",
+        "## Features the implementations lack", "## A figure",
+        "## Fused mode: the §6 variant each device took", "## Audit lines", "## Files",
+    ]  # fmt: skip
+    for at, line in enumerate(lines):
+        if line.startswith("#"):
+            assert lines[at + 1] == "" and (at == 0 or lines[at - 1] == ""), line
+    assert index.endswith("(`wacc replay scenarios/<file> --impl <factory>`)\n")
+    assert section(index, "## A figure") == "\nWhat it shows.\n\n![A figure](figures/a.png)\n"
+
+
+def _terms(text: str) -> set[str]:
+    return set(re.findall(r"`([^`]+)`", text))
+
+
+def test_each_sections_words_are_explained_where_it_is_read(
+    written: tuple[str, list[dict[str, str]]],
+) -> None:
+    """The paragraph above each table names, in code, every metric column of the headline,
+    every variant label the fused table can show, every change word and the ``now (before)``
+    form of the comparison, and the two kinds of missing feature: a reader finds what a cell
+    means above it."""
+    index, _ = written
+    headline = section(index, "## Headline").split("\n|", 1)[0]
+    assert {"max ulps", "max rel. error (normal range)", "max error/bound"} <= _terms(headline)
+    assert "three oracles (emulation bit for bit, error within the derived bound, semantics)" in (
+        headline
+    )
+    fused = section(index, "## Fused mode: the §6 variant each device took").split("\n|", 1)[0]
+    assert {"fma", "op_rounded", "two_step", "fma+op_rounded", "mixed", "any", "fused=True",
+            "docs/semantics.md"} <= _terms(fused)  # fmt: skip
+    compared = section(index, "## Compared with `old-report`").split("\n|", 1)[0]
+    assert {"now (before)", "divergence.csv", "worse", "better", "new", "gone"} <= _terms(compared)
+    lacking = section(index, "## Features the implementations lack").split("\n- ", 1)[0]
+    assert {"unsupported", "not judged", "--allow-missing", "wacc.contract"} <= _terms(lacking)
+    for paragraph in (headline, fused, compared, lacking):
+        text = paragraph.strip()
+        assert text[0].isupper() and text.endswith(".") and "\n" not in text, text
