@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.wacc.ascii_locale import ascii_locale
 from tests.wacc.rendered import markdown_table, section, shows_metric, text_table
 from wacc.gate.compare import Comparison, compare
 from wacc.gate.groups import UNREPRODUCED, group_findings
@@ -486,3 +487,11 @@ def test_junit_messages_are_cut_at_two_hundred_characters_and_name_everything(
     bare = write_junit(comparison, tmp_path / "bare.xml", implementation="x:make")
     skip = next(c for c in ET.parse(bare).iter("testcase") if c.get("name") == "float16/w/corpus")
     assert [(s.tag, s.get("message")) for s in skip] == [("skipped", "not judged")]
+
+
+def test_gate_md_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """gate.md is written as UTF-8 even where the locale's encoding is ASCII."""
+    with ascii_locale():
+        path = write_summary(_comparison(), tmp_path / "gate.md", implementation="mïne:make",
+                             seconds=1.0)  # fmt: skip
+    assert "`mïne:make`" in path.read_text(encoding="utf-8")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.wacc.ascii_locale import ascii_locale
 from tests.wacc.rendered import markdown_table, section, shows_metric
 from wacc.report.corpus import FUSED_SUFFIX, build_corpus
 from wacc.report.provenance import Provenance
@@ -388,3 +389,18 @@ def test_each_sections_words_are_explained_where_it_is_read(
     for paragraph in (headline, fused, compared, lacking):
         text = paragraph.strip()
         assert text[0].isupper() and text.endswith(".") and "\n" not in text, text
+
+
+def test_the_reports_files_are_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """index.md, divergence.csv and the manifest are written as UTF-8 (a user's implementation
+    named with an accent, the § of index.md) even where the locale's encoding is ASCII."""
+    rows = [dataclasses.replace(ROWS[0], implementation="mïne.py:make")]
+    notes = tmp_path / "notes-é.md"
+    with ascii_locale():
+        write_csv(rows, tmp_path / "divergence.csv", provenance=PROVENANCE)
+        write_index(tmp_path, provenance=PROVENANCE, rows=rows, figures={}, variants=VARIANTS,
+                    replay_files=0)  # fmt: skip
+        record_files(tmp_path, [notes])
+    assert "mïne.py:make" in (tmp_path / "divergence.csv").read_text(encoding="utf-8")
+    assert "`mïne.py:make`" in (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert (tmp_path / MANIFEST).read_text(encoding="utf-8") == "notes-é.md\n"

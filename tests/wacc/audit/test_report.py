@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.wacc.ascii_locale import ascii_locale
 from tests.wacc.rendered import (
     markdown_tables,
     section,
@@ -245,3 +246,15 @@ def test_audit_md_states_provenance_windows_code_paths_and_each_note_once(
     ]
     assert section(markdown, "## Notes").strip() == "- `bad`: a note"
     assert markdown.endswith("\n\n## Notes\n\n- `bad`: a note\n")
+
+
+def test_audit_md_and_audit_csv_are_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """audit.md and audit.csv are written as UTF-8 (its dashes and arrows included) even where
+    the locale's encoding is ASCII."""
+    result = _result()
+    result.facts[0].fp16 = "skips the whole window (scale 65536 → 32768)"
+    with ascii_locale():
+        write_markdown(result, tmp_path / "audit.md", _PROVENANCE)
+        write_csv(result, tmp_path / "audit.csv", _PROVENANCE)
+    assert "— good | loop" in (tmp_path / "audit.md").read_text(encoding="utf-8")
+    assert "65536 → 32768" in (tmp_path / "audit.csv").read_text(encoding="utf-8")
