@@ -386,6 +386,23 @@ def test_each_sections_words_are_explained_where_it_is_read(
     assert {"now (before)", "divergence.csv", "worse", "better", "new", "gone"} <= _terms(compared)
     lacking = section(index, "## Features the implementations lack").split("\n- ", 1)[0]
     assert {"unsupported", "not judged", "--allow-missing", "wacc.contract"} <= _terms(lacking)
+    # The caveats a reader needs to read the cells right, stated where the cells are.
+    said = {name: " ".join(text.split()) for name, text in
+            (("headline", headline), ("compared", compared), ("lacking", lacking))}  # fmt: skip
+    assert "(a fused mode may legitimately differ)" in said["headline"]
+    assert (
+        "the bound's absolute part decides: the bound oracle judges those elements"
+        in (said["headline"])
+    )
+    assert "`worse`: a metric or the failing share went up, `better`: down" in said["compared"]
+    assert (
+        "A report from a wacc before 0.2 measured the relative error over every nonzero exact "
+        "value, not only the normal range." in said["compared"]
+    )
+    assert (
+        "The steps and scenarios that need a missing feature are not run, so the rows above "
+        "judge the rest" in said["lacking"]
+    )
     for paragraph in (headline, fused, compared, lacking):
         text = paragraph.strip()
         assert text[0].isupper() and text.endswith(".") and "\n" not in text, text
@@ -404,3 +421,21 @@ def test_the_reports_files_are_utf8_whatever_the_locale(tmp_path: Path) -> None:
     assert "mïne.py:make" in (tmp_path / "divergence.csv").read_text(encoding="utf-8")
     assert "`mïne.py:make`" in (tmp_path / "index.md").read_text(encoding="utf-8")
     assert (tmp_path / MANIFEST).read_text(encoding="utf-8") == "notes-é.md\n"
+
+
+def test_a_manifest_that_is_not_utf8_or_too_long_is_read_as_far_as_it_can_be(
+    tmp_path: Path,
+) -> None:
+    """A manifest with bytes that are not UTF-8 is still read (those bytes replaced), so its
+    other lines still count; one longer than 16 MiB is read up to there: a name listed beyond
+    is never removed."""
+    out = tmp_path / "report"
+    (out / "scenarios").mkdir(parents=True)
+    for name in ("a.json", "b.json"):
+        (out / "scenarios" / name).write_text("x", encoding="utf-8")
+    (out / MANIFEST).write_bytes(b"scenarios/\xff.json\nscenarios/a.json\n")
+    assert record_files(out, []) == [out / "scenarios" / "a.json"]
+    padding = b"#" * (16 * 2**20) + b"\n"
+    (out / MANIFEST).write_bytes(padding + b"scenarios/b.json\n")
+    assert record_files(out, []) == []
+    assert (out / "scenarios" / "b.json").exists()

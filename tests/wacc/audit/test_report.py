@@ -69,16 +69,18 @@ def _result() -> AuditResult:
         LoopFacts(good, version="1.2.3", model="causal", needs_total="yes (measured)",
                   resume="bit-identical", resume_rel_l2=0.0, loss_scale="exact",
                   fp16="skips the whole window"),
-        LoopFacts(bad, version="", model="seq2seq", truth_casts=("lm_head -> float32",),
+        LoopFacts(bad, version="", model="seq2seq",
+                  truth_casts=("lm_head -> float32", "x -> float32", "y -> float32", "z -> f32"),
                   loss_casts=("loss -> float32", "ce -> float32"), needs_total="no",
                   resume="differs after resume", resume_rel_l2=3.14159e-3,
                   loss_scale="differs with S",
-                  fp16="applies non-finite gradients | once", notes=["a note", "a note"]),
+                  fp16="applies non-finite gradients | once",
+                  notes=["a note", "another note", "a note"]),
         LoopFacts(broken, status=_BOOM, model="causal", resume_rel_l2=0.5, needs_total="yes"),
         # Only forward casts, five names (one with a space, one cast twice): four and "+1 more".
         LoopFacts(third, version="0.1", model="masked", needs_total="yes", resume="exact",
                   resume_rel_l2=1.5e-9, loss_scale="exact", fp16="no float16 compute",
-                  truth_casts=("embed tokens -> float32", "a -> float32", "e -> float32",
+                  truth_casts=("ab cd -> float32", "a -> float32", "e -> float32",
                                "c -> float32", "b -> float32", "a -> float64")),
     ]  # fmt: skip
     windows = [Window("unequal", (1, 7, 200, 3), ()), Window("zero", (0, 0), ())]
@@ -244,8 +246,8 @@ def test_audit_md_states_provenance_windows_code_paths_and_each_note_once(
         *(f"- `{n}` — {n} | loop (checked: >=1.0): `{n}.step`" for n in ("good", "bad", "broken")),
         "- `third` — third | loop (checked: n/a): `third.step`",
     ]
-    assert section(markdown, "## Notes").strip() == "- `bad`: a note"
-    assert markdown.endswith("\n\n## Notes\n\n- `bad`: a note\n")
+    assert section(markdown, "## Notes").strip() == "- `bad`: a note\n- `bad`: another note"
+    assert markdown.endswith("\n\n## Notes\n\n- `bad`: a note\n- `bad`: another note\n")
 
 
 def test_audit_md_and_audit_csv_are_utf8_whatever_the_locale(tmp_path: Path) -> None:
@@ -258,3 +260,37 @@ def test_audit_md_and_audit_csv_are_utf8_whatever_the_locale(tmp_path: Path) -> 
         write_csv(result, tmp_path / "audit.csv", _PROVENANCE)
     assert "— good | loop" in (tmp_path / "audit.md").read_text(encoding="utf-8")
     assert "65536 → 32768" in (tmp_path / "audit.csv").read_text(encoding="utf-8")
+
+
+def test_audit_md_without_notes_has_no_notes_section(tmp_path: Path) -> None:
+    """A result whose loops noted nothing has no Notes section."""
+    result = _result()
+    for fact in result.facts:
+        fact.notes = []
+    write_markdown(result, tmp_path / "audit.md", _PROVENANCE)
+    text = (tmp_path / "audit.md").read_text(encoding="utf-8")
+    assert "## Notes" not in text and text.endswith("`third.step`\n")
+
+
+def test_audit_csv_holds_each_cells_values_in_full(
+    written: tuple[str, str, list[dict[str, str]]],
+) -> None:
+    """audit.csv has one row per loop x window, each measured value as its repr (the float
+    itself, nan and inf included), the counts and the flags as the cell has them."""
+    _, _, records = written
+    cells = _result().cells
+    assert [(r["loop"], r["window"]) for r in records] == [(c.adapter, c.window) for c in cells]
+    fields = {
+        "rel_l2": "rel_l2", "max_rel_element": "max_rel", "err_over_bound": "ratio",
+        "element_err_over_bound": "element_ratio", "f64_rel_l2": "semantic_rel_l2",
+        "f64_err_over_bound": "semantic_ratio",
+        "f64_element_err_over_bound": "semantic_element_ratio",
+    }  # fmt: skip
+    for record, cell in zip(records, cells, strict=True):
+        for column, field in fields.items():
+            assert record[column] == repr(getattr(cell, field)), (column, cell)
+        assert record["tokens_counted"] == ("" if cell.counted is None else repr(cell.counted))
+        assert record["tokens_true"] == str(cell.true_count)
+        assert (record["status"], record["verdict"]) == (cell.status, cell.verdict)
+        assert record["deterministic"] == ("" if cell.deterministic is None else
+                                           str(cell.deterministic))  # fmt: skip
