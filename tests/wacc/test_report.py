@@ -357,6 +357,19 @@ def test_the_headlines_show_what_divergence_csv_holds(run: tuple[Path, str]) -> 
     assert_headline_shows(text_table(stdout), records, TERMINAL_COLUMNS, quoted=False)
 
 
+def _now_before(cell: str) -> tuple[str, str]:
+    """``now (before)`` split at the parenthesis that matches the last one (a verdict has its
+    own: ``FAIL 3/9 (bound) (pass)``)."""
+    assert cell.endswith(")"), cell
+    depth = 0
+    for at in range(len(cell) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(cell[at], 0)
+        if depth == 0:
+            assert cell[at - 1] == " ", cell
+            return cell[: at - 1], cell[at + 1 : -1]
+    raise AssertionError(f"unbalanced: {cell!r}")
+
+
 def test_the_comparison_shows_both_reports_csvs(run: tuple[Path, str]) -> None:
     """The table comparing with the previous report, in index.md and printed, read back by
     column name: each ``now (before)`` cell's two sides are this report's and the previous
@@ -375,8 +388,7 @@ def test_the_comparison_shows_both_reports_csvs(run: tuple[Path, str]) -> None:
                     if column in ("dtype", "implementation", "device", "change"):
                         pairs[column] = cell
                     else:
-                        now, _, before = cell.rpartition(" (")
-                        pairs[column] = (now, before.removesuffix(")"))[side]
+                        pairs[column] = _now_before(cell)[side]
                 if pairs["scenarios"] != "-":
                     lines.append(pairs)
             assert_headline_shows(
