@@ -62,7 +62,8 @@ def _result() -> AuditResult:
         Cell("broken", "unequal", status=_BOOM, rel_l2=0.5, max_rel=0.25, ratio=2.0,
              semantic_ratio=4.0, counted=3.0, true_count=211),
         Cell("broken", "zero", status=_BOOM, true_count=0),
-        Cell("third", "unequal", rel_l2=6.5e-3, max_rel=0.0, ratio=0.875, semantic_ratio=0.5,
+        # A zero of either sign reads 0.
+        Cell("third", "unequal", rel_l2=6.5e-3, max_rel=-0.0, ratio=0.875, semantic_ratio=0.5,
              counted=None, true_count=211, deterministic=True),
     ]  # fmt: skip
     facts = [
