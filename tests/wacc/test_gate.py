@@ -351,3 +351,80 @@ def test_a_run_clears_only_its_own_shards_old_replay_files(tmp_path: Path) -> No
     _clear_replays(tmp_path, Shard(1, 2))  # positions 0, 2, 4, ...
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gate-00001-b.json", "notes.json"]
     _clear_replays(tmp_path / "absent", Shard(1, 1))  # no folder yet: nothing to do
+
+
+# Shard results and a baseline written by hand (the committed baseline's header, these entries):
+# every status a key can have, metrics that differ column by column (issue 33).
+_FINDING = {
+    "signature": "[emulation] step # (finish_mean) grads[#][flat #]: expected #, got #",
+    "message": "[emulation] step 3 (finish_mean) grads[w][flat 0]: expected 1.0, got 2.0",
+    "replay": None,
+    "steps": 3,
+}
+# key: (scenarios, failing, max_ulps, max_ratio, milliseconds) now, then in the baseline, status
+_Values = tuple[int, int, float, float, int]
+_KEYS: dict[str, tuple[_Values, _Values, str]] = {
+    "bfloat16/sums/corpus": ((12, 0, 2.0, 0.123456789, 1234), (12, 0, 2.0, 0.123456789, 9), "ok"),
+    "float16/windows/corpus": ((7, 0, 0.0, 0.99999, 5), (7, 0, 0.0, 0.5, 9), "REGRESSION"),
+    "float32/windows/corpus": (
+        (9, 0, 1.5, 1.234567e-5, 20), (9, 0, 3.75, 6.54321e-4, 9), "improved"
+    ),
+    "float64/windows/check": ((30, 2, 12345.678, 0.75, 987), (28, 0, 7.0, 0.0, 9), "FAIL"),
+}  # fmt: skip
+
+
+def _entry(values: _Values, findings: int) -> dict[str, Any]:
+    scenarios, failing, ulps, ratio, milliseconds = values
+    return {
+        "scenarios": scenarios, "failing": failing, "max_ulps": ulps.hex(),
+        "max_ratio": ratio.hex(), "milliseconds": milliseconds, "findings": [_FINDING] * findings,
+    }  # fmt: skip
+
+
+def test_the_gates_table_summary_and_junit_show_what_the_files_hold(tmp_path: Path) -> None:
+    """``wacc gate --merge`` of shard results against a baseline: the printed table, gate.md's
+    table and the JUnit XML, read back by column name, show each key's values from the results
+    file and the baseline (metrics to 4 significant digits), with its status."""
+    from tests.wacc.rendered import markdown_table, shows_metric, text_table
+
+    header = json.loads((REPO / "reports" / "baseline.json").read_text(encoding="utf-8"))
+    baseline = {**header, "entries": {k: _entry(b, 0) for k, (_, b, _) in _KEYS.items()}}
+    results = {**header, "format": "wacc-gate-results",
+               "entries": {k: _entry(n, n[1]) for k, (n, _, _) in _KEYS.items()}}  # fmt: skip
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "s.json").write_text(json.dumps(results), encoding="utf-8")
+    (tmp_path / "b.json").write_text(json.dumps(baseline), encoding="utf-8")
+    done = gate(
+        "--merge", str(tmp_path / "shards"), "--baseline", str(tmp_path / "b.json"),
+        "--junit-xml", str(tmp_path / "gate.xml"), "--summary-md", str(tmp_path / "gate.md"),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+
+    def shows(cells: dict[str, str], key: str) -> None:
+        now, base, status = _KEYS[key]
+        assert (cells["scenarios"], cells["failing"]) == (str(now[0]), str(now[1]))
+        for column, at in (("max ulps (baseline)", 2), ("max err/bound (baseline)", 3)):
+            shown = re.fullmatch(r"(\S+) \((\S+)\)", cells[column])
+            assert shown is not None, cells[column]
+            assert shows_metric(shown[1], now[at]) and shows_metric(shown[2], base[at]), (
+                key, column, cells[column],
+            )  # fmt: skip
+        assert cells["status"] == status
+
+    printed = text_table("\n".join(done.stdout.splitlines()[: 2 + len(_KEYS)]))
+    assert [cells["dtype/family/source"] for cells in printed] == sorted(_KEYS)
+    for cells in printed:
+        shows(cells, cells["dtype/family/source"])
+    summary = markdown_table((tmp_path / "gate.md").read_text(encoding="utf-8"))
+    assert [cells["dtype/family/source"] for cells in summary] == [
+        key for key in sorted(_KEYS) if _KEYS[key][2] != "ok"
+    ]
+    for cells in summary:
+        shows(cells, cells["dtype/family/source"])
+    cases = {case.get("name"): case for case in ET.parse(tmp_path / "gate.xml").iter("testcase")}
+    assert set(cases) == {"features", *_KEYS}
+    for key, (now, _, status) in _KEYS.items():
+        assert float(cases[key].get("time", "nan")) == now[4] / 1000
+        outcome = [(child.tag, child.get("type")) for child in cases[key]]
+        failed = status in ("FAIL", "REGRESSION")
+        assert outcome == ([("failure", status)] if failed else []), key

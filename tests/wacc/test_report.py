@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.wacc.rendered import markdown_table, section, text_table
 from tests.wacc.test_report_audit import make_audit_folder
+from tests.wacc.test_report_writer import INDEX_COLUMNS, TERMINAL_COLUMNS, assert_headline_shows
 from wacc.errors import UsageError
 from wacc.report.previous import read_rows
 from wacc.report.rows import IMPLEMENTATIONS
@@ -22,7 +24,6 @@ from wacc.report.writer import (
     MANIFEST,
     ORACLE_COLUMNS,
     ROW_COLUMNS,
-    record_files,
 )
 from wacc_ref import formats
 
@@ -151,34 +152,6 @@ def test_a_report_removes_only_its_own_stale_files(report: Path) -> None:
         replays | {name for name in USERS_FILES if name.startswith("scenarios/")}
     )
     assert {"index.md", "divergence.csv", *(f"figures/{f}" for f in FIGURES)} <= set(listed)
-
-
-def test_a_manifest_never_removes_what_is_not_the_reports(tmp_path: Path) -> None:
-    """Whatever a manifest lists, only a replay file under scenarios/ or a figure under figures/
-    is removed (not another name, a path out of the folder, or a symlink), and only when this
-    report did not write it; the new manifest lists what this report wrote."""
-    outside = tmp_path / "outside.json"
-    out = tmp_path / "report"
-    names = ["notes.md", "../outside.json", "scenarios/../notes.md", "scenarios/link.json",
-             "scenarios/old.json", "scenarios/new.json", "figures/old.png"]  # fmt: skip
-    (out / "scenarios").mkdir(parents=True)
-    (out / "figures").mkdir()
-    for path in (outside, out / "notes.md", out / "scenarios" / "old.json",
-                 out / "scenarios" / "new.json", out / "figures" / "old.png"):  # fmt: skip
-        path.write_text("x", encoding="utf-8")
-    (out / "scenarios" / "link.json").symlink_to(out / "notes.md")
-    (out / MANIFEST).write_text("\n".join(names) + "\n", encoding="utf-8")
-    removed = record_files(out, [out / "scenarios" / "new.json"])
-    assert sorted(p.relative_to(out).as_posix() for p in removed) == [
-        "figures/old.png", "scenarios/old.json"
-    ]  # fmt: skip
-    assert (
-        outside.exists()
-        and (out / "notes.md").exists()
-        and (out / "scenarios" / "new.json").exists()
-    )
-    assert (out / "scenarios" / "link.json").is_symlink()
-    assert (out / MANIFEST).read_text(encoding="utf-8") == "scenarios/new.json\n"
 
 
 def test_index_lists_what_each_implementation_lacks(report: Path) -> None:
@@ -386,3 +359,59 @@ def test_an_implementation_without_records_runs_the_corpus_without_checkpoints(
     for row in rows:  # the twin, or a scenario the generator gave no interruption
         steps = (report / row["replay"]).read_text(encoding="utf-8")
         assert '"checkpoint"' not in steps and '"restore' not in steps, row["replay"]
+
+
+def _records(folder: Path) -> list[dict[str, str]]:
+    with (folder / "divergence.csv").open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_headlines_show_what_divergence_csv_holds(run: tuple[Path, str]) -> None:
+    """The headline in index.md and the one printed, read back by column name, show for each
+    work dtype x implementation x device what the report's divergence.csv rows give (issue 33:
+    a swap of two columns, or another rounding, fails here)."""
+    report, stdout = run
+    records = _records(report)
+    index = (report / "index.md").read_text(encoding="utf-8")
+    lines = markdown_table(section(index, "## Headline"))
+    assert_headline_shows(lines, records, INDEX_COLUMNS, quoted=True)
+    assert_headline_shows(text_table(stdout), records, TERMINAL_COLUMNS, quoted=False)
+
+
+def _now_before(cell: str) -> tuple[str, str]:
+    """``now (before)`` split at the parenthesis that matches the last one (a verdict has its
+    own: ``FAIL 3/9 (bound) (pass)``)."""
+    assert cell.endswith(")"), cell
+    depth = 0
+    for at in range(len(cell) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(cell[at], 0)
+        if depth == 0:
+            assert cell[at - 1] == " ", cell
+            return cell[: at - 1], cell[at + 1 : -1]
+    raise AssertionError(f"unbalanced: {cell!r}")
+
+
+def test_the_comparison_shows_both_reports_csvs(run: tuple[Path, str]) -> None:
+    """The table comparing with the previous report, in index.md and printed, read back by
+    column name: each ``now (before)`` cell's two sides are this report's and the previous
+    report's headline values, each from its own divergence.csv."""
+    report, stdout = run
+    index = (report / "index.md").read_text(encoding="utf-8")
+    written = markdown_table(section(index, f"## Compared with `{PREVIOUS}`"))
+    # What follows the printed table (what each implementation lacks) is not a table's row.
+    printed = stdout.split("compared with", 1)[1].splitlines()[1 : 3 + len(written)]
+    for table in (written, text_table("\n".join(printed))):
+        for side, folder in ((0, report), (1, PREVIOUS)):
+            lines = []
+            for cells in table:
+                pairs = {}
+                for column, cell in cells.items():
+                    if column in ("dtype", "implementation", "device", "change"):
+                        pairs[column] = cell
+                    else:
+                        pairs[column] = _now_before(cell)[side]
+                if pairs["scenarios"] != "-":
+                    lines.append(pairs)
+            assert_headline_shows(
+                lines, _records(folder), TERMINAL_COLUMNS, quoted=False, ordered=False
+            )

@@ -231,3 +231,30 @@ def test_checked_versions_that_differ_are_said(
     markdown = (out / "audit.md").read_text(encoding="utf-8")
     assert "- `plain` — plain PyTorch" in markdown and said in markdown
     assert "checked: n/a" in markdown  # the user loop names no versions: nothing to compare
+
+
+@pytest.mark.slow
+def test_the_printed_tables_and_audit_md_show_what_audit_csv_holds(tmp_path: Path) -> None:
+    """What ``wacc audit`` prints and writes to audit.md, read back by column name, is what it
+    writes to audit.csv, loop by loop and window by window (a failing loop, one that raises, a
+    correct one, and the window with no target token)."""
+    from tests.wacc.audit.test_report import check_tables
+    from tests.wacc.rendered import markdown_tables, section, text_table
+
+    done = _wacc("plain", "tests.wacc.audit.loops:equal_weighting", "tests.wacc.audit.loops:raises",
+                 "--windows", "unequal", "zero", "--quiet", "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    with (tmp_path / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        records = list(csv.DictReader(handle))
+    assert len(records) == 6
+    _, by_cell, by_loop = done.stdout.strip().split("\n\n")
+    # Each loop imports and its facts are measured; only the run of `raises` raises.
+    statuses = dict.fromkeys((r["loop"] for r in records), "ok")
+    check_tables([text_table(by_cell), text_table(by_loop)], records, statuses)
+    markdown = (tmp_path / "audit.md").read_text(encoding="utf-8")
+    check_tables(
+        [*markdown_tables(section(markdown, "## Per loop and window")),
+         *markdown_tables(section(markdown, "## Per loop"))],
+        records,
+        statuses,
+    )  # fmt: skip
