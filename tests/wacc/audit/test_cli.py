@@ -238,8 +238,9 @@ def test_the_printed_tables_and_audit_md_show_what_audit_csv_holds(tmp_path: Pat
     """What ``wacc audit`` prints and writes to audit.md, read back by column name, is what it
     writes to audit.csv, loop by loop and window by window (a failing loop, one that raises, a
     correct one, and the window with no target token)."""
-    from tests.wacc.audit.test_report import check_tables
-    from tests.wacc.rendered import markdown_tables, section, text_table
+    from tests.wacc.audit.test_report import check_tables, terminal_tables
+    from tests.wacc.rendered import markdown_tables, section
+    from wacc.audit.report import CELL_COLUMNS
 
     done = _wacc("plain", "tests.wacc.audit.loops:equal_weighting", "tests.wacc.audit.loops:raises",
                  "--windows", "unequal", "zero", "--quiet", "--out", str(tmp_path))  # fmt: skip
@@ -247,10 +248,10 @@ def test_the_printed_tables_and_audit_md_show_what_audit_csv_holds(tmp_path: Pat
     with (tmp_path / "audit.csv").open(newline="", encoding="utf-8") as handle:
         records = list(csv.DictReader(handle))
     assert len(records) == 6
-    _, by_cell, by_loop = done.stdout.strip().split("\n\n")
     # Each loop imports and its facts are measured; only the run of `raises` raises.
     statuses = dict.fromkeys((r["loop"] for r in records), "ok")
-    check_tables([text_table(by_cell), text_table(by_loop)], records, statuses)
+    _, tables = terminal_tables(done.stdout.strip(), records, statuses)
+    check_tables(tables, records, statuses, CELL_COLUMNS[:-1])  # the basis is audit.md's
     markdown = (tmp_path / "audit.md").read_text(encoding="utf-8")
     check_tables(
         [*markdown_tables(section(markdown, "## Per loop and window")),

@@ -22,6 +22,7 @@ from tests.wacc.rendered import (
 from wacc.audit.protocol import Adapter
 from wacc.audit.provenance import AuditProvenance
 from wacc.audit.report import (
+    _TERMINAL_HEADERS,
     CELL_COLUMNS,
     FACT_COLUMNS,
     render_table,
@@ -119,7 +120,7 @@ def _assert_cell_row(cells: dict[str, str], record: dict[str, str]) -> None:
     assert cells["loop"] == record["loop"] and cells["window"] == record["window"]
     assert cells["verdict"] == record["verdict"].split(":")[0]
     ran = record["status"] == "ok"
-    for column, field in (("rel L2", "rel_l2"), ("max rel elem", "max_rel_element"),
+    for column, field in (("rel L2", "rel_l2"), ("max rel elem", "max_rel_element_normal"),
                           ("err/bound (D run)", "err_over_bound"),
                           ("err/bound (f64 run)", "f64_err_over_bound")):  # fmt: skip
         if ran:
@@ -183,12 +184,15 @@ def _assert_fact_row(cells: dict[str, str], records: list[dict[str, str]], statu
 
 
 def check_tables(
-    tables: list[list[dict[str, str]]], records: list[dict[str, str]], statuses: dict[str, str]
+    tables: list[list[dict[str, str]]],
+    records: list[dict[str, str]],
+    statuses: dict[str, str],
+    cell_columns: tuple[str, ...] = CELL_COLUMNS,
 ) -> None:
     """The per-window and the per-loop table, read back, against audit.csv's rows (also used on
     the real command's output by ``test_cli.py``); ``statuses``: each loop's facts' status."""
     by_cell, by_loop = tables
-    assert [tuple(row) for row in by_cell] == [CELL_COLUMNS] * len(records)
+    assert [tuple(row) for row in by_cell] == [cell_columns] * len(records)
     assert [(r["loop"], r["window"]) for r in by_cell] == [
         (r["loop"], r["window"]) for r in records
     ]
@@ -215,20 +219,64 @@ def test_audit_md_shows_what_audit_csv_holds(
     check_tables(tables, records, _STATUSES)
 
 
+def terminal_tables(
+    text: str, records: list[dict[str, str]], statuses: dict[str, str]
+) -> tuple[str, list[list[dict[str, str]]]]:
+    """The stdout report read back: its header, and its per-window table (short headers mapped
+    back to audit.md's names) and per-loop facts (wrapped lines unwrapped, split at the facts'
+    names in their order) as rows keyed like audit.md's tables."""
+    header, cells_block, facts_block, *_ = text.split("\n\n")
+    lines = cells_block.splitlines()
+    long_names = {short: name for name, short in _TERMINAL_HEADERS.items()}
+    by_cell = [
+        {long_names.get(k, k): v for k, v in row.items()}
+        for row in text_table("\n".join(lines[: 2 + len(records)]))
+    ]
+    loops: list[list[str]] = []
+    for line in facts_block.splitlines()[1:]:
+        if line.startswith(" "):
+            loops[-1].append(line.strip())
+        else:
+            loops.append([line])
+    by_loop = []
+    for block in loops:
+        joined = " ".join(block)
+        loop, _, rest = joined.partition(": version ")
+        version, _, rest = rest.partition("; ")
+        row = {"loop": loop, "version": version}
+        if statuses[loop] != "ok":
+            row["model"], _, status = rest.rpartition("; model ")[2].partition(": ")
+            assert status == statuses[loop], (joined, statuses[loop])
+            row.update({column: "-" for column in FACT_COLUMNS[3:]})
+            row["reads window first"] = status
+        else:
+            row["model"], _, rest = rest.rpartition("; model ")[2].partition(" ")
+            for column, following in zip(FACT_COLUMNS[3:], FACT_COLUMNS[4:] + ("",), strict=True):
+                assert rest.startswith(f"{column}: "), (column, rest)
+                rest = rest[len(column) + 2 :]
+                value, _, rest = rest.partition(f"; {following}: " if following else "\0")
+                row[column] = value
+                rest = f"{following}: {rest}" if following else rest
+        by_loop.append(row)
+    return header, [by_cell, by_loop]
+
+
 def test_the_terminal_tables_show_what_audit_csv_holds(
     written: tuple[str, str, list[dict[str, str]]],
 ) -> None:
-    """The two tables printed on the terminal, read back by column name, show what audit.csv
-    has, as audit.md does; the header names the dtype and every window."""
+    """The stdout report, read back by column name, shows what audit.csv has, as audit.md does:
+    the per-window table under its short headers, the per-loop facts as wrapped lines; the
+    header names the dtype and every window; no line is wider than 120 columns."""
     text, _, records = written
-    header, by_cell, by_loop = text.split("\n\n")
+    header, tables = terminal_tables(text, records, _STATUSES)
     assert header == "wacc audit — dtype bfloat16; windows: unequal (1, 7, 200, 3); zero (0, 0)"
-    check_tables([text_table(by_cell), text_table(by_loop)], records, _STATUSES)
-    for table in (by_cell, by_loop):  # words and numbers alike, every cell left-aligned
-        lines = table.splitlines()
-        assert lines[1].startswith("----") and all(line == line.rstrip() for line in lines)
-        for row in text_alignments(table, header=True):
-            assert set(row.values()) <= {"left", "fills", "empty"}, row
+    check_tables(tables, records, _STATUSES, CELL_COLUMNS[:-1])  # the basis is audit.md's
+    assert max(len(line) for line in text.splitlines()) <= 120
+    table = "\n".join(text.split("\n\n")[1].splitlines()[: 2 + len(records)])
+    lines = table.splitlines()
+    assert lines[1].startswith("----") and all(line == line.rstrip() for line in lines)
+    for row in text_alignments(table, header=True):  # words and numbers alike, left-aligned
+        assert set(row.values()) <= {"left", "fills", "empty"}, row
 
 
 def test_audit_md_states_provenance_windows_code_paths_and_each_note_once(
