@@ -27,7 +27,7 @@ from typing import Any
 from wacc.audit.protocol import Adapter
 from wacc.audit.windows import Window
 
-__all__ = ["Isolated", "main", "run_isolated"]
+__all__ = ["Isolated", "main", "resolve", "run_isolated"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Isolated:
     cells: list[Any]  # wacc.audit.runner.Cell
 
 
-def _resolve(name: str) -> Adapter:
+def resolve(name: str) -> Adapter:
     """The adapter a parent named: built-in by name, else a user loop spec."""
     from wacc.audit.adapters import ADAPTERS
     from wacc.audit.protocol import user_adapter
@@ -112,7 +112,7 @@ def _worker(request_path: Path, result_path: Path, tick_fd: int) -> None:
         import torch
 
         torch.set_num_threads(request["threads"])
-    adapter = _resolve(request["adapter"])
+    adapter = resolve(request["adapter"])
     with os.fdopen(tick_fd, "wb", buffering=0) as out:
 
         def tick() -> None:

@@ -15,6 +15,8 @@ CELL_COLUMNS = (
     "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
     "err/bound (f64 run)", "tokens counted/true", "deterministic",
 )  # fmt: skip
+RANK_COLUMNS = ("world size", "rank tokens", "predicted rel L2", "f64 rel L2", "ranks agree")
+"""The cell columns of a run across ranks (after ``window``; audit.md always has them)."""
 FACT_COLUMNS = (
     "loop", "version", "model", "float64 copy", "reads window first", "zero-target window",
     "mid-window resume", "resumed rel L2", "fixed loss scale", "fp16 overflow",
@@ -32,6 +34,10 @@ def _num(value: float) -> str:
 def _tokens(cell: Cell) -> str:
     if cell.status != "ok":
         return "-"
+    if cell.world_size > 1:  # what each rank divided by, against every rank's tokens
+        counted = ";".join(_counted(c) for c in cell.rank_counted)
+        right = all(c == cell.true_count for c in cell.rank_counted)
+        return f"{counted}/{cell.true_count}{'' if right else ' (!)'}"
     if cell.counted is None:
         return f"per-microbatch mean/{cell.true_count}"
     counted = f"{cell.counted:g}"
@@ -39,13 +45,32 @@ def _tokens(cell: Cell) -> str:
     return f"{counted}/{cell.true_count}{mark}"
 
 
+def _counted(value: float | None) -> str:
+    return "mean" if value is None else f"{value:g}"
+
+
+def _rank_tokens(cell: Cell) -> str:
+    return ";".join(str(n) for n in cell.rank_tokens) if cell.rank_tokens else str(cell.true_count)
+
+
+def _agree(cell: Cell) -> str:
+    if cell.ranks_agree is None:
+        return "-"
+    return "yes" if cell.ranks_agree else f"NO (rel L2 {_num(cell.rank_spread)})"
+
+
 def cell_rows(result: AuditResult) -> list[dict[str, str]]:
-    """One row per loop × window, keyed by :data:`CELL_COLUMNS`."""
+    """One row per loop × window, keyed by :data:`CELL_COLUMNS` and :data:`RANK_COLUMNS`."""
     rows = []
     for cell in result.cells:
         ran = cell.status == "ok"
         rows.append(
             {
+                "world size": str(cell.world_size),
+                "rank tokens": _rank_tokens(cell),
+                "predicted rel L2": _num(cell.predicted_rel_l2),
+                "f64 rel L2": _num(cell.semantic_rel_l2) if ran else "-",
+                "ranks agree": _agree(cell),
                 "loop": cell.adapter,
                 "window": cell.window,
                 "verdict": cell.verdict.split(":")[0],
@@ -125,15 +150,34 @@ def _md_table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _cell_columns(*, ranks: bool) -> tuple[str, ...]:
+    """:data:`CELL_COLUMNS` with :data:`RANK_COLUMNS` after the window when ``ranks``."""
+    if not ranks:
+        return CELL_COLUMNS
+    return CELL_COLUMNS[:2] + RANK_COLUMNS + CELL_COLUMNS[2:]
+
+
+def _describe_windows(result: AuditResult) -> str:
+    if result.world_size == 1:
+        return "; ".join(w.describe() for w in result.windows)
+    return "; ".join(
+        f"{name} (" + " | ".join(", ".join(str(n) for n in w.targets) for w in ranks) + ")"
+        for name, ranks in result.rank_windows.items()
+    )
+
+
 def render_table(result: AuditResult) -> str:
-    """The stdout report: both tables, plain text."""
-    header = f"wacc audit — dtype {result.dtype}; windows: " + "; ".join(
-        w.describe() for w in result.windows
+    """The stdout report: both tables, plain text (the rank columns at world size > 1)."""
+    header = (
+        f"wacc audit — dtype {result.dtype}; world size {result.world_size}; windows"
+        + (" (per rank, | between ranks)" if result.world_size > 1 else "")
+        + ": "
+        + _describe_windows(result)
     )
     return "\n\n".join(
         [
             header,
-            _text_table(cell_rows(result), CELL_COLUMNS),
+            _text_table(cell_rows(result), _cell_columns(ranks=result.world_size > 1)),
             _text_table(fact_rows(result), FACT_COLUMNS),
         ]
     )
@@ -149,6 +193,14 @@ bound of `wacc_ref.bounds.window_error_bound` for summing the window's per-micro
 gradients in the audited dtype and dividing by the true count (the D run also carries its own
 forward/backward rounding). `verdict` = pass iff the loop's run *in float64* is within that
 bound (it isolates what the loop computes from rounding) and its gradient is finite.
+`world size`: ranks per loop (each a process of its own, gloo), each with a window of its own;
+the truth is then the mean over every rank's tokens, `rank tokens` each rank's true total,
+`tokens counted/true` what each rank divided by against all ranks' tokens, the row's errors rank
+0's gradient, the verdict the worst rank's, `ranks agree` whether every rank handed its optimizer
+the same gradient (bit for bit). `predicted rel L2`: for a loop that weighs ranks equally (the
+mean over ranks of each rank's token mean: DDP's average of per-rank means), the error computed
+from the per-rank totals and per-rank exact gradients alone, to compare with `f64 rel L2`, the
+error of the loop's run in float64.
 `reads window first`: whether every microbatch was read before the first backward (measured).
 `mid-window resume`: checkpoint after K // 2 microbatches with the loop's own checkpoint call,
 restore into fresh objects, finish the window. `fixed loss scale`: a run with S = {scale:g}
@@ -173,11 +225,14 @@ def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance)
     text = "\n\n".join(
         [
             "# wacc audit",
-            f"dtype **{result.dtype}**; {provenance.line()}",
-            "Windows (target tokens per microbatch): "
-            + "; ".join(f"`{w.describe()}`" for w in result.windows),
+            f"dtype **{result.dtype}**, world size **{result.world_size}**; {provenance.line()}",
+            "Windows (target tokens per microbatch"
+            + ("; per rank, `|` between ranks" if result.world_size > 1 else "")
+            + "): `"
+            + _describe_windows(result).replace("; ", "`; `")
+            + "`",
             "## Per loop and window",
-            _md_table(cell_rows(result), CELL_COLUMNS),
+            _md_table(cell_rows(result), _cell_columns(ranks=True)),
             "## Per loop",
             _md_table(fact_rows(result), FACT_COLUMNS),
             _METHOD.format(scale=TEST_LOSS_SCALE),
@@ -194,6 +249,7 @@ CSV_COLUMNS = (
     "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
     "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
     "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts",
+    "world_size", "rank_tokens", "rank_tokens_counted", "predicted_rel_l2", "ranks_agree",
     *PROVENANCE_COLUMNS,
 )  # fmt: skip
 """``audit.csv``'s columns, the run's provenance on every row."""
@@ -226,6 +282,13 @@ def write_csv(result: AuditResult, path: Path, provenance: AuditProvenance) -> N
                     "fixed_loss_scale": f.loss_scale, "fp16_overflow": f.fp16,
                     "truth_casts": ";".join(f.truth_casts),
                     "loss_casts": ";".join(f.loss_casts),
+                    "world_size": c.world_size, "rank_tokens": _rank_tokens(c),
+                    "rank_tokens_counted": ";".join(
+                        "" if n is None else repr(float(n)) for n in c.rank_counted
+                    ),
+                    "predicted_rel_l2": "" if math.isnan(c.predicted_rel_l2) else
+                    repr(c.predicted_rel_l2),
+                    "ranks_agree": "" if c.ranks_agree is None else c.ranks_agree,
                     **provenance.columns(),
                 }
             )  # fmt: skip

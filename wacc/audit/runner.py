@@ -52,7 +52,7 @@ from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.truth import Truth, compute_truth, flatten
 from wacc.audit.windows import SPIKE_MICROBATCH, Window, build_fp16_window
 
-__all__ = ["AuditResult", "Cell", "LoopFacts", "run_audit", "TEST_LOSS_SCALE"]
+__all__ = ["AuditResult", "Cell", "LoopFacts", "describe_error", "run_audit", "TEST_LOSS_SCALE"]
 
 TEST_LOSS_SCALE = 2.0**10
 DTYPES: dict[str, torch.dtype] = {
@@ -79,13 +79,19 @@ class Cell:
     finite: bool = True
     deterministic: bool | None = None
     digest: str = ""
+    world_size: int = 1  # ranks in the loop's world (--world-size)
+    rank_tokens: tuple[int, ...] = ()  # per rank: its window's true target tokens (N > 1)
+    rank_counted: tuple[float | None, ...] = ()  # per rank: what its loop divided by (N > 1)
+    predicted_rel_l2: float = math.nan  # a loop that weighs ranks equally: its predicted error
+    ranks_agree: bool | None = None  # N > 1: every rank hands its optimizer the same gradient
+    rank_spread: float = 0.0  # N > 1: max over ranks of rel L2 between its gradient and rank 0's
 
     @property
     def verdict(self) -> str:
         """``pass`` / ``FAIL`` / the status when it did not run."""
         if self.status != "ok":
             return self.status
-        ok = self.finite and self.semantic_ratio <= 1.0
+        ok = self.finite and self.semantic_ratio <= 1.0 and self.ranks_agree is not False
         return "pass" if ok else "FAIL"
 
 
@@ -116,9 +122,12 @@ class AuditResult:
     windows: list[Window]
     facts: list[LoopFacts]
     cells: list[Cell]
+    world_size: int = 1
+    # N > 1: per window name, each rank's window (``windows`` holds them joined: the truth's)
+    rank_windows: dict[str, tuple[Window, ...]] = field(default_factory=dict)
 
 
-def _describe_error(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     where = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -275,7 +284,7 @@ def _fp16_fact(runner: _Runner, adapter: Adapter) -> str:
             text += f"; without the spike too: {clean.outcome()}"
         return text
     except Exception as exc:
-        return _describe_error(exc)
+        return describe_error(exc)
 
 
 def run_audit(
@@ -286,13 +295,21 @@ def run_audit(
     progress: Callable[[int], Callable[[], None]] | None = None,
     isolate: bool = False,
     jobs: int = 1,
+    world_size: int = 1,
 ) -> AuditResult:
     """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring); with
     ``isolate``, each loop in a process of its own (:mod:`wacc.audit.isolation`: a built-in
     loop or a ``module:function`` spec, which the worker imports again), ``jobs`` of them at a
-    time (each with the machine's cores shared out: torch threads = cores // jobs)."""
-    if jobs < 1 or (jobs > 1 and not isolate):
+    time (each with the machine's cores shared out: torch threads = cores // jobs).  With
+    ``world_size`` N > 1 each loop runs in worlds of N processes instead (:mod:`wacc.audit.ranks`
+    on :func:`wacc.audit.windows.rank_windows` of each window's name)."""
+    if jobs < 1 or (jobs > 1 and not isolate and world_size == 1):
         raise ValueError(f"jobs must be 1, or >= 1 with isolate=True; got {jobs}")
+    if world_size > 1:
+        from wacc.audit.ranks import run_ranks
+
+        return run_ranks(adapters, [w.name for w in windows], dtype=dtype,
+                         world_size=world_size, progress=progress, jobs=jobs)  # fmt: skip
     torch_dtype = DTYPES[dtype]
     runnable = [a for a in adapters if a.unavailable() is None]
     total = sum(
@@ -320,7 +337,7 @@ def run_audit(
                 try:
                     _audit_cell(runner, adapter, window, cell, fact, first=index == 0)
                 except Exception as exc:  # a loop that raises is a finding, not a crash
-                    cell.status = _describe_error(exc)
+                    cell.status = describe_error(exc)
                     if index == 0:
                         fact.notes.append(f"{window.name}: {cell.status}")
             fact.fp16 = _fp16_fact(runner, adapter)
@@ -411,7 +428,7 @@ def _audit_cell(
             else:
                 fact.resume = "restored (bit-identical)" if same else "pending gradient lost"
         except Exception as exc:
-            fact.resume = _describe_error(exc)
+            fact.resume = describe_error(exc)
     if not adapter.loss_scale:
         fact.loss_scale = "not settable"
         return
@@ -423,4 +440,4 @@ def _audit_cell(
             factor = float(np.linalg.norm(scaled) / np.linalg.norm(observed))
             fact.loss_scale = f"result x{factor:.6g} (S = {TEST_LOSS_SCALE:g})"
     except Exception as exc:
-        fact.loss_scale = _describe_error(exc)
+        fact.loss_scale = describe_error(exc)

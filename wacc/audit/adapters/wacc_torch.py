@@ -18,6 +18,24 @@ its scale has backed off, so the audit starts where it would have settled),
 ``scaler.update(result.found_inf)``: ``result.apply_to(model); optimizer.step()``.  Checked
 against this repository's wacc_torch (record format 1).  The
 zero-copy mode does not exist yet; when it does it is one more adapter here.
+
+Across ranks (``task.world_size > 1``; ``torch.distributed.init_process_group(task.backend)``
+first), each adapter takes one of wacc_torch's two cross-rank paths (semantics §7):
+
+* ``wacc_torch-mean``: the helper — the same loop on the unwrapped model, then
+  ``wacc_torch.all_reduce_mean(acc.finish_sums()).apply_to(model)``;
+* ``wacc_torch-sum``: the DDP communication hook — ``ddp = DistributedDataParallel(model)``,
+  ``hook = wacc_torch.ddp_hook.WeightedAllReduceHook(ddp, acc)``, every microbatch but the last
+  under ``ddp.no_sync()`` with ``acc.accumulate_sum(model, n_k)``, then the last forward,
+  ``hook.last_microbatch_sum(n_K)`` and its backward (DDP's bucketed all-reduce carries the
+  window).
+
+What decides the weighting across ranks: ``_all_reduce``/``_agree`` in
+``wacc_torch/distributed.py`` (the global weight is ``math.fsum`` of every rank's ``W``, the
+buffers a SUM all-reduce, then ``normalize_sums`` divides by ``S`` and that global weight) and,
+for the hook, ``WeightedAllReduceHook._reduce_bucket`` in ``wacc_torch/ddp_hook.py`` (SUM, never
+averaged, divided by the global weight of the metadata exchange): every token of every rank
+weighs the same.
 """
 
 from __future__ import annotations
@@ -35,6 +53,9 @@ FP16_INIT_SCALE = 2.0**12  # the float16 run's first scale (module docstring)
 
 def _run(task: LoopTask, *, mean: bool) -> LoopRun:
     import wacc_torch
+
+    if task.world_size > 1:
+        return _run_ranks(task, mean=mean)
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
         model = task.build_model()
@@ -74,6 +95,51 @@ def _run(task: LoopTask, *, mean: bool) -> LoopRun:
     acc.finish_mean().apply_to(model)
     optimizer.step()
     return LoopRun(counted_tokens=counted)
+
+
+def _run_ranks(task: LoopTask, *, mean: bool) -> LoopRun:
+    """Across ranks: the helper (``mean``) or the DDP hook (module docstring)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import wacc_torch
+    from wacc_torch.ddp_hook import WeightedAllReduceHook
+
+    dist.init_process_group(task.backend)
+    model = task.build_model()
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
+    task.hook_optimizer(optimizer, model)
+    acc = wacc_torch.WeightedGradientsAccumulator(dtype=task.dtype, loss_scale=task.loss_scale)
+    data = task.dataset
+    batches = [data[i] for i in range(len(data))]
+    if mean:
+        for batch in batches:
+            n = target_count(batch["labels"])
+            logits = logits_of(model(input_ids=batch["input_ids"][None]))
+            loss = causal_lm_loss_sum(logits, batch["labels"][None]) / n  # 0/0 read by no one
+            (loss * task.loss_scale).backward()
+            acc.accumulate_mean(model, n)
+        result = wacc_torch.all_reduce_mean(acc.finish_sums())
+        result.apply_to(model)
+        optimizer.step()
+        return LoopRun(counted_tokens=result.weight)
+    ddp = DistributedDataParallel(model)
+    hook = WeightedAllReduceHook(ddp, acc)
+    for batch in batches[:-1]:
+        with ddp.no_sync():
+            logits = logits_of(ddp(input_ids=batch["input_ids"][None]))
+            loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+            (loss_sum * task.loss_scale).backward()
+        acc.accumulate_sum(model, target_count(batch["labels"]))
+    last = batches[-1]
+    logits = logits_of(ddp(input_ids=last["input_ids"][None]))
+    loss_sum = causal_lm_loss_sum(logits, last["labels"][None])
+    hook.last_microbatch_sum(target_count(last["labels"]))  # after the forward (ddp_hook.py)
+    (loss_sum * task.loss_scale).backward()
+    optimizer.step()
+    assert hook.result is not None
+    return LoopRun(counted_tokens=hook.result.weight)
 
 
 def _run_fp16(
@@ -124,7 +190,7 @@ def run_sum(task: LoopTask) -> LoopRun:
 
 
 _COMMON = dict(requires=("wacc_torch",), model="plain", checked="this repository, record format 1",
-               loss_scale=True, checkpoint=None, fp16=None)  # fmt: skip
+               loss_scale=True, checkpoint=None, fp16=None, ranks=True)  # fmt: skip
 MEAN = Adapter(
     name="wacc_torch-mean",
     title="wacc_torch accumulate_mean + finish_mean",
