@@ -34,7 +34,8 @@ def _num(value: float) -> str:
 def _tokens(cell: Cell) -> str:
     if cell.status != "ok":
         return "-"
-    if cell.world_size > 1:  # what each rank divided by, against every rank's tokens
+    if cell.world_size > 1 and any(c is not None for c in cell.rank_counted):
+        # what each rank divided by, against every rank's tokens
         counted = ";".join(_counted(c) for c in cell.rank_counted)
         right = all(c == cell.true_count for c in cell.rank_counted)
         return f"{counted}/{cell.true_count}{'' if right else ' (!)'}"
