@@ -55,8 +55,10 @@ _BUILTIN = (
     "plain",
     "wacc_torch-mean",
     "wacc_torch-sum",
+    "wacc_torch-fsdp",
 )
 _WINDOWS = ("unequal", "equal", "zero", "longtail")
+_RANK_WINDOWS = ("unequal", "equal")  # wacc.audit.windows.RANK_WINDOW_NAMES (torch-free here)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -140,13 +142,11 @@ def run(args: argparse.Namespace) -> int:
                          "not with --in-process")  # fmt: skip
     windows_asked = list(dict.fromkeys(args.windows or _WINDOWS))
     if args.world_size > 1:
-        from wacc.audit.windows import RANK_WINDOW_NAMES
-
-        windows_asked = list(dict.fromkeys(args.windows or RANK_WINDOW_NAMES))
-        others = [w for w in windows_asked if w not in RANK_WINDOW_NAMES]
+        windows_asked = list(dict.fromkeys(args.windows or _RANK_WINDOWS))
+        others = [w for w in windows_asked if w not in _RANK_WINDOWS]
         if others:
             raise UsageError(f"--windows {' '.join(others)}: not across ranks; --world-size "
-                             f"{args.world_size} has {', '.join(RANK_WINDOW_NAMES)}")  # fmt: skip
+                             f"{args.world_size} has {', '.join(_RANK_WINDOWS)}")  # fmt: skip
     directories = [("--out", args.out)] + ([("--repro", args.repro)] if args.repro else [])
     for option, directory in directories:
         if directory.exists() and not directory.is_dir():

@@ -90,7 +90,9 @@ def _exact_rank_sums() -> tuple[list[torch.Tensor], list[int]]:
             logits = model(input_ids=batch["input_ids"][None])["logits"][0, :-1]
             loss = functional.cross_entropy(logits, batch["labels"][1:], reduction="sum")
             loss.backward()
-        sums.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        sums.append(
+            torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        )
         totals.append(sum(window.targets))
     return sums, totals
 
@@ -157,15 +159,17 @@ def test_reproducer_runs_under_torchrun_without_wacc(cli: CliRun, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_ddp_hook_passes_across_ranks() -> None:
-    """``wacc_torch``'s DDP communication hook (``wacc_torch-sum`` across ranks) hands every
-    rank the mean over both ranks' tokens: pass, counted 228 on each rank, ranks agree."""
-    result = run_audit([ADAPTERS["wacc_torch-sum"]], [build_window("unequal")], world_size=2)
-    (cell,) = result.cells
-    assert cell.status == "ok", cell.status
-    assert cell.verdict == "pass" and cell.ranks_agree is True
-    assert cell.rank_counted == (228.0, 228.0) and cell.rank_tokens == (211, 17)
-    assert cell.semantic_rel_l2 < 1e-12
+def test_ddp_hook_and_fsdp2_pass_across_ranks() -> None:
+    """``wacc_torch``'s DDP communication hook (``wacc_torch-sum`` across ranks) and its FSDP2
+    window (``wacc_torch-fsdp``) hand every rank the mean over both ranks' tokens: pass, counted
+    228 on each rank, ranks agree, the float64 run exact to rounding."""
+    loops = [ADAPTERS["wacc_torch-sum"], ADAPTERS["wacc_torch-fsdp"]]
+    result = run_audit(loops, [build_window("unequal")], world_size=2, jobs=2)
+    for cell in result.cells:
+        assert cell.status == "ok", cell.status
+        assert cell.verdict == "pass" and cell.ranks_agree is True
+        assert cell.rank_counted == (228.0, 228.0) and cell.rank_tokens == (211, 17)
+        assert cell.semantic_rel_l2 < 1e-12
 
 
 def single_rank_loop(task: LoopTask) -> LoopRun:
@@ -198,6 +202,10 @@ def test_bad_world_size_is_exit_2_in_one_line(value: str, tmp_path: Path) -> Non
 def test_world_size_with_a_window_without_rank_windows_is_exit_2(tmp_path: Path) -> None:
     """``--windows longtail --world-size 2``: the rank windows are unequal and equal only; a
     usage error naming the window, exit 2."""
+    from wacc.audit.windows import RANK_WINDOW_NAMES
+    from wacc.commands.audit import _RANK_WINDOWS
+
+    assert RANK_WINDOW_NAMES == _RANK_WINDOWS  # the command's torch-free copy
     done = _wacc("audit", "plain", "--world-size", "2", "--windows", "longtail", cwd=tmp_path)
     assert done.returncode == 2 and "longtail" in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1

@@ -50,6 +50,7 @@ ADAPTERS: dict[str, Adapter] = {
         plain.ADAPTER,
         wacc_torch.MEAN,
         wacc_torch.SUM,
+        wacc_torch.FSDP,
     )
 }
 """Built-in adapters in report order."""

@@ -7,6 +7,7 @@ own *mean* token loss, as nanoGPT's ``GPT.forward(idx, targets)`` does):
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
             # the script's stand-in for no_sync(): only the last micro step all-reduces
+            assert isinstance(model, DDP)
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             logits, loss = model(X, Y)
@@ -94,7 +95,9 @@ def run(task: LoopTask) -> LoopRun:
     raw_model.train()
     optimizer = torch.optim.SGD(raw_model.parameters(), lr=task.learning_rate)
     task.hook_optimizer(optimizer, raw_model)
-    model: torch.nn.Module = DDP(raw_model, device_ids=None) if ddp else raw_model
+    model: torch.nn.Module = raw_model
+    if ddp:
+        model = DDP(raw_model, device_ids=None)
     before = float(scaler.get_scale())
     grad_clip = 0.0
     data = task.dataset
@@ -107,6 +110,7 @@ def run(task: LoopTask) -> LoopRun:
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
             # the script's stand-in for no_sync(): only the last micro step all-reduces
+            assert isinstance(model, DDP)
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             out = model(input_ids=X, labels=Y)

@@ -30,6 +30,18 @@ first), each adapter takes one of wacc_torch's two cross-rank paths (semantics Â
   ``hook.last_microbatch_sum(n_K)`` and its backward (DDP's bucketed all-reduce carries the
   window).
 
+And ``wacc_torch-fsdp`` (FSDP2, at every world size): ``fully_shard`` on each ``nn.Linear`` and
+on the root over a CPU device mesh of every rank, ``window = wacc_torch.fsdp.FSDPWeightedWindow(
+model, loss_scale=S)``, per microbatch ``window.microbatch(last=...)``, the backward of ``S *
+loss_sum``, ``window.add_weight(n_k)``, then ``window.finish_mean()``; the gradient the audit reads
+is every shard gathered (``DTensor.full_tensor()``) into an unsharded twin right before
+``optimizer.step()``.  At world size 1 a one-rank gloo group on a ``HashStore`` is brought up for
+it (FSDP2 needs one) and ended after.  What decides its weighting across ranks:
+``FSDPWeightedWindow.__init__`` (``set_gradient_divide_factor(1.0)`` and
+``set_force_sum_reduction_for_comms(True)``: FSDP's reduce-scatter SUMS instead of averaging) and
+``finish_mean`` in ``wacc_torch/fsdp.py`` (divides by ``S`` and the global weight of its metadata
+exchange).
+
 What decides the weighting across ranks: ``_all_reduce``/``_agree`` in
 ``wacc_torch/distributed.py`` (the global weight is ``math.fsum`` of every rank's ``W``, the
 buffers a SUM all-reduce, then ``normalize_sums`` divides by ``S`` and that global weight) and,
@@ -46,7 +58,7 @@ from wacc.audit.models import causal_lm_loss_sum, logits_of
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
-__all__ = ["FP16_INIT_SCALE", "MEAN", "SUM"]
+__all__ = ["FP16_INIT_SCALE", "FSDP", "MEAN", "SUM"]
 
 FP16_INIT_SCALE = 2.0**12  # the float16 run's first scale (module docstring)
 
@@ -179,6 +191,56 @@ def _run_fp16(
     return LoopRun(counted_tokens=counted, loss_scales=(before, scaler.scale))
 
 
+def run_fsdp(task: LoopTask) -> LoopRun:
+    """The FSDP2 loop (``wacc_torch-fsdp``): ``fully_shard`` on every linear layer and the root
+    over a CPU mesh of every rank, :class:`wacc_torch.fsdp.FSDPWeightedWindow` around loss-sum
+    microbatches.  At world size 1 (the audit's own process or its worker) a one-rank gloo group
+    on an in-memory store is brought up for it and ended after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from wacc_torch.fsdp import FSDPWeightedWindow
+
+    own_group = task.world_size == 1 and not dist.is_initialized()
+    if task.world_size > 1:
+        dist.init_process_group(task.backend)
+    elif own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = task.build_model()
+        model.train()
+        mesh = init_device_mesh("cpu", (task.world_size,))
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
+        window = FSDPWeightedWindow(model, loss_scale=task.loss_scale)  # type: ignore[arg-type]
+        data = task.dataset
+        for index in range(len(data)):
+            batch = data[index]
+            window.microbatch(last=index == len(data) - 1)
+            logits = logits_of(model(input_ids=batch["input_ids"][None]))
+            loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+            (loss_sum * task.loss_scale).backward()
+            window.add_weight(target_count(batch["labels"]))
+        result = window.finish_mean()
+        # Each rank holds a shard of every gradient: the audit reads the whole gradient, which
+        # full_tensor() all-gathers (the same call on every rank), into an unsharded twin.
+        whole = task.model_spec.build(task.weights_dtype or task.dtype).to(task.dtype)
+        sharded = dict(model.named_parameters())
+        for name, parameter in whole.named_parameters():
+            grad = sharded[name].grad
+            parameter.grad = None if grad is None else grad.full_tensor()  # type: ignore[attr-defined]
+        task.record_gradients(whole)
+        optimizer.step()
+        return LoopRun(counted_tokens=result.weight)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 def run_mean(task: LoopTask) -> LoopRun:
     """``accumulate_mean`` loop of the module docstring."""
     return _run(task, mean=True)
@@ -197,6 +259,18 @@ MEAN = Adapter(
     code_path="WeightedGradientsAccumulator.accumulate_mean / finish_mean().apply_to",
     run=run_mean,
     **_COMMON,  # type: ignore[arg-type]
+)
+FSDP = Adapter(
+    name="wacc_torch-fsdp",
+    title="wacc_torch FSDPWeightedWindow on fully_shard",
+    requires=("wacc_torch",),
+    model="plain",
+    code_path="fully_shard; FSDPWeightedWindow.microbatch / add_weight / finish_mean",
+    checked="this repository, torch 2.13.0 (FSDP2)",
+    loss_scale=True,
+    checkpoint="no FSDP checkpoint path written for the audit",
+    run=run_fsdp,
+    ranks=True,
 )
 SUM = Adapter(
     name="wacc_torch-sum",
