@@ -40,7 +40,7 @@ from wacc.audit.windows import Window
 __all__ = ["RankOutcome", "STRAGGLER_SECONDS", "WORLD_SIZES", "WORLD_TIMEOUT_SECONDS", "run_world"]
 
 WORLD_SIZES = (1, 2, 4)  # what ``wacc audit --world-size`` takes (the rank windows exist for)
-WORLD_TIMEOUT_SECONDS = 600.0  # a whole world: far beyond any loop here (seconds on a laptop)
+WORLD_TIMEOUT_SECONDS = 1200.0  # a whole world (three runs): far beyond any loop here
 STRAGGLER_SECONDS = 30.0  # after the first rank is done: a rank still running hangs
 
 
