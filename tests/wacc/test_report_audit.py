@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,13 @@ from wacc.audit.report import CSV_COLUMNS, write_csv, write_markdown
 from wacc.audit.runner import run_audit
 from wacc.audit.windows import build_window
 from wacc.errors import UsageError
-from wacc.report.audit_section import COLUMNS, OPTIONAL_COLUMNS, audit_markdown, read_audit
+from wacc.report.audit_section import (
+    COLUMNS,
+    OPTIONAL_COLUMNS,
+    audit_markdown,
+    read_audit,
+    read_audits,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LOOPS = REPO / "tests" / "wacc" / "audit" / "loops.py"
@@ -64,15 +72,16 @@ def test_the_section_shows_each_loop_and_window_as_the_csv_has_it(audit: Path) -
     error from the CSV, a loop that raised shows its status; the provenance is stated."""
     run = read_audit(audit)
     records = _records(audit)
-    text = "\n".join(audit_markdown(run, "figures/audit.png"))
+    text = "\n".join(audit_markdown([run], "figures/audit.png"))
     failing = next(r for r in records if r["verdict"] == "FAIL")
     assert failing["window"] == "unequal"
     expected = f"**FAIL** {float(failing['f64_rel_l2']):.3g}"
     loop = failing["loop"]
     row = next(line for line in text.splitlines() if line.startswith(f"| {loop} |"))
-    assert row.split(" | ")[2:4] == [expected, "pass"]  # unequal fails, the equal control passes
+    # world size 1, the window's tokens; unequal fails, the equal control passes
+    assert row.split(" | ")[2:6] == ["1", failing["tokens_true"], expected, "pass"]
     raised = next(line for line in text.splitlines() if line.startswith(f"| {LOOPS}:raises |"))
-    assert raised.split(" | ")[2:4] == ["error", "error"]
+    assert raised.split(" | ")[4:6] == ["error", "error"]
     assert f"commit `{records[0]['wacc_commit']}`" in text
     assert "1 of 2 loops fail a window" in text
     assert "![wacc audit](figures/audit.png)" in text
@@ -81,7 +90,7 @@ def test_the_section_shows_each_loop_and_window_as_the_csv_has_it(audit: Path) -
 def test_the_section_names_each_failing_loops_cause_and_fix(audit: Path) -> None:
     """A failing loop's row names its fix row and its cause is listed under the table; a loop
     that did not fail (it raised) names none."""
-    text = "\n".join(audit_markdown(read_audit(audit), "figures/audit.png"))
+    text = "\n".join(audit_markdown([read_audit(audit)], "figures/audit.png"))
     lines = text.splitlines()
     failing = next(line for line in lines if line.startswith(f"| {LOOPS}:equal_weighting |"))
     raised = next(line for line in lines if line.startswith(f"| {LOOPS}:raises |"))
@@ -102,7 +111,7 @@ def test_an_audit_without_causes_still_reads(audit: Path, tmp_path: Path) -> Non
         writer.writerows(records)
     run = read_audit(folder)
     assert all(row.cause == "" and row.fixed_by == "" for row in run.rows)
-    assert "`plain`" not in "\n".join(audit_markdown(run, "figures/audit.png"))
+    assert "`plain`" not in "\n".join(audit_markdown([run], "figures/audit.png"))
 
 
 def test_audit_md_says_why_a_loop_fails_and_what_fixes_it(audit: Path) -> None:
@@ -247,3 +256,81 @@ def test_a_count_in_another_script_is_exit_2_from_the_command(audit: Path, tmp_p
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "line 2, column tokens_true: '\u00b2' is not a count" in result.stderr
+
+
+def _rewrite(audit: Path, folder: Path, change: dict[str, str], drop: tuple[str, ...] = ()) -> Path:
+    """A copy of ``audit`` whose every row has ``change`` applied and ``drop`` columns removed."""
+    shutil.copytree(audit, folder)
+    records = [{k: v for k, v in {**r, **change}.items() if k not in drop} for r in _records(audit)]
+    with (folder / "audit.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    return folder
+
+
+def test_a_csv_without_the_rank_columns_reads_as_world_size_1(audit: Path, tmp_path: Path) -> None:
+    """An audit.csv written before the audit ran across ranks (no ``world_size``,
+    ``rank_tokens``, ``predicted_rel_l2``, ``rank_tokens_counted`` columns) reads as world size
+    1, one rank holding every token, no prediction."""
+    old = _rewrite(audit, tmp_path / "old", {}, drop=("world_size", "rank_tokens",
+                   "predicted_rel_l2", "rank_tokens_counted", "ranks_agree"))  # fmt: skip
+    run = read_audit(old)
+    assert run.world_size == 1
+    assert all(r.world_size == 1 and r.rank_tokens == (r.tokens_true,) for r in run.rows)
+    assert all(math.isnan(r.predicted_rel_l2) for r in run.rows)
+
+
+def test_the_section_shows_world_sizes_rank_tokens_and_the_prediction(
+    audit: Path, tmp_path: Path
+) -> None:
+    """Two folders, world size 1 and 2: one table row per loop and world size, the per-rank
+    token totals in the row, a FAIL with its predicted error beside the measured one, and the
+    figure across ranks linked."""
+    records = _records(audit)
+    failing = next(r for r in records if r["verdict"] == "FAIL")
+    true = int(failing["tokens_true"])
+    two = _rewrite(audit, tmp_path / "n2", {"world_size": "2"})
+    rows = _records(two)
+    for row in rows:  # every window: two ranks whose totals add up to the window's
+        total = int(row["tokens_true"])
+        row["rank_tokens"] = f"{total - 1};1"
+        row["predicted_rel_l2"] = "0.25" if row["verdict"] == "FAIL" else ""
+    with (two / "audit.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    runs = read_audits([audit, two])
+    assert [r.world_size for r in runs] == [1, 2]
+    text = "\n".join(audit_markdown(runs, "figures/audit.png", "figures/audit-ranks.png"))
+    loop = failing["loop"]
+    lines = [line for line in text.splitlines() if line.startswith(f"| {loop} |")]
+    measured = f"**FAIL** {float(failing['f64_rel_l2']):.3g}"
+    assert [line.split(" | ")[2:5] for line in lines] == [
+        ["1", str(true), measured], ["2", f"{true - 1};1", f"{measured} (predicted 0.25)"],
+    ]  # fmt: skip
+    assert "![wacc audit across ranks](figures/audit-ranks.png)" in text
+    with pytest.raises(UsageError, match="both world size 1"):
+        read_audits([audit, audit])
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"world_size": "two"}, "is not a world size"),
+        ({"world_size": "0"}, "is not a world size"),
+        ({"world_size": "2", "rank_tokens": "5"}, "is not 2 counts joined by ';'"),
+        ({"world_size": "2", "rank_tokens": "1;x"}, "is not 2 counts joined by ';'"),
+        ({"world_size": "2", "rank_tokens": "1;1"}, "does not add up to"),
+        ({"predicted_rel_l2": "soon"}, "is not a number"),
+    ],
+)
+def test_bad_rank_columns_are_usage_errors(
+    audit: Path, tmp_path: Path, change: dict[str, str], why: str
+) -> None:
+    """A bad ``world_size``, ``rank_tokens`` or ``predicted_rel_l2`` is a UsageError naming the
+    column and the value."""
+    folder = _rewrite(audit, tmp_path / "bad", change)
+    column, value = next(iter(change.items())) if len(change) == 1 else list(change.items())[-1]
+    with pytest.raises(UsageError, match=re.escape(f"column {column}: {value!r} {why}")):
+        read_audit(folder)

@@ -385,7 +385,9 @@ def test_each_sections_words_are_explained_where_it_is_read(
     compared = section(index, "## Compared with `old-report`").split("\n|", 1)[0]
     assert {"now (before)", "divergence.csv", "worse", "better", "new", "gone"} <= _terms(compared)
     lacking = section(index, "## Features the implementations lack").split("\n- ", 1)[0]
-    assert {"unsupported", "not judged", "--allow-missing", "wacc.contract"} <= _terms(lacking)
+    assert {"unsupported", "not judged", "--allow-missing", "wacc.judge.contract"} <= _terms(
+        lacking
+    )
     # The caveats a reader needs to read the cells right, stated where the cells are.
     said = {name: " ".join(text.split()) for name, text in
             (("headline", headline), ("compared", compared), ("lacking", lacking))}  # fmt: skip

@@ -15,7 +15,7 @@ from matplotlib.artist import Artist  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from wacc.audit.runner import AuditResult  # noqa: E402
+from wacc.audit.results import AuditResult  # noqa: E402
 
 __all__ = ["plot_errors"]
 
@@ -64,7 +64,8 @@ def plot_errors(result: AuditResult, path: Path) -> None:
     ax.set_ylim(len(loops) - 0.5, -0.5)  # the first loop on top, as in the table
     ax.set_xlabel("relative L2 error of the gradient vs the float64 truth (log)")
     ax.set_ylabel("training loop (hatched: verdict FAIL)")
-    ax.set_title(f"wacc audit: gradient handed to the optimizer, dtype {result.dtype}")
+    ranks = f", world size {result.world_size}" if result.world_size > 1 else ""
+    ax.set_title(f"wacc audit: gradient handed to the optimizer, dtype {result.dtype}{ranks}")
     handles: list[Artist] = [
         Patch(facecolor=colors(j), edgecolor="black", label=w) for j, w in enumerate(windows)
     ]

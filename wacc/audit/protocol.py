@@ -29,9 +29,20 @@ only the framework's public code path:
    parameters of the last model ``task.build_model()`` returned (compared with a fresh one) after
    ``run`` returns; ``task.record_gradients`` is then optional (a skipped step never calls it).
 
+Across ranks (``task.world_size > 1``, only when ``Adapter.ranks`` is True): every rank is a
+process of its own, started as ``torchrun`` starts it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set), with its own ``task``: ``task.window``
+and ``task.dataset`` are that rank's window (:func:`wacc.audit.windows.rank_windows`),
+``task.rank``/``task.world_size`` are set and ``task.workdir`` is the rank's.  ``run`` brings the
+process group up through the framework's own path (a hand-written loop calls
+``torch.distributed.init_process_group(task.backend)``) and uses the framework's own
+data-parallel gradient sync; every rank calls ``task.record_gradients(model)`` right before its
+optimizer step.  The audit destroys a process group still up after ``run`` returns.
+
 A user loop is ``module:function`` with ``function(task: LoopTask) -> LoopRun``; optional function
-attributes ``loss_scale`` / ``checkpoint`` / ``fp16`` (bool) and ``model`` (a name of
-:data:`wacc.audit.models.MODEL_KINDS`, default ``"plain"``) say what it supports.
+attributes ``loss_scale`` / ``checkpoint`` / ``fp16`` / ``ranks`` / ``weighs_ranks_equally`` (bool)
+and ``model`` (a name of :data:`wacc.audit.models.MODEL_KINDS`, default ``"plain"``) say what it
+supports.
 """
 
 from __future__ import annotations
@@ -99,6 +110,9 @@ class LoopTask:
     fp16: bool = False  # run the loop's own float16 mixed-precision path (step 6 of the docstring)
     models: list[nn.Module] = field(default_factory=list)  # every model build_model() returned
     spikes: list[SpikeProbe] = field(default_factory=list)  # their float16 spike probes (fp16)
+    world_size: int = 1  # ranks in the loop's world (module docstring: across ranks)
+    rank: int = 0  # this process's rank
+    backend: str = "gloo"  # torch.distributed backend: gloo on a CPU, nccl where CUDA runs it
 
     @property
     def learning_rate(self) -> float:
@@ -176,6 +190,21 @@ class Adapter:
     unsupported: str | None = None  # why this loop is never run here (its rows say so)
     fixed_by: str | None = None  # the ``<loop>+wacc`` adapter that fixes this loop's weighting
     cause: str | None = None  # one sentence: the framework source file:line that weighs wrongly
+    ranks: bool | str = False  # True: runs with task.world_size > 1; a string: why it cannot
+    # True: its gradient is the mean over ranks of each rank's token mean (DDP's average of
+    # per-rank means): the audit predicts its error from the per-rank token totals.
+    weighs_ranks_equally: bool = False
+
+    def ranks_unavailable(self, world_size: int) -> str | None:
+        """None when the loop runs in a world of ``world_size`` ranks; else why not."""
+        if world_size == 1 or self.ranks is True:
+            return None
+        why = (
+            self.ranks
+            if isinstance(self.ranks, str) and self.ranks
+            else "its adapter has no multi-rank path"
+        )
+        return f"not run at world size {world_size}: {why}"
 
     def unavailable(self) -> str | None:
         """None when every required module imports; else "not run: …" (``unsupported``), "not
@@ -226,7 +255,10 @@ def user_adapter(spec: str) -> Adapter:
     model = getattr(function, "model", "plain")
     if not isinstance(model, str) or model not in MODEL_KINDS:  # a list is not even hashable
         raise ValueError(f"user loop {spec!r}: model {model!r} is not one of {sorted(MODEL_KINDS)}")
-    flags = {name: getattr(function, name, False) for name in ("loss_scale", "checkpoint", "fp16")}
+    flags = {
+        name: getattr(function, name, False)
+        for name in ("loss_scale", "checkpoint", "fp16", "ranks", "weighs_ranks_equally")
+    }
     for name, value in flags.items():
         if not isinstance(value, bool):  # "no" or a 0-d tensor would be read as something else
             raise ValueError(f"user loop {spec!r}: {name} {value!r} is not True or False")
@@ -243,4 +275,6 @@ def user_adapter(spec: str) -> Adapter:
         checkpoint=None if checkpoint else "not declared by the loop",
         run=function,
         fp16=None if fp16 else "not settable",
+        ranks=flags["ranks"] or "the loop does not declare ranks = True",
+        weighs_ranks_equally=flags["weighs_ranks_equally"],
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from wacc.audit.protocol import Adapter
 from wacc.audit.provenance import PROVENANCE_COLUMNS, AuditProvenance
-from wacc.audit.runner import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
+from wacc.audit.results import TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts
 
 __all__ = [
     "CSV_COLUMNS", "basis", "cell_rows", "checked_versions", "fact_rows", "fix_lines",
@@ -22,9 +22,13 @@ CELL_COLUMNS = (
     "loop", "window", "verdict", "rel L2", "max rel elem", "err/bound (D run)",
     "err/bound (f64 run)", "tokens counted/true", "deterministic", "basis",
 )  # fmt: skip
+RANK_COLUMNS = ("world size", "rank tokens", "predicted rel L2", "f64 rel L2", "ranks agree")
+"""The cell columns of a run across ranks (after ``window``; audit.md always has them)."""
 # The terminal's cell table: the same cells under short headers (a legend follows it), no basis.
 _TERMINAL_HEADERS = {
     "err/bound (D run)": "err/bnd D", "err/bound (f64 run)": "err/bnd f64", "deterministic": "det.",
+    "world size": "N", "rank tokens": "rank tok.", "predicted rel L2": "pred. rel L2",
+    "ranks agree": "agree",
 }  # fmt: skip
 WIDTH = 120  # the terminal's columns: every line of the stdout report fits
 FACT_COLUMNS = (
@@ -44,6 +48,11 @@ def _num(value: float) -> str:
 def _tokens(cell: Cell) -> str:
     if cell.status != "ok":
         return "-"
+    if cell.world_size > 1 and any(c is not None for c in cell.rank_counted):
+        # what each rank divided by, against every rank's tokens
+        counted = ";".join(_counted(c) for c in cell.rank_counted)
+        right = all(c == cell.true_count for c in cell.rank_counted)
+        return f"{counted}/{cell.true_count}{'' if right else ' (!)'}"
     if cell.counted is None:
         return f"per-microbatch mean/{cell.true_count}"
     counted = f"{cell.counted:g}"
@@ -78,13 +87,32 @@ def basis(cell: Cell, dtype: str) -> str:
     return "; ".join(parts)
 
 
+def _counted(value: float | None) -> str:
+    return "mean" if value is None else f"{value:g}"
+
+
+def _rank_tokens(cell: Cell) -> str:
+    return ";".join(str(n) for n in cell.rank_tokens) if cell.rank_tokens else str(cell.true_count)
+
+
+def _agree(cell: Cell) -> str:
+    if cell.ranks_agree is None:
+        return "-"
+    return "yes" if cell.ranks_agree else f"NO (rel L2 {_num(cell.rank_spread)})"
+
+
 def cell_rows(result: AuditResult) -> list[dict[str, str]]:
-    """One row per loop × window, keyed by :data:`CELL_COLUMNS`."""
+    """One row per loop × window, keyed by :data:`CELL_COLUMNS` and :data:`RANK_COLUMNS`."""
     rows = []
     for cell in result.cells:
         ran = cell.status == "ok"
         rows.append(
             {
+                "world size": str(cell.world_size),
+                "rank tokens": _rank_tokens(cell),
+                "predicted rel L2": _num(cell.predicted_rel_l2),
+                "f64 rel L2": _num(cell.semantic_rel_l2) if ran else "-",
+                "ranks agree": _agree(cell),
                 "loop": cell.adapter,
                 "window": cell.window,
                 "verdict": cell.verdict.split(":")[0],
@@ -228,6 +256,22 @@ def _md_table(rows: list[dict[str, str]], columns: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _cell_columns(*, ranks: bool) -> tuple[str, ...]:
+    """:data:`CELL_COLUMNS` with :data:`RANK_COLUMNS` after the window when ``ranks``."""
+    if not ranks:
+        return CELL_COLUMNS
+    return CELL_COLUMNS[:2] + RANK_COLUMNS + CELL_COLUMNS[2:]
+
+
+def _describe_windows(result: AuditResult) -> str:
+    if result.world_size == 1:
+        return "; ".join(w.describe() for w in result.windows)
+    return "; ".join(
+        f"{name} (" + " | ".join(", ".join(str(n) for n in w.targets) for w in ranks) + ")"
+        for name, ranks in result.rank_windows.items()
+    )
+
+
 def _wrap(text: str, first: str = "") -> str:
     """``text`` in lines of at most :data:`WIDTH`, the first indented by ``first``, the others
     by 2 more (4 at least)."""
@@ -274,14 +318,16 @@ def render_table(result: AuditResult) -> str:
     """The stdout report, every line at most :data:`WIDTH` columns (a loop name permitting):
     the cells under short headers, a legend, why a pass shows a D run above its bound, and per
     loop its facts (the wide tables are :func:`write_markdown`'s)."""
+    ranks = result.world_size > 1
     header = _wrap(
-        f"wacc audit — dtype {result.dtype}; windows: "
-        + "; ".join(w.describe() for w in result.windows)
-    )
-    rows = [
-        {_TERMINAL_HEADERS.get(c, c): r[c] for c in CELL_COLUMNS[:-1]} for r in cell_rows(result)
-    ]
-    columns = tuple(_TERMINAL_HEADERS.get(c, c) for c in CELL_COLUMNS[:-1])
+        f"wacc audit — dtype {result.dtype}"
+        + (f"; world size {result.world_size}; windows (per rank, | between ranks): " if ranks
+           else "; windows: ")
+        + _describe_windows(result)
+    )  # fmt: skip
+    shown = _cell_columns(ranks=ranks)[:-1]  # the basis is audit.md's (the reasons follow)
+    rows = [{_TERMINAL_HEADERS.get(c, c): r[c] for c in shown} for r in cell_rows(result)]
+    columns = tuple(_TERMINAL_HEADERS.get(c, c) for c in shown)
     cells = "\n".join([_text_table(rows, columns), _legend(result), *_why(result)])
     facts = "Per loop (the full table is audit.md's):\n" + _fact_blocks(result)
     fixes = [_wrap(line, "  ") for line in fix_lines(result)]
@@ -305,6 +351,14 @@ count (the D run also carries its own forward/backward rounding). `verdict` = pa
 loop's run *in float64* is within that bound (it isolates what the loop computes from rounding)
 and its gradient is finite; `basis` says so per row, and why a pass may show an `err/bound (D
 run)` above 1 (the D run's own forward/backward rounding, which no bound covers).
+`world size`: ranks per loop (each a process of its own, gloo), each with a window of its own;
+the truth is then the mean over every rank's tokens, `rank tokens` each rank's true total,
+`tokens counted/true` what each rank divided by against all ranks' tokens, the row's errors rank
+0's gradient, the verdict the worst rank's, `ranks agree` whether every rank handed its optimizer
+the same gradient (bit for bit). `predicted rel L2`: for a loop that weighs ranks equally (the
+mean over ranks of each rank's token mean: DDP's average of per-rank means), the error computed
+from the per-rank totals and per-rank exact gradients alone, to compare with `f64 rel L2`, the
+error of the loop's run in float64.
 `reads window first`: whether every microbatch was read before the first backward (measured).
 `mid-window resume`: checkpoint after K // 2 microbatches with the loop's own checkpoint call,
 restore into fresh objects, finish the window. `fixed loss scale`: a run with S = {scale:g}
@@ -330,11 +384,14 @@ def write_markdown(result: AuditResult, path: Path, provenance: AuditProvenance)
     text = "\n\n".join(
         [
             "# wacc audit",
-            f"dtype **{result.dtype}**; {provenance.line()}",
-            "Windows (target tokens per microbatch): "
-            + "; ".join(f"`{w.describe()}`" for w in result.windows),
+            f"dtype **{result.dtype}**, world size **{result.world_size}**; {provenance.line()}",
+            "Windows (target tokens per microbatch"
+            + ("; per rank, `|` between ranks" if result.world_size > 1 else "")
+            + "): `"
+            + _describe_windows(result).replace("; ", "`; `")
+            + "`",
             "## Per loop and window",
-            _md_table(cell_rows(result), CELL_COLUMNS),
+            _md_table(cell_rows(result), _cell_columns(ranks=True)),
             "## Per loop",
             _md_table(fact_rows(result), FACT_COLUMNS),
         ]
@@ -356,7 +413,8 @@ CSV_COLUMNS = (
     "f64_err_over_bound", "f64_element_err_over_bound", "tokens_counted", "tokens_true",
     "finite", "deterministic", "sha256", "reads_window_first", "mid_window_resume",
     "resumed_rel_l2", "fixed_loss_scale", "fp16_overflow", "truth_casts", "loss_casts", "cause",
-    "fixed_by", *PROVENANCE_COLUMNS,
+    "fixed_by", "world_size", "rank_tokens", "rank_tokens_counted", "predicted_rel_l2",
+    "ranks_agree", *PROVENANCE_COLUMNS,
 )  # fmt: skip
 """``audit.csv``'s columns, the run's provenance on every row."""
 
@@ -391,6 +449,13 @@ def write_csv(result: AuditResult, path: Path, provenance: AuditProvenance) -> N
                     "truth_casts": ";".join(f.truth_casts),
                     "loss_casts": ";".join(f.loss_casts),
                     "cause": f.adapter.cause or "", "fixed_by": f.adapter.fixed_by or "",
+                    "world_size": c.world_size, "rank_tokens": _rank_tokens(c),
+                    "rank_tokens_counted": ";".join(
+                        "" if n is None else repr(float(n)) for n in c.rank_counted
+                    ),
+                    "predicted_rel_l2": "" if math.isnan(c.predicted_rel_l2) else
+                    repr(c.predicted_rel_l2),
+                    "ranks_agree": "" if c.ranks_agree is None else c.ranks_agree,
                     **provenance.columns(),
                 }
             )  # fmt: skip

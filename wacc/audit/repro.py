@@ -60,8 +60,17 @@ from wacc.audit.models import (
 )
 from wacc.audit.protocol import Adapter
 from wacc.audit.repro_templates import LOOPS, LoopTemplate, user
-from wacc.audit.repro_templates.common import EXACT, FAMILIES, GRADIENT, PLAIN_MODEL, RESULT
-from wacc.audit.runner import AuditResult, Cell, LoopFacts
+from wacc.audit.repro_templates.common import (
+    EXACT,
+    FAMILIES,
+    GRADIENT,
+    PLAIN_MODEL,
+    RANK_EXACT,
+    RANK_GRADIENT,
+    RANK_RESULT,
+    RESULT,
+)
+from wacc.audit.results import AuditResult, Cell, LoopFacts
 from wacc.audit.windows import IGNORE_INDEX, Window
 
 __all__ = ["LOST", "Reproducer", "write_reproducers"]
@@ -96,6 +105,19 @@ def write_reproducers(result: AuditResult, directory: Path) -> tuple[list[Reprod
         if template is None:
             notes.append(f"{cell.adapter} / {cell.window}: no reproducer template for this loop")
             continue
+        if result.world_size > 1:
+            if template.ranks is None:
+                notes.append(f"{cell.adapter} / {cell.window}: no reproducer across ranks for "
+                             "this loop")  # fmt: skip
+                continue
+            path = directory / f"{cell.adapter}-{cell.window}-ranks{result.world_size}.py"
+            ranks = result.rank_windows[cell.window]
+            text = _rank_script(result.dtype, facts[cell.adapter].adapter, ranks, template, cell)
+            path.write_text(text, encoding="utf-8")
+            written.append(
+                Reproducer(path, cell.adapter, cell.window, False, "float64", cell.semantic_rel_l2)
+            )
+            continue
         fact = facts[cell.adapter]
         path = directory / f"{_stem(cell.adapter)}-{cell.window}.py"
         text = _script(result.dtype, fact.adapter, windows[cell.window], template, cell=cell)
@@ -103,7 +125,7 @@ def write_reproducers(result: AuditResult, directory: Path) -> tuple[list[Reprod
         written.append(
             Reproducer(path, cell.adapter, cell.window, False, "float64", cell.semantic_rel_l2)
         )
-    first = result.windows[0] if result.windows else None
+    first = result.windows[0] if result.windows and result.world_size == 1 else None
     for fact in result.facts:
         if fact.status != "ok" or fact.resume != LOST or first is None:
             continue
@@ -185,6 +207,64 @@ def _script(
         body,
         RESULT.format(framework=template.framework),
     ]
+    return _join(parts)
+
+
+def _rank_script(
+    dtype: str, adapter: Adapter, ranks: Sequence[Window], template: LoopTemplate, cell: Cell
+) -> str:
+    """The script of a FAIL cell across ranks: run by ``torchrun --nproc-per-node N`` (gloo)."""
+    spec = MODEL_KINDS[adapter.model]
+    assert template.ranks is not None
+    imports, model = _model(spec, dtype)
+    n = len(ranks)
+    totals = ", ".join(str(w.total_targets) for w in ranks)
+    docstring = [
+        f"{template.framework} ({_model_name(adapter)}) across {n} data-parallel ranks "
+        f"(torch.distributed, gloo): each rank accumulates over its own window of "
+        f"{len(ranks[0].targets)} microbatches, {totals} target tokens per rank, against the exact "
+        "gradient of the mean token loss over every rank's tokens.  Rank 0 prints the relative L2 "
+        "error of the gradient the loop hands its optimizer (0 up to rounding for a loop that "
+        "computes the mean) and whether every rank holds the same gradient.",
+        f"Run: python -m torch.distributed.run --nproc-per-node {n} {cell.adapter}-{cell.window}"
+        f"-ranks{n}.py (or torchrun; a CPU is enough, neither wacc nor a GPU is needed).",
+        f"Code path: {adapter.code_path}.",
+        f"Reproduces the `wacc audit --dtype {dtype} --world-size {n}` row {adapter.name} / "
+        f"{cell.window}: f64 rel L2 {cell.semantic_rel_l2:.12g} (printed here), {dtype} run "
+        f"{cell.rel_l2:.6g}.",
+        f"Generated with Python {platform.python_version()}, {_versions(template)}.",
+    ]
+    header = '"""' + "\n".join(textwrap.fill(p, width=96) for p in docstring) + '\n"""'
+    tokens, labelled = zip(*(_tokens(w) for w in ranks), strict=True)
+    constants = "\n".join(
+        [
+            f"DTYPE = torch.float64  # the audit's float64 run (torch.{dtype}: its {dtype} run)",
+            "RANK_TOKENS = [  # per rank: its window's microbatches (token ids, batch size 1)\n"
+            + "".join(
+                "    [\n"
+                + "".join(f"        {_literal(t, '        ')},\n" for t in rank)
+                + "    ],\n"
+                for rank in tokens
+            )
+            + "]",
+            f"RANK_LABELLED = {list(labelled)}  # False: a microbatch without target tokens",
+        ]
+    )
+    parts = [
+        header,
+        _imports([*template.ranks_imports, *imports]),
+        constants,
+        model,
+        FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),
+        RANK_GRADIENT,
+        RANK_EXACT,
+        template.ranks,
+        RANK_RESULT.format(framework=template.framework),
+    ]
+    return _join(parts)
+
+
+def _join(parts: Sequence[str]) -> str:
     text = parts[0].strip("\n")
     for part in parts[1:]:
         part = part.strip("\n")
@@ -268,7 +348,8 @@ def _literal(values: Sequence[Any], indent: str) -> str:
     return "[" + f"\n{indent} ".join(lines) + "]"
 
 
-def _constants(dtype: str, window: Window, fact: LoopFacts | None) -> str:
+def _tokens(window: Window) -> tuple[list[list[int]], list[bool]]:
+    """The window's microbatches without their right padding, and which have targets."""
     tokens, labelled = [], []
     for mb in window.microbatches:
         ids, labels = mb["input_ids"].tolist(), mb["labels"].tolist()
@@ -280,6 +361,11 @@ def _constants(dtype: str, window: Window, fact: LoopFacts | None) -> str:
             raise ValueError(f"window {window.name}: a microbatch the reproducer cannot write")
         tokens.append(ids)
         labelled.append(labels == ids)
+    return tokens, labelled
+
+
+def _constants(dtype: str, window: Window, fact: LoopFacts | None) -> str:
+    tokens, labelled = _tokens(window)
     if fact is None:
         run = f"torch.{dtype}: its {dtype} run"
         lines = [f"DTYPE = torch.float64  # the audit's float64 run ({run})"]

@@ -27,12 +27,10 @@ A loop that is not installed, cannot be imported, or raises is a row saying so, 
 
 from __future__ import annotations
 
-import math
 import random
 import tempfile
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,85 +48,15 @@ from wacc.audit.metrics import (
 )
 from wacc.audit.models import MODEL_KINDS
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+from wacc.audit.results import DTYPES, TEST_LOSS_SCALE, AuditResult, Cell, LoopFacts, describe_error
 from wacc.audit.truth import Truth, compute_truth, flatten
 from wacc.audit.windows import SPIKE_MICROBATCH, Window, build_fp16_window
 
-__all__ = ["AuditResult", "Cell", "LoopFacts", "run_audit", "TEST_LOSS_SCALE"]
-
-TEST_LOSS_SCALE = 2.0**10
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}  # fmt: skip
+__all__ = ["AuditResult", "Cell", "LoopFacts", "describe_error", "run_audit", "TEST_LOSS_SCALE"]
 
 
-@dataclass
-class Cell:
-    """One loop on one window."""
-
-    adapter: str
-    window: str
-    status: str = "ok"  # ok | not installed | not importable: … | error: …
-    rel_l2: float = math.nan  # run in D vs truth
-    max_rel: float = math.nan  # over every nonzero truth element
-    max_rel_normal: float = math.nan  # over the meaningful ones (metrics.meaningful_relative_...)
-    normal_elements: int = 0  # how many those are
-    max_rel_share: float = math.nan  # |T_i| / max |T| at that maximum
-    ratio: float = math.nan  # run in D: ‖error‖ / ‖bound(D)‖
-    element_ratio: float = math.nan  # run in D: max_i |error_i| / bound_i (wacc_ref error_ratio)
-    semantic_rel_l2: float = math.nan  # float64 run vs truth
-    semantic_ratio: float = math.nan  # float64 run: ‖error‖ / ‖bound(D)‖  -> the verdict
-    semantic_element_ratio: float = math.nan
-    counted: float | None = None  # what the loop divided by (None: never divides by a count)
-    true_count: int = 0
-    finite: bool = True
-    deterministic: bool | None = None
-    digest: str = ""
-
-    @property
-    def verdict(self) -> str:
-        """``pass`` / ``FAIL`` / the status when it did not run."""
-        if self.status != "ok":
-            return self.status
-        ok = self.finite and self.semantic_ratio <= 1.0
-        return "pass" if ok else "FAIL"
-
-
-@dataclass
-class LoopFacts:
-    """Per-loop findings (measured on the first window)."""
-
-    adapter: Adapter
-    status: str = "ok"
-    version: str = ""
-    model: str = ""
-    truth_casts: tuple[str, ...] = ()  # the forward to the logits (affects the truth)
-    loss_casts: tuple[str, ...] = ()  # the model's own loss (affects the loop's float64 run)
-    needs_total: str = ""
-    resume: str = ""
-    resume_rel_l2: float = math.nan
-    resume_after: int | None = None  # microbatches run before the mid-window checkpoint
-    loss_scale: str = ""
-    fp16: str = ""  # what its float16 path does with a window in which one microbatch overflows
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class AuditResult:
-    """Everything one audit found."""
-
-    dtype: str
-    windows: list[Window]
-    facts: list[LoopFacts]
-    cells: list[Cell]
-
-
-def _describe_error(exc: BaseException) -> str:
-    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    where = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"error: {type(exc).__name__}: {first[:120]}{where}"
-
-
+# The result types live in wacc.audit.results (the runner across ranks builds them too); the
+# runner re-exports them, its callers' one import.
 class _Runner:
     def __init__(self, dtype: torch.dtype, workdir: Path, tick: Callable[[], None]) -> None:
         self.dtype = dtype
@@ -279,7 +207,7 @@ def _fp16_fact(runner: _Runner, adapter: Adapter) -> str:
             text += f"; without the spike too: {clean.outcome()}"
         return text
     except Exception as exc:
-        return _describe_error(exc)
+        return describe_error(exc)
 
 
 def run_audit(
@@ -290,13 +218,21 @@ def run_audit(
     progress: Callable[[int], Callable[[], None]] | None = None,
     isolate: bool = False,
     jobs: int = 1,
+    world_size: int = 1,
 ) -> AuditResult:
     """Audit ``adapters`` on ``windows`` in ``dtype`` (see the module docstring); with
     ``isolate``, each loop in a process of its own (:mod:`wacc.audit.isolation`: a built-in
     loop or a ``module:function`` spec, which the worker imports again), ``jobs`` of them at a
-    time (each with the machine's cores shared out: torch threads = cores // jobs)."""
-    if jobs < 1 or (jobs > 1 and not isolate):
+    time (each with the machine's cores shared out: torch threads = cores // jobs).  With
+    ``world_size`` N > 1 each loop runs in worlds of N processes instead (:mod:`wacc.audit.ranks`
+    on :func:`wacc.audit.windows.rank_windows` of each window's name)."""
+    if jobs < 1 or (jobs > 1 and not isolate and world_size == 1):
         raise ValueError(f"jobs must be 1, or >= 1 with isolate=True; got {jobs}")
+    if world_size > 1:
+        from wacc.audit.ranks import run_ranks
+
+        return run_ranks(adapters, [w.name for w in windows], dtype=dtype,
+                         world_size=world_size, progress=progress, jobs=jobs)  # fmt: skip
     torch_dtype = DTYPES[dtype]
     runnable = [a for a in adapters if a.unavailable() is None]
     total = sum(
@@ -324,7 +260,7 @@ def run_audit(
                 try:
                     _audit_cell(runner, adapter, window, cell, fact, first=index == 0)
                 except Exception as exc:  # a loop that raises is a finding, not a crash
-                    cell.status = _describe_error(exc)
+                    cell.status = describe_error(exc)
                     if index == 0:
                         fact.notes.append(f"{window.name}: {cell.status}")
             fact.fp16 = _fp16_fact(runner, adapter)
@@ -423,7 +359,7 @@ def _audit_cell(
             else:
                 fact.resume = "restored (bit-identical)" if same else "pending gradient lost"
         except Exception as exc:
-            fact.resume = _describe_error(exc)
+            fact.resume = describe_error(exc)
     if not adapter.loss_scale:
         fact.loss_scale = "not settable"
         return
@@ -435,4 +371,4 @@ def _audit_cell(
             factor = float(np.linalg.norm(scaled) / np.linalg.norm(observed))
             fact.loss_scale = f"result x{factor:.6g} (S = {TEST_LOSS_SCALE:g})"
     except Exception as exc:
-        fact.loss_scale = _describe_error(exc)
+        fact.loss_scale = describe_error(exc)

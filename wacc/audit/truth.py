@@ -9,6 +9,11 @@ microbatch, the forward and the labels the loss counts are the model family's
 masked LM and for a seq2seq decoder (fed the labels shifted right); the family's prepared
 microbatch must count exactly the window's ``n_k`` (checked).
 
+Across ranks the truth is computed on every rank's microbatches together
+(:func:`wacc.audit.windows.world_window`): ``Σ_k g_k / N`` over all of them, ``N`` every rank's
+target tokens; :func:`rank_sums` splits the ``g_k`` back into per-rank sums ``G_r`` and
+:func:`equal_rank_mean` is what a loop that averages per-rank means computes.
+
 The gradient is that of the model's *trainable* parameters (``requires_grad``), in
 ``named_parameters`` order: every parameter for a model trained whole, only the adapters for a
 LoRA model (whose frozen base weights get no gradient from any loop; the runner compares the
@@ -26,7 +31,7 @@ cross-entropy to the logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from wacc.audit.models import ModelSpec
 from wacc.audit.windows import Window
 
-__all__ = ["Truth", "compute_truth", "flatten"]
+__all__ = ["Truth", "compute_truth", "equal_rank_mean", "flatten", "rank_sums"]
 
 
 class _CastWatcher(TorchFunctionMode):
@@ -126,3 +131,31 @@ def compute_truth(spec: ModelSpec, dtype: torch.dtype, window: Window) -> Truth:
         casts=tuple(sorted(watcher.casts)),
         loss_casts=tuple(sorted(own_loss.casts - watcher.casts)),
     )
+
+
+def rank_sums(truth: Truth, rank_targets: Sequence[Sequence[int]]) -> list[NDArray[np.float64]]:
+    """Per rank, the float64 gradient of its window's loss sum, ``G_r = Σ_{k in r} g_k``, for a
+    truth computed on :func:`wacc.audit.windows.world_window` (``rank_targets``: each rank's
+    ``Window.targets``, in rank order)."""
+    sizes = [len(t) for t in rank_targets]
+    if (
+        sum(sizes) != len(truth.microbatch_sums)
+        or tuple(n for t in rank_targets for n in t) != truth.targets
+    ):
+        raise ValueError(f"rank targets {rank_targets} are not the truth's {truth.targets}")
+    out, start = [], 0
+    for size in sizes:
+        out.append(np.sum(np.stack(truth.microbatch_sums[start : start + size]), axis=0))
+        start += size
+    return out
+
+
+def equal_rank_mean(truth: Truth, rank_targets: Sequence[Sequence[int]]) -> NDArray[np.float64]:
+    """What a loop that weighs ranks equally computes, exactly: ``(1/R) Σ_r G_r / n_r``, the mean
+    over the R ranks of each rank's token mean (NaN where a rank has no target token: its mean is
+    0/0).  Its distance from ``truth.gradient = Σ_r G_r / Σ_r n_r`` is the predicted error."""
+    means = []
+    for total, targets in zip(rank_sums(truth, rank_targets), rank_targets, strict=True):
+        n = sum(targets)
+        means.append(total / n if n > 0 else np.full_like(total, np.nan))
+    return np.sum(np.stack(means), axis=0) / len(means)

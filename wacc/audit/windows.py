@@ -13,6 +13,14 @@ column) is ``unequal``'s target counts drawn from token ids ``1 .. SPIKE_TOKEN -
 ``SPIKE_TOKEN`` at position 0 of microbatch ``SPIKE_MICROBATCH`` only (or nowhere: its clean twin).
 In a float16 run the audit's models make that token's activations overflow
 (:func:`wacc.audit.models.add_spike`).
+
+Across ranks (:func:`rank_windows`): per rank one window of K = 4 microbatches (every rank the
+same K, as a data-parallel loop steps all ranks together).  ``unequal``: rank 0 holds ``unequal``'s
+counts (1, 7, 200, 3), 211 tokens; rank 1 (12, 0, 3, 2), 17 tokens, a zero-target microbatch among
+them and very few tokens in its whole window; at world size 4, rank 2 (30, 64, 6, 20), 120 tokens,
+and rank 3 (1, 1, 2, 1), 5 tokens.  ``equal``: every rank (64, 64, 64, 64), the control on which a
+mean of per-rank means is the mean.  Each rank's tokens are drawn from a seed of its own; its
+microbatches are padded to its own longest sequence.
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ __all__ = [
     "Window",
     "build_fp16_window",
     "build_window",
+    "RANK_WINDOW_NAMES",
+    "rank_windows",
     "target_count",
+    "world_window",
 ]
 
 IGNORE_INDEX = -100
@@ -119,6 +130,42 @@ def build_fp16_window(*, spike: bool = True) -> Window:
         ids[0] = labels[0] = SPIKE_TOKEN  # position 0's label is never a target (causal shift)
         sequences[SPIKE_MICROBATCH] = (ids, labels)
     return _window("fp16-spike" if spike else "fp16-clean", targets, sequences)
+
+
+RANK_WINDOW_NAMES: tuple[str, ...] = ("unequal", "equal")
+"""The windows the audit runs across ranks (module docstring)."""
+
+_RANK_TARGETS: dict[str, tuple[tuple[int, ...], ...]] = {
+    "unequal": ((1, 7, 200, 3), (12, 0, 3, 2), (30, 64, 6, 20), (1, 1, 2, 1)),
+    "equal": ((64, 64, 64, 64),) * 4,
+}
+RANK_SEED = 1000  # rank r of window w draws from RANK_SEED + 10 * index(w) + r
+
+
+def rank_windows(name: str, world_size: int) -> tuple[Window, ...]:
+    """Rank ``r``'s window of ``name`` for each of ``world_size`` ranks (module docstring);
+    ``KeyError`` for another name, ``ValueError`` for a world size other than 1, 2 or 4.  At world
+    size 1 the one window is :func:`build_window`'s."""
+    if world_size == 1:
+        return (build_window(name),)
+    if world_size not in (2, 4):
+        raise ValueError(f"world size {world_size}: the audit's rank windows are for 1, 2 or 4")
+    plan = _RANK_TARGETS[name][:world_size]
+    index = RANK_WINDOW_NAMES.index(name)
+    return tuple(
+        _window(f"{name}/rank{r}", targets, _sequences(targets, seed=RANK_SEED + 10 * index + r))
+        for r, targets in enumerate(plan)
+    )
+
+
+def world_window(name: str, windows: Sequence[Window]) -> Window:
+    """Every rank's microbatches as one window called ``name``, rank 0's first (the truth's
+    window: its mean is over every rank's tokens together)."""
+    return Window(
+        name=name,
+        targets=tuple(n for w in windows for n in w.targets),
+        microbatches=tuple(mb for w in windows for mb in w.microbatches),
+    )
 
 
 def _window(

@@ -15,18 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from wacc.audit.adapters import ADAPTERS
-from wacc.audit.protocol import Adapter, user_adapter
+from wacc.audit.adapters import resolve
 from wacc.audit.runner import LoopFacts, run_audit
 
 __all__ = ["main"]
-
-
-def _resolve(name: str) -> Adapter:
-    """The adapter a parent named: built-in by name, else a user loop spec."""
-    if name in ADAPTERS:
-        return ADAPTERS[name]
-    return user_adapter(name)
 
 
 def _work(request_path: Path, result_path: Path, tick_fd: int) -> None:
@@ -36,7 +28,7 @@ def _work(request_path: Path, result_path: Path, tick_fd: int) -> None:
         import torch
 
         torch.set_num_threads(request["threads"])
-    adapter = _resolve(request["adapter"])
+    adapter = resolve(request["adapter"])
     with os.fdopen(tick_fd, "wb", buffering=0) as out:
 
         def tick() -> None:

@@ -71,8 +71,10 @@ _BUILTIN = (
     "plain",
     "wacc_torch-mean",
     "wacc_torch-sum",
+    "wacc_torch-fsdp",
 )
 _WINDOWS = ("unequal", "equal", "zero", "longtail")
+_RANK_WINDOWS = ("unequal", "equal")  # wacc.audit.windows.RANK_WINDOW_NAMES (torch-free here)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -87,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(see wacc.audit.protocol). Default: every built-in loop",
     )
     parser.add_argument(
-        "--windows", nargs="+", choices=_WINDOWS, default=list(_WINDOWS), metavar="WINDOW",
-        help=f"windows to run, of {', '.join(_WINDOWS)} (default: all)",
+        "--windows", nargs="+", choices=_WINDOWS, default=None, metavar="WINDOW",
+        help=f"windows to run, of {', '.join(_WINDOWS)} (default: all; across ranks: unequal "
+        "and equal, the ones with rank windows)",
     )  # fmt: skip
     parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
     parser.add_argument(
@@ -107,10 +110,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="loops run at a time, each in its own process with the cores shared out (default: 1)",
     )  # fmt: skip
     parser.add_argument(
+        "--world-size", type=_world_size, default=1, metavar="N",
+        help="ranks per loop: 1 (default), or 2 or 4 real torch.distributed processes per loop "
+        "(gloo), each rank on a window of its own (windows unequal and equal: rank token totals "
+        "that differ, and that agree); a loop without a multi-rank path is a row saying so",
+    )  # fmt: skip
+    parser.add_argument(
         "--in-process", action="store_true",
         help="run every loop in this process (default: each in a fresh Python process, since "
         "frameworks leave global state behind; in-process is faster, for debugging a loop)",
     )  # fmt: skip
+
+
+def _world_size(text: str) -> int:
+    """``--world-size``: 1, 2 or 4 (argparse turns the ValueError into a usage error, exit 2)."""
+    if text not in ("1", "2", "4"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 1, 2 or 4")
+    return int(text)
 
 
 def _progress(quiet: bool) -> Callable[[int], Callable[[], None]]:
@@ -137,6 +153,16 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs > 1 and args.in_process:
         raise UsageError(f"--jobs {args.jobs} runs loops in processes of their own: not with "
                          "--in-process")  # fmt: skip
+    if args.world_size > 1 and args.in_process:
+        raise UsageError(f"--world-size {args.world_size} runs every rank in a process of its own: "
+                         "not with --in-process")  # fmt: skip
+    windows_asked = list(dict.fromkeys(args.windows or _WINDOWS))
+    if args.world_size > 1:
+        windows_asked = list(dict.fromkeys(args.windows or _RANK_WINDOWS))
+        others = [w for w in windows_asked if w not in _RANK_WINDOWS]
+        if others:
+            raise UsageError(f"--windows {' '.join(others)}: not across ranks; --world-size "
+                             f"{args.world_size} has {', '.join(_RANK_WINDOWS)}")  # fmt: skip
     directories = [("--out", args.out)] + ([("--repro", args.repro)] if args.repro else [])
     for option, directory in directories:
         if directory.exists() and not directory.is_dir():
@@ -174,12 +200,12 @@ def run(args: argparse.Namespace) -> int:
     # when it is first imported, which has not happened yet).
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("accelerate").setLevel(logging.ERROR)
-    windows = [build_window(w) for w in dict.fromkeys(args.windows)]
+    windows = [build_window(w) for w in windows_asked]
     provenance = collect_provenance()
     started = time.perf_counter()
     result = run_audit(
         adapters, windows, dtype=args.dtype, progress=_progress(args.quiet),
-        isolate=not args.in_process, jobs=args.jobs,
+        isolate=not args.in_process, jobs=args.jobs, world_size=args.world_size,
     )  # fmt: skip
     print(render_table(result))
     provenance = replace(provenance, wall_seconds=time.perf_counter() - started)

@@ -12,9 +12,10 @@ Your own implementation: --impl IMPL (repeatable; module:attr or path/to/file.py
 `wacc check`) judges it on the same corpus next to wacc_torch, in the headline, the CSV, the
 replay files and the figures that sweep (error/bound by window length, relative error vs skew,
 the overflow map: a marker wherever it loses the mean that wacc_torch keeps). --compare-to DIR
-puts a previous report's headline (from DIR/divergence.csv) next to this one's. --audit DIR makes
-a `wacc audit --out` folder (its audit.csv and audit.png) the report's section on training
-frameworks.
+puts a previous report's headline (from DIR/divergence.csv) next to this one's.
+--audit DIR [DIR ...] makes `wacc audit --out` folders (one per world size: their audit.csv,
+audit.png) the report's section on training frameworks, with a figure of each loop's error
+against world size and rank token imbalance when one of them ran across ranks.
 
 examples:
   wacc report                          # ./wacc-report/index.md, default corpus, CPU
@@ -80,9 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a previous report's folder: its headline next to this one's",
     )  # fmt: skip
     parser.add_argument(
-        "--audit", type=Path, metavar="DIR",
-        help="a `wacc audit --out` folder: its table and figure become the report's section on "
-        "training frameworks (the repository's committed run: reports/audit)",
+        "--audit", type=Path, nargs="+", metavar="DIR",
+        help="`wacc audit --out` folders, one per world size: their table and figures become the "
+        "report's section on training frameworks (the repository's committed run: reports/audit)",
     )  # fmt: skip
     parser.add_argument(
         "--device-only", action="store_true",
@@ -126,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
         )
     audit = None
     if args.audit is not None:
-        from wacc.report.audit_section import read_audit
+        from wacc.report.audit_section import read_audits
 
-        audit = read_audit(args.audit)
+        audit = read_audits(args.audit)
     if args.rehearsal and args.device != "cpu":
         raise UsageError(f"--rehearsal runs the CUDA parts on the CPU: it needs --device cpu, "
                          f"not --device {args.device}")  # fmt: skip
@@ -313,9 +314,20 @@ def run(args: argparse.Namespace) -> int:
     if audit is not None:
         from wacc.report.audit_section import audit_markdown, copy_figure
 
-        figure = copy_figure(audit, out / "figures")
+        smallest = min(audit, key=lambda run: run.world_size)
+        figure = copy_figure(smallest, out / "figures")
         written.append(figure)
-        audit_lines = audit_markdown(audit, figure.relative_to(out).as_posix())
+        ranks_figure = None
+        if any(run.world_size > 1 for run in audit):
+            from wacc.report.audit_figure import plot_ranks
+
+            ranks_figure = out / "figures" / "audit-ranks.png"
+            plot_ranks(audit, ranks_figure)
+            written.append(ranks_figure)
+        audit_lines = audit_markdown(
+            audit, figure.relative_to(out).as_posix(),
+            None if ranks_figure is None else ranks_figure.relative_to(out).as_posix(),
+        )  # fmt: skip
     index = write_index(
         out, provenance=provenance, rows=rows, figures=shown, variants=variants,
         replay_files=replay_files, compared=compared, audit=audit_lines,

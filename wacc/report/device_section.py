@@ -109,7 +109,7 @@ def _audit_gradient_error(dtype: str, device: str) -> float:
     ``dtype`` (each microbatch's loss sum / N, backward accumulating into ``.grad``)."""
     from wacc.audit.metrics import relative_l2
     from wacc.audit.models import MODEL_KINDS
-    from wacc.audit.runner import DTYPES
+    from wacc.audit.results import DTYPES
     from wacc.audit.truth import compute_truth, flatten
     from wacc.audit.windows import build_window
 

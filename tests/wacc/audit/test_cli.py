@@ -240,7 +240,7 @@ def test_the_printed_tables_and_audit_md_show_what_audit_csv_holds(tmp_path: Pat
     correct one, and the window with no target token)."""
     from tests.wacc.audit.test_report import check_tables, terminal_tables
     from tests.wacc.rendered import markdown_tables, section
-    from wacc.audit.report import CELL_COLUMNS
+    from wacc.audit.report import CELL_COLUMNS, RANK_COLUMNS
 
     done = _wacc("plain", "tests.wacc.audit.loops:equal_weighting", "tests.wacc.audit.loops:raises",
                  "--windows", "unequal", "zero", "--quiet", "--out", str(tmp_path))  # fmt: skip
@@ -258,4 +258,5 @@ def test_the_printed_tables_and_audit_md_show_what_audit_csv_holds(tmp_path: Pat
          *markdown_tables(section(markdown, "## Per loop"))],
         records,
         statuses,
+        CELL_COLUMNS[:2] + RANK_COLUMNS + CELL_COLUMNS[2:],
     )  # fmt: skip

@@ -25,6 +25,7 @@ from wacc.audit.report import (
     _TERMINAL_HEADERS,
     CELL_COLUMNS,
     FACT_COLUMNS,
+    RANK_COLUMNS,
     render_table,
     write_csv,
     write_markdown,
@@ -139,6 +140,17 @@ def _assert_cell_row(cells: dict[str, str], record: dict[str, str]) -> None:
     assert (
         cells["deterministic"] == {"True": "yes", "False": "NO", "": "-"}[record["deterministic"]]
     )
+    if "world size" in cells:  # the columns of a run across ranks (audit.md always has them)
+        assert cells["world size"] == record["world_size"]
+        assert cells["rank tokens"] == (record["rank_tokens"] or record["tokens_true"])
+        _number(cells["predicted rel L2"], record["predicted_rel_l2"] or "nan")
+        if ran:
+            _number(cells["f64 rel L2"], record["f64_rel_l2"])
+        else:
+            assert cells["f64 rel L2"] == "-"
+        agree = record["ranks_agree"]
+        assert cells["ranks agree"] == {"True": "yes", "": "-"}.get(agree, cells["ranks agree"])
+        assert agree != "False" or cells["ranks agree"].startswith("NO")
 
 
 def _assert_fact_row(cells: dict[str, str], records: list[dict[str, str]], status: str) -> None:
@@ -216,7 +228,7 @@ def test_audit_md_shows_what_audit_csv_holds(
         *markdown_tables(section(markdown, "## Per loop and window")),
         *markdown_tables(section(markdown, "## Per loop")),
     ]
-    check_tables(tables, records, _STATUSES)
+    check_tables(tables, records, _STATUSES, CELL_COLUMNS[:2] + RANK_COLUMNS + CELL_COLUMNS[2:])
 
 
 def terminal_tables(
@@ -285,7 +297,7 @@ def test_audit_md_states_provenance_windows_code_paths_and_each_note_once(
     """audit.md names the dtype and provenance, each window with its targets, each loop's code
     path and checked range, and a loop's repeated note once."""
     _, markdown, _ = written
-    assert f"dtype **bfloat16**; {_PROVENANCE.line()}" in markdown
+    assert f"dtype **bfloat16**, world size **1**; {_PROVENANCE.line()}" in markdown
     assert "Windows (target tokens per microbatch): `unequal (1, 7, 200, 3)`; `zero (0, 0)`" in (
         markdown
     )

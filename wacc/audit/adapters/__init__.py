@@ -26,9 +26,9 @@ from wacc.audit.adapters import (
     trl_sft,
     wacc_torch,
 )
-from wacc.audit.protocol import Adapter
+from wacc.audit.protocol import Adapter, user_adapter
 
-__all__ = ["ADAPTERS"]
+__all__ = ["ADAPTERS", "resolve"]
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
@@ -76,6 +76,16 @@ ADAPTERS: dict[str, Adapter] = {
         plain.ADAPTER,
         wacc_torch.MEAN,
         wacc_torch.SUM,
+        wacc_torch.FSDP,
     )
 }
 """Built-in adapters in report order."""
+
+
+def resolve(name: str) -> Adapter:
+    """The adapter a loop's name means: a built-in one by name, else a user loop spec
+    (``module:function`` or ``path/file.py:function``, imported by the rule of
+    :func:`wacc.audit.protocol.user_adapter`)."""
+    if name in ADAPTERS:
+        return ADAPTERS[name]
+    return user_adapter(name)

@@ -5,6 +5,10 @@ own *mean* token loss, as nanoGPT's ``GPT.forward(idx, targets)`` does):
 .. code-block:: python
 
     for micro_step in range(gradient_accumulation_steps):
+        if ddp:
+            # the script's stand-in for no_sync(): only the last micro step all-reduces
+            assert isinstance(model, DDP)
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
@@ -38,13 +42,29 @@ mid-window state to save or to resume.  Float16 (``task.fp16``): the script's
 scaler enabled (initial scale 2**16), run here with ``device_type='cpu'``; ``train.py`` itself
 takes ``ctx = nullcontext()`` on a CPU device (line 112), so this is its accelerator branch run on
 the CPU's float16 autocast.
+
+Across ranks (``task.world_size > 1``): the script's DDP path, as ``torchrun`` runs it — ``ddp =
+int(os.environ.get('RANK', -1)) != -1``, ``init_process_group(backend=backend)`` (its DDP setup
+block), ``gradient_accumulation_steps //= ddp_world_size`` (the global setting here is K times the
+world size: every rank runs its own K microbatches), ``model = DDP(model,
+device_ids=[ddp_local_rank])`` (``device_ids=None`` on a CPU, which DDP requires there) and, per
+micro step, ``model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)``
+(in the lines :data:`SOURCE` names: the script's stand-in for ``no_sync()``). What decides the
+weighting across ranks: ``loss = loss / gradient_accumulation_steps`` on each microbatch's *mean*
+loss and DDP's reducer averaging the ranks (``Reducer::mark_variable_ready_dense`` divides by the
+world size): every microbatch of every rank weighs the same, whatever its tokens (a zero-target
+microbatch still counts in K: torch's cross-entropy gives its ``0/0`` mean a zero gradient). No
+prediction from per-rank totals applies (it weighs microbatches, not ranks, equally).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.distributed import init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817 (the script's name)
 
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
@@ -64,12 +84,21 @@ def run(task: LoopTask) -> LoopRun:
         torch.amp.autocast(device_type=device_type, dtype=ptdtype) if task.fp16 else nullcontext()
     )
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-    model = task.build_model()
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
-    task.hook_optimizer(optimizer, model)
+    ddp = int(os.environ.get("RANK", -1)) != -1 and task.world_size > 1
+    gradient_accumulation_steps = task.num_microbatches * task.world_size  # the global setting
+    if ddp:
+        init_process_group(backend=task.backend)
+        ddp_world_size = int(os.environ["WORLD_SIZE"])
+        assert gradient_accumulation_steps % ddp_world_size == 0
+        gradient_accumulation_steps //= ddp_world_size
+    raw_model = task.build_model()
+    raw_model.train()
+    optimizer = torch.optim.SGD(raw_model.parameters(), lr=task.learning_rate)
+    task.hook_optimizer(optimizer, raw_model)
+    model: torch.nn.Module = raw_model
+    if ddp:
+        model = DDP(raw_model, device_ids=None)
     before = float(scaler.get_scale())
-    gradient_accumulation_steps = task.num_microbatches
     grad_clip = 0.0
     data = task.dataset
 
@@ -79,6 +108,10 @@ def run(task: LoopTask) -> LoopRun:
 
     X, Y = get_batch(0)  # noqa: N806 (the script's names)
     for micro_step in range(gradient_accumulation_steps):
+        if ddp:
+            # the script's stand-in for no_sync(): only the last micro step all-reduces
+            assert isinstance(model, DDP)
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             out = model(input_ids=X, labels=Y)
             logits, loss = out["logits"], out["loss"]  # noqa: F841 (as the script has it)
@@ -113,4 +146,5 @@ ADAPTER = Adapter(
     cause="karpathy/nanoGPT train.py@3adf61e L292-314 divides each microbatch's mean loss by "
     "gradient_accumulation_steps (`loss = loss / gradient_accumulation_steps`): every microbatch "
     "weighs 1/K whatever its token count.",
+    ranks=True,
 )

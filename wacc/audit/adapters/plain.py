@@ -10,10 +10,22 @@ dtype=torch.float16)`` over the forward and the loss, ``scaler = torch.amp.GradS
 (its defaults: initial scale 2**16), ``scaler.scale(loss_sum / known_total).backward()`` per
 microbatch, then ``scaler.step(optimizer)`` (unscales; skips ``optimizer.step()`` when a gradient
 is NaN/inf) and ``scaler.update()``.
+Across ranks (``task.world_size > 1``): the same loop as a data-parallel tutorial wraps it —
+``torch.distributed.init_process_group(task.backend)``, ``ddp = DistributedDataParallel(model)``,
+every microbatch but the last under ``ddp.no_sync()``, the last one's backward all-reducing. What
+decides the weighting across ranks: ``(loss_sum * scale / total).backward()`` with ``total`` the
+rank's *own* known total (the sum over ``task.dataset``, this rank's window), and DDP's reducer
+averaging the ranks' ``.grad`` (without a communication hook,
+``Reducer::mark_variable_ready_dense`` in ``torch/csrc/distributed/c10d/reducer.cpp`` divides each
+gradient by ``div_factor_``, the world size, before the bucket's SUM all-reduce): the mean over
+ranks of each rank's token mean. ``weighs_ranks_equally``: its error is predicted from the per-rank
+totals.
 Checked against torch 2.13.0 (the version run here).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -36,6 +48,8 @@ def run(task: LoopTask) -> LoopRun:
     """Run the loop of the module docstring on ``task``."""
     if task.fp16:
         return _run_fp16(task)
+    if task.world_size > 1:
+        return _run_ddp(task)
     model, optimizer = _fresh(task)
     data = task.dataset
     batches = [data[i] for i in range(len(data))]  # the known total needs the whole window first
@@ -52,6 +66,31 @@ def run(task: LoopTask) -> LoopRun:
         logits = logits_of(model(input_ids=batch["input_ids"][None]))
         loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
         (loss_sum * scale / total).backward()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.div_(scale)
+    optimizer.step()
+    return LoopRun(counted_tokens=float(total))
+
+
+def _run_ddp(task: LoopTask) -> LoopRun:
+    """The loop across ranks: DDP + ``no_sync()`` (module docstring)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group(task.backend)
+    model, optimizer = _fresh(task)
+    ddp = DistributedDataParallel(model)
+    data = task.dataset
+    batches = [data[i] for i in range(len(data))]
+    total = sum(target_count(b["labels"]) for b in batches)  # this rank's window only
+    scale = task.loss_scale
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        with nullcontext() if last else ddp.no_sync():  # the last backward all-reduces (mean)
+            logits = logits_of(ddp(input_ids=batch["input_ids"][None]))
+            loss_sum = causal_lm_loss_sum(logits, batch["labels"][None])
+            (loss_sum * scale / total).backward()
     for parameter in model.parameters():
         if parameter.grad is not None:
             parameter.grad.div_(scale)
@@ -88,4 +127,6 @@ ADAPTER = Adapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=True,
+    weighs_ranks_equally=True,
 )

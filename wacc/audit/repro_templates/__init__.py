@@ -19,7 +19,8 @@ common part builds), ``accelerate`` and ``accelerate-variable`` (:mod:`.accelera
 and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deepspeed``
 (:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
-``lightning`` loops.
+``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
+``no_sync()``) and ``nanogpt`` (its DDP path).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -57,6 +58,10 @@ class LoopTemplate:
     # How the loop turns the window into its own microbatches, when not one per sequence (a
     # sentence the header adds after the window's K microbatches).
     window_note: str = ""
+    # The loop across ranks (its data-parallel code path; the common part's rank variant has
+    # defined ``rank``, ``batches``/``targets`` of this rank, and ``dist`` is up); None: none.
+    ranks: str | None = None
+    ranks_imports: tuple[str, ...] = ()
 
 
 _TRAINER = LoopTemplate(
@@ -132,7 +137,14 @@ LOOPS: dict[str, LoopTemplate] = {
         "accumulates over those rows (gradient_accumulation_steps = the row count: see the "
         "printed count).",
     ),
-    "nanogpt": LoopTemplate("nanoGPT train.py", (), (), nanogpt.BODY),
+    "nanogpt": LoopTemplate(
+        "nanoGPT train.py",
+        (),
+        (),
+        nanogpt.BODY,
+        ranks=nanogpt.RANKS,
+        ranks_imports=nanogpt.RANKS_IMPORTS,
+    ),
     "pixparse": LoopTemplate(
         "pixparse loss /= accum_steps + NativeScaler",
         (),
@@ -141,6 +153,15 @@ LOOPS: dict[str, LoopTemplate] = {
         pixparse.RESUME,
         pixparse.RESUME_IMPORTS,
     ),
-    "plain": LoopTemplate("plain PyTorch", (), (), plain.BODY, plain.RESUME, plain.RESUME_IMPORTS),
+    "plain": LoopTemplate(
+        "plain PyTorch",
+        (),
+        (),
+        plain.BODY,
+        plain.RESUME,
+        plain.RESUME_IMPORTS,
+        ranks=plain.RANKS,
+        ranks_imports=plain.RANKS_IMPORTS,
+    ),
 }
 """Templates by adapter name; an adapter without one gets no reproducer."""

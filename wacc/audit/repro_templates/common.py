@@ -6,7 +6,16 @@ masked LM's [MASK] id)."""
 
 from __future__ import annotations
 
-__all__ = ["EXACT", "FAMILIES", "GRADIENT", "PLAIN_MODEL", "RESULT"]
+__all__ = [
+    "EXACT",
+    "FAMILIES",
+    "GRADIENT",
+    "PLAIN_MODEL",
+    "RANK_EXACT",
+    "RANK_GRADIENT",
+    "RANK_RESULT",
+    "RESULT",
+]
 
 PLAIN_MODEL = '''
 class TinyCausalLM(torch.nn.Module):
@@ -100,4 +109,52 @@ RESULT = """
 error = ((grads - exact).norm() / exact.norm()).item()
 print(f"rel L2 error of {framework} accumulation vs exact: {{error:.15g}}")
 print(f"target tokens {{targets}}, true total {{sum(targets)}}; the loop divided by: {{counted}}")
+"""
+
+RANK_GRADIENT = """
+def gradient(model):  # every parameter's .grad as one float64 vector
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    return torch.cat([g.detach().double().flatten() for g in grads])
+
+
+def pairs_of(r):
+    return RANK_TOKENS[r], RANK_LABELLED[r]
+
+
+def window(r):  # rank r's microbatches, right-padded to its own longest sequence, and its targets
+    width = max(len(tokens) for tokens in RANK_TOKENS[r])
+    batches = [microbatch(tokens, labelled, width) for tokens, labelled in zip(*pairs_of(r))]
+    targets = [len(t) - 1 if labelled else 0 for t, labelled in zip(*pairs_of(r))]
+    return batches, targets
+
+
+dist.init_process_group("gloo")  # the torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+rank = dist.get_rank()
+if dist.get_world_size() != len(RANK_TOKENS):
+    raise SystemExit(f"run with --nproc-per-node {len(RANK_TOKENS)}")
+batches, targets = window(rank)  # this rank's window
+every = [window(r) for r in range(len(RANK_TOKENS))]
+all_batches = [b for batches_r, _ in every for b in batches_r]
+all_targets = [n for _, targets_r in every for n in targets_r]
+"""
+
+RANK_EXACT = """
+# Exact: the gradient of the mean token loss over every rank's tokens (the sum over all of them,
+# one backward, divided by their true count) on a float64 copy of the same model.
+exact_model = build_model().double()
+sum(token_loss_sum(exact_model, {k: v[None] for k, v in b.items()}) for b in all_batches).backward()
+exact = gradient(exact_model) / sum(all_targets)
+"""
+
+RANK_RESULT = """
+gathered = [torch.zeros_like(grads) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered, grads)  # every rank's gradient, to see whether they agree
+if rank == 0:
+    error = ((grads - exact).norm() / exact.norm()).item()
+    print(f"rel L2 error of {framework} accumulation vs exact: {{error:.15g}}")
+    totals = [sum(targets_r) for _, targets_r in every]
+    print(f"target tokens per rank {{totals}}, true total {{sum(totals)}}")
+    print(f"rank 0 divided by: {{counted}}")
+    print(f"ranks agree: {{all(torch.equal(g, grads) for g in gathered)}}")
+dist.destroy_process_group()
 """

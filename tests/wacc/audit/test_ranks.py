@@ -1,0 +1,228 @@
+"""``wacc audit --world-size N``: loops across real ``torch.distributed`` ranks (gloo, CPU).
+
+One CLI run (a subprocess, as a user runs it) of the plain loop under DDP and of ``wacc_torch``'s
+``all_reduce_mean`` path in worlds of two processes on the ``unequal`` rank windows serves the
+tests of the table, ``audit.csv`` and the reproducer; the DDP-hook path runs in-process.  The
+expected numbers are computed here from the model with torch autograd, independently of the
+audit's truth code.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional
+
+from wacc.audit.adapters import ADAPTERS
+from wacc.audit.models import MODEL_KINDS
+from wacc.audit.protocol import LoopRun, LoopTask
+from wacc.audit.runner import run_audit
+from wacc.audit.windows import build_window, rank_windows
+
+ROOT = Path(__file__).resolve().parents[3]
+WACC = {"wacc", "wacc_torch", "wacc_ref"}
+NUMBER = re.compile(r"^rel L2 error of .* accumulation vs exact: (\S+)$", re.M)
+# Runs the script with every wacc import refused: it must not need one, even indirectly.
+NO_WACC = f"""
+import runpy, sys
+
+class NoWacc:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {sorted(WACC)}:
+            raise ImportError("the reproducer imported " + name)
+
+sys.meta_path.insert(0, NoWacc())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _wacc(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "wacc", *args], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """The CLI's run across two ranks: its exit, output and audit.csv rows by loop."""
+
+    done: subprocess.CompletedProcess[str]
+    rows: dict[str, dict[str, str]]
+    repro: Path
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory: pytest.TempPathFactory) -> CliRun:
+    """``wacc audit plain wacc_torch-mean --world-size 2 --windows unequal --repro``."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    done = _wacc(
+        "audit", "plain", "wacc_torch-mean", "--world-size", "2", "--windows", "unequal",
+        "--out", str(tmp / "out"), "--repro", str(tmp / "repro"), "--quiet", "--jobs", "2",
+        cwd=tmp,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # plain fails across ranks: exit 1
+    with (tmp / "out" / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        rows = {row["loop"]: row for row in csv.DictReader(handle)}
+    return CliRun(done, rows, tmp / "repro")
+
+
+def _exact_rank_sums() -> tuple[list[torch.Tensor], list[int]]:
+    """Per rank of the unequal 2-rank windows: the float64 gradient of its loss sum (torch
+    autograd on a float64 copy of the audit's plain model) and its target tokens."""
+    sums, totals = [], []
+    for window in rank_windows("unequal", 2):
+        model = MODEL_KINDS["plain"].build(torch.float32).to(torch.float64)
+        for batch in window.microbatches:
+            logits = model(input_ids=batch["input_ids"][None])["logits"][0, :-1]
+            loss = functional.cross_entropy(logits, batch["labels"][1:], reduction="sum")
+            loss.backward()
+        sums.append(
+            torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        )
+        totals.append(sum(window.targets))
+    return sums, totals
+
+
+def test_plain_ddp_fails_as_predicted_from_the_rank_totals(cli: CliRun) -> None:
+    """The plain loop under DDP (each rank divides by its own total, DDP averages the ranks)
+    fails across two ranks, and its float64 error is the error of a mean of per-rank means
+    computed here from the per-rank exact gradients (agreement to 12 digits), shown beside it."""
+    row = cli.rows["plain"]
+    assert (row["verdict"], row["world_size"], row["rank_tokens"]) == ("FAIL", "2", "211;17")
+    assert row["rank_tokens_counted"] == "211.0;17.0"
+    sums, totals = _exact_rank_sums()
+    truth = (sums[0] + sums[1]) / sum(totals)
+    equal = (sums[0] / totals[0] + sums[1] / totals[1]) / 2
+    expected = float((equal - truth).norm() / truth.norm())
+    assert expected > 1  # the imbalance 211 : 17 makes a large error
+    assert float(row["f64_rel_l2"]) == pytest.approx(expected, rel=1e-12)
+    assert float(row["predicted_rel_l2"]) == pytest.approx(expected, rel=1e-12)
+    assert row["ranks_agree"] == "True"
+    table = cli.done.stdout
+    assert "world size 2" in table and "211;17" in table and "predicted rel L2" in table
+
+
+def test_wacc_torch_all_reduce_mean_passes_across_ranks(cli: CliRun) -> None:
+    """``wacc_torch``'s ``all_reduce_mean`` divides by every rank's tokens: the row passes, every
+    rank divided by 228 = 211 + 17, the ranks agree, and no prediction applies."""
+    row = cli.rows["wacc_torch-mean"]
+    assert (row["verdict"], row["world_size"], row["rank_tokens"]) == ("pass", "2", "211;17")
+    assert row["rank_tokens_counted"] == "228.0;228.0"
+    assert row["ranks_agree"] == "True" and row["predicted_rel_l2"] == ""
+    assert float(row["f64_rel_l2"]) < 1e-12
+
+
+@pytest.mark.slow
+def test_reproducer_runs_under_torchrun_without_wacc(cli: CliRun, tmp_path: Path) -> None:
+    """The plain row's reproducer imports only torch and the standard library, runs under
+    ``python -m torch.distributed.run --nproc-per-node 2`` on a CPU (gloo) with every wacc import
+    refused and from a directory where wacc is not importable, and prints the row's float64
+    error on rank 0."""
+    (script,) = sorted(cli.repro.glob("*.py"))
+    assert script.name == "plain-unequal-ranks2.py"
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    roots = {
+        (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+        for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }  # fmt: skip
+    assert roots <= {"torch", "contextlib"}, roots
+    runner = tmp_path / "no_wacc.py"
+    runner.write_text(NO_WACC, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with socket.socket() as probe:  # torchrun's --master-port 0 hangs its workers: a free one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-I", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(runner), str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (printed,) = NUMBER.findall(done.stdout)
+    assert float(printed) == pytest.approx(float(cli.rows["plain"]["f64_rel_l2"]), rel=1e-12)
+    assert "ranks agree: True" in done.stdout
+
+
+@pytest.mark.slow
+def test_ddp_hook_and_fsdp2_pass_across_ranks() -> None:
+    """``wacc_torch``'s DDP communication hook (``wacc_torch-sum`` across ranks) and its FSDP2
+    window (``wacc_torch-fsdp``) hand every rank the mean over both ranks' tokens: pass, counted
+    228 on each rank, ranks agree, the float64 run exact to rounding."""
+    loops = [ADAPTERS["wacc_torch-sum"], ADAPTERS["wacc_torch-fsdp"]]
+    result = run_audit(loops, [build_window("unequal")], world_size=2, jobs=2)
+    for cell in result.cells:
+        assert cell.status == "ok", cell.status
+        assert cell.verdict == "pass" and cell.ranks_agree is True
+        assert cell.rank_counted == (228.0, 228.0) and cell.rank_tokens == (211, 17)
+        assert cell.semantic_rel_l2 < 1e-12
+
+
+def single_rank_loop(task: LoopTask) -> LoopRun:
+    """A user loop that declares no multi-rank path (never run here)."""
+    raise AssertionError("a loop without ranks = True must not run at world size 2")
+
+
+def test_loop_without_ranks_is_a_row_saying_why() -> None:
+    """At world size 2 a loop whose adapter has no multi-rank path is a row saying so, and
+    nothing of it runs."""
+    from wacc.audit.protocol import user_adapter
+
+    adapter = user_adapter(f"{Path(__file__)}:single_rank_loop")
+    result = run_audit([adapter], [build_window("unequal")], world_size=2)
+    (cell,) = result.cells
+    assert cell.verdict.startswith("not run at world size 2: ")
+    assert "ranks = True" in cell.verdict and cell.rank_tokens == (211, 17)
+
+
+@pytest.mark.parametrize("value", ["3", "0", "-2", "two", "2.0", ""])
+def test_bad_world_size_is_exit_2_in_one_line(value: str, tmp_path: Path) -> None:
+    """``--world-size`` other than 1, 2 or 4: one line on stderr naming the value, exit 2, no
+    output folder written."""
+    done = _wacc("audit", "plain", "--world-size", value, "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and repr(value) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_world_size_with_a_window_without_rank_windows_is_exit_2(tmp_path: Path) -> None:
+    """``--windows longtail --world-size 2``: the rank windows are unequal and equal only; a
+    usage error naming the window, exit 2."""
+    from wacc.audit.windows import RANK_WINDOW_NAMES
+    from wacc.commands.audit import _RANK_WINDOWS
+
+    assert RANK_WINDOW_NAMES == _RANK_WINDOWS  # the command's torch-free copy
+    done = _wacc("audit", "plain", "--world-size", "2", "--windows", "longtail", cwd=tmp_path)
+    assert done.returncode == 2 and "longtail" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_rank_windows_differ_across_ranks() -> None:
+    """The rank windows: every rank K = 4 microbatches, token totals that differ across ranks,
+    one rank with a zero-target microbatch, one with very few tokens in its whole window; the
+    equal control has the same totals on every rank; a world size without windows raises."""
+    for world_size in (2, 4):
+        windows = rank_windows("unequal", world_size)
+        totals = [w.total_targets for w in windows]
+        assert len(windows) == world_size and {len(w.targets) for w in windows} == {4}
+        assert len(set(totals)) == world_size
+        assert any(0 in w.targets for w in windows) and min(totals) <= 17
+        assert len({tuple(w.microbatches[0]["input_ids"].tolist()) for w in windows}) == world_size
+        assert {w.total_targets for w in rank_windows("equal", world_size)} == {256}
+    with pytest.raises(ValueError, match="3"):
+        rank_windows("unequal", 3)
+    assert math.isclose(sum(t for t in rank_windows("unequal", 1)[0].targets), 211)
