@@ -99,6 +99,9 @@ class LoopTask:
     fp16: bool = False  # run the loop's own float16 mixed-precision path (step 6 of the docstring)
     models: list[nn.Module] = field(default_factory=list)  # every model build_model() returned
     spikes: list[SpikeProbe] = field(default_factory=list)  # their float16 spike probes (fp16)
+    world_size: int = 1  # ranks of the data-parallel world this run is one rank of
+    rank: int = 0  # this process's rank (its window is ``window``)
+    backend: str = "gloo"  # the torch.distributed backend the loop brings its group up with
 
     @property
     def learning_rate(self) -> float:
@@ -174,6 +177,7 @@ class Adapter:
     run: Callable[[LoopTask], LoopRun]
     fp16: str | None = "no float16 mode"  # None: runs its float16 path when task.fp16; else why not
     unsupported: str | None = None  # why this loop is never run here (its rows say so)
+    ranks: bool | str = False  # True: runs with task.world_size > 1; a string: why it cannot
 
     def unavailable(self) -> str | None:
         """None when every required module imports; else "not run: …" (``unsupported``), "not
