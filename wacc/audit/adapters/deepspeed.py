@@ -76,6 +76,25 @@ the forward under ``torch.autocast(cpu, float16)`` (``runtime/torch_autocast.py`
 (``engine.torch_autocast_z0_gradscaler``: ``engine.backward`` scales with it, ``_take_model_step``
 steps through it).  Checked against deepspeed 0.19.8 (CPU, torch 2.13.0, run here; the
 ``deepspeed`` extra).
+
+Across ranks (``task.world_size > 1``, a torchrun world; ``deepspeed`` ZeRO 0, ``deepspeed-zero1``
+ZeRO 1): the same loop, ``deepspeed.initialize``'s ``init_distributed`` reading the torchrun
+environment as torchrun set it (nothing overridden), gloo from the CPU accelerator.  ZeRO 1 takes
+the client ``SGD`` only with ``"zero_allow_untested_optimizer": true`` (``engine.py:2300``: SGD is
+not on ZeRO's tested list) and steps it on its flat fp32 partition, so its gradient is read in the
+loop instead, right after the boundary ``engine.backward`` and before ``engine.step``: every
+parameter's full gradient through DeepSpeed's public ``deepspeed.utils.safe_get_full_grad``
+(``utils/tensor_fragment.py:208``: each rank's reduced fragment, all-reduced).  What decides the
+weighting across ranks (deepspeed 0.19.8, run here): ``engine.py:3413`` (``backward``: ``loss /
+gradient_accumulation_steps()``) on each microbatch's *mean*; ``engine.py:3073-3095``
+(``allreduce_gradients``: communication only on the boundary); ZeRO 0 ``engine.py:3963-3966``
+(``buffered_allreduce_fallback``: ``values.mul_(1. / dp_world_size)`` around the all-reduce,
+``gradient_allreduce_op`` "mean" by default), ZeRO 1 ``runtime/zero/stage_1_and_2.py:958``
+(``reduce_gradients``) → ``gradient_reduction_w_predivide`` (``stage_1_and_2.py:1485-1508``:
+``div_(dp_world_size)``, all-reduce).  Every microbatch of every rank weighs 1 / (N K).  Measured
+at N = 2 (ranks of 211 and 17 tokens, one with a zero-token microbatch), the float64 run: ZeRO 0
+rel L2 4.7260845251, ZeRO 1 4.7260845384, against 4.7260845201 predicted from the microbatch counts
+(agreement 4e-8 and 5e-8: the reduce's float32 ``communication_data_type``); a FAIL.
 """
 
 from __future__ import annotations
