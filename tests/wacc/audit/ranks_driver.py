@@ -113,11 +113,23 @@ def run_world(
             "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
             __file__, spec, str(out), dtype,
         ]  # fmt: skip
-        done = subprocess.run(
-            command, env=env, cwd=out, capture_output=True, text=True, timeout=timeout
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"world exited {done.returncode}:\n{done.stderr[-6000:]}")
+        with subprocess.Popen(
+            command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as world:
+            try:
+                _, stderr = world.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # torchrun starts each rank in a session of its own: only its SIGTERM handler
+                # (which stops the workers it started) ends a world that hangs, ranks included.
+                world.terminate()
+                try:
+                    world.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    world.kill()
+                    world.communicate()
+                raise AssertionError(f"world of {spec} still running after {timeout} s") from None
+        if world.returncode != 0:
+            raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
         results = []
         for rank in range(world_size):
             saved = torch.load(out / f"rank{rank}.pt", weights_only=True)

@@ -135,7 +135,8 @@ def run_variable(task: LoopTask) -> LoopRun:
             accelerator, model, optimizer = _checkpoint(task, accelerator)
         # The guide's skeleton: DDP's all-reduce only on the window's last batch.
         last = index == len(batches) - 1
-        sync = model.no_sync if not last and accelerator.num_processes > 1 else nullcontext
+        wrapped: Any = model  # DistributedDataParallel across ranks: it has no_sync
+        sync = wrapped.no_sync if not last and accelerator.num_processes > 1 else nullcontext
         with sync():
             logits = logits_of(model(input_ids=batch["input_ids"]))
             loss = causal_lm_loss_sum(logits, batch["labels"])

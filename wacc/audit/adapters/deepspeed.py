@@ -179,7 +179,7 @@ def _cpu_accelerator(dtype: torch.dtype) -> Any:
 
 
 @contextlib.contextmanager
-def _world(task: LoopTask) -> Iterator[Any]:
+def _world(dtype: torch.dtype, world_size: int = 1) -> Iterator[Any]:
     """A gloo world on DeepSpeed's CPU accelerator; yields the ``deepspeed`` module: one process
     at world size 1, else the torchrun world this rank is in (its environment read by
     ``init_distributed`` as torchrun set it).  Everything it sets is put back (module
@@ -194,8 +194,8 @@ def _world(task: LoopTask) -> Iterator[Any]:
         alone = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
                      LOCAL_RANK="0")  # fmt: skip
         try:
-            accelerators.set_accelerator(_cpu_accelerator(task.dtype))
-            with _environment(**(alone if task.world_size == 1 else {})):
+            accelerators.set_accelerator(_cpu_accelerator(dtype))
+            with _environment(**(alone if world_size == 1 else {})):
                 yield deepspeed
         finally:
             if created and torch.distributed.is_initialized():
@@ -204,7 +204,7 @@ def _world(task: LoopTask) -> Iterator[Any]:
             sys.excepthook = hook
 
 
-def _engine(task: LoopTask, deepspeed: Any, stage: int) -> tuple[Any, torch.nn.Module]:
+def _engine(task: LoopTask, deepspeed: Any, stage: int = 0) -> tuple[Any, torch.nn.Module]:
     """A fresh model, client ``SGD`` and engine (module docstring)."""
     model = task.build_model()
     model.train()
@@ -263,7 +263,7 @@ def run_zero1(task: LoopTask) -> LoopRun:
 def _run(task: LoopTask, *, stage: int) -> LoopRun:
     data = task.dataset
     resumed_at = 0
-    with _world(task) as deepspeed:
+    with _world(task.dtype, task.world_size) as deepspeed:
         engine, model = _engine(task, deepspeed, stage)
         before = _scale(engine)
         for index in range(len(data)):
