@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.wacc.audit.ranks_driver import RankResult, expected, rank_windows, run_world  # noqa: E402
+from tests.wacc.audit.ranks_driver import (  # noqa: E402
+    Expected,
+    RankResult,
+    expected,
+    rank_windows,
+    run_world,
+)
 from wacc.audit.adapters import accelerate, trainer  # noqa: E402
 from wacc.audit.metrics import relative_l2  # noqa: E402
 
@@ -40,20 +47,28 @@ def _agree(results: list[RankResult]) -> None:
         np.testing.assert_array_equal(other.gradient, results[0].gradient)
 
 
+def _divided_by_gathered_count(loop: str, tolerance: float) -> tuple[Expected, NDArray[np.float64]]:
+    """Runs ``wacc.audit.adapters.<loop>`` (GPT-2) across the ranks; checks that every rank
+    reports and divides by the unshifted label count gathered over all ranks, C:
+    Σ_r Σ_k g_rk / C to ``tolerance``.  Returns the truth and the measured gradient."""
+    results = run_world(f"wacc.audit.adapters.{loop}", WORLD)
+    _agree(results)
+    want = expected("gpt2", WORLD)
+    gathered = _label_count(0) + _label_count(1)
+    assert [r.counted for r in results] == [gathered, gathered]
+    as_counted = np.sum(want.rank_sums, axis=0) / gathered
+    assert relative_l2(results[0].gradient, as_counted) < tolerance
+    return want, results[0].gradient
+
+
 def test_trainer_average_tokens_across_devices_weighs_every_token() -> None:
     """With ``average_tokens_across_devices`` (5.x default) Trainer gathers the window's count over
     the ranks and multiplies each rank's loss by the world size, so DDP's mean gives
     Σ_r Σ_k g_rk / C exactly (C the gathered count): the ranks weigh by their tokens, not alike;
     GPT-2's count is the unshifted one (one per sequence too many), the error that remains."""
     assert trainer.HUB.ranks is True
-    results = run_world("wacc.audit.adapters.trainer:HUB", WORLD)
-    _agree(results)
-    want = expected("gpt2", WORLD)
-    gathered = _label_count(0) + _label_count(1)
-    assert [r.counted for r in results] == [gathered, gathered]
-    as_counted = np.sum(want.rank_sums, axis=0) / gathered
-    assert relative_l2(results[0].gradient, as_counted) < FLOAT32_LOSS
-    assert want.rel(results[0].gradient) < 0.05 < want.predicted_equal_ranks
+    want, gradient = _divided_by_gathered_count("trainer:HUB", FLOAT32_LOSS)
+    assert want.rel(gradient) < 0.05 < want.predicted_equal_ranks
 
 
 def test_trainer_rank_tokens_weighs_ranks_alike() -> None:
@@ -73,7 +88,7 @@ def test_trainer_rank_tokens_weighs_ranks_alike() -> None:
 def test_accelerate_accumulate_weighs_microbatches_alike() -> None:
     """``accumulate()`` under DDP: ``loss / K`` per microbatch mean, ``no_sync`` until the K-th
     batch, DDP's mean over ranks: every microbatch of every rank weighs 1 / (N K), the error
-    predicted from the microbatch counts, to rounding."""
+    predicted from the microbatch counts, to the float32 rounding of transformers' loss."""
     assert accelerate.ACCUMULATE.ranks is True
     results = run_world("wacc.audit.adapters.accelerate:ACCUMULATE", WORLD)
     _agree(results)
@@ -88,10 +103,4 @@ def test_accelerate_variable_size_guide_gathers_the_count() -> None:
     K·N over it, ``no_sync`` but on the last batch: Σ_r Σ_k g_rk / C, exactly as counted (C
     the guide's unshifted count: its remaining error is that count's, not the ranks')."""
     assert accelerate.VARIABLE.ranks is True
-    results = run_world("wacc.audit.adapters.accelerate:VARIABLE", WORLD)
-    _agree(results)
-    want = expected("gpt2", WORLD)
-    gathered = _label_count(0) + _label_count(1)
-    assert [r.counted for r in results] == [gathered, gathered]
-    as_counted = np.sum(want.rank_sums, axis=0) / gathered
-    assert relative_l2(results[0].gradient, as_counted) < ROUNDING
+    _divided_by_gathered_count("accelerate:VARIABLE", ROUNDING)
