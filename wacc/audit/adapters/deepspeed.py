@@ -94,7 +94,9 @@ gradient_accumulation_steps()``) on each microbatch's *mean*; ``engine.py:3073-3
 ``div_(dp_world_size)``, all-reduce).  Every microbatch of every rank weighs 1 / (N K).  Measured
 at N = 2 (ranks of 211 and 17 tokens, one with a zero-token microbatch), the float64 run: ZeRO 0
 rel L2 4.7260845251, ZeRO 1 4.7260845384, against 4.7260845201 predicted from the microbatch counts
-(agreement 4e-8 and 5e-8: the reduce's float32 ``communication_data_type``); a FAIL.
+(agreement 4e-8 and 5e-8: the reduce's float32 ``communication_data_type``, and for ZeRO 1 the
+float32 buffer ``get_full_hp_grad`` assembles the full gradient in, ``tensor_fragment.py:107``);
+a FAIL.
 """
 
 from __future__ import annotations
