@@ -66,6 +66,7 @@ def test_deepspeed_weighs_microbatches_alike(loop: str) -> None:
     from wacc.audit.adapters import deepspeed
 
     assert getattr(deepspeed, loop).ranks is True
-    results = run_world(f"wacc.audit.adapters.deepspeed:{loop}", WORLD)
+    # A first DeepSpeed run on a machine JIT-compiles its shm all-reduce (minutes on 2 cores).
+    results = run_world(f"wacc.audit.adapters.deepspeed:{loop}", WORLD, timeout=900)
     assert [r.counted for r in results] == [None, None]
     assert _equal_microbatches(results, FLOAT32_REDUCE) > 1
