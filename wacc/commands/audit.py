@@ -29,8 +29,10 @@ HELP = "audit training frameworks' gradient accumulation against the exact full-
 
 _BUILTIN = (
     "trainer-hub",
+    "trainer-hub-ranktok",
     "trainer-hub+wacc",
     "trainer-llama",
+    "trainer-llama-ranktok",
     "trainer-qwen2",
     "trainer-gpt_neox",
     "trainer-opt",
@@ -51,6 +53,7 @@ _BUILTIN = (
     "keras",
     "keras+wacc",
     "deepspeed",
+    "deepspeed-zero1",
     "deepspeed+wacc",
     "peft-lora-gpt2",
     "peft-lora-gpt2+wacc",

@@ -34,8 +34,10 @@ ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
         trainer.HUB,
+        trainer.HUB_RANK_TOKENS,
         trainer_wacc.HUB,
         trainer.LLAMA,
+        trainer.LLAMA_RANK_TOKENS,
         trainer.QWEN2,
         trainer.GPT_NEOX,
         trainer.OPT,
@@ -56,6 +58,7 @@ ADAPTERS: dict[str, Adapter] = {
         keras.ADAPTER,
         keras_wacc.ADAPTER,
         deepspeed.ADAPTER,
+        deepspeed.ZERO1,
         deepspeed_wacc.ADAPTER,
         peft_lora.LORA_GPT2,
         trainer_wacc.LORA_GPT2,

@@ -24,10 +24,30 @@ loops with ``Accelerator(mixed_precision="fp16")`` and ``SGD(lr=task.learning_ra
 is ``accelerator.scaler`` (``accelerator.backward`` scales with it, the prepared optimizer's
 ``step`` skips on NaN/inf through it).  On CPU accelerate makes none, and no autocast either
 (``native_amp`` stays off): the run reports it.
+
+Across ranks (``task.world_size > 1``, a torchrun world): the same loops; ``Accelerator(cpu=True)``
+reads the torchrun environment (``PartialState``: ``MULTI_CPU``, gloo) and ``prepare`` wraps the
+model in DDP (``accelerator.py:2032``).  Each rank reads its own window (no prepared dataloader to
+shard it).  What decides the weighting across ranks (accelerate 1.16.0, run here):
+
+* ``accelerate``: ``accelerator.py:2757`` (``backward``: ``loss / gradient_accumulation_steps``)
+  on each microbatch's *mean*, ``accelerator.py:1243-1257`` (``accumulate``: ``no_sync`` until
+  the K-th batch sets ``sync_gradients``), then DDP's all-reduce divided by the world size: every
+  microbatch of every rank weighs 1 / (N K).  Measured at N = 2 (ranks of 211 and 17 tokens, one
+  with a zero-token microbatch): rel L2 2.66919137 against 2.66919130 predicted from the
+  microbatch counts (agreement 4e-8: transformers' loss casts to float32); a FAIL.
+* ``accelerate-variable``: the guide's ``accelerator.gather(num_items).sum()`` (``accelerator.py:
+  2982``) makes the count global and ``loss * K * num_processes / num_items_in_batch`` undoes both
+  divisions (``backward``'s by K, DDP's by N); the guide's skeleton runs every batch but the last
+  under ``model.no_sync`` (done here).  It hands the optimizer Σ_r Σ_k g_rk / C, C the gathered
+  count (measured: to rounding); the guide's skeleton counts ``labels.ne(-100)`` unshifted, 235
+  for 228 targets here: rel L2 7/235 = 0.0298 (its text says to count ``labels[..., 1:]`` for a
+  causal LM; the skeleton, audited, does not).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -116,10 +136,15 @@ def run_variable(task: LoopTask) -> LoopRun:
     for index, batch in enumerate(batches):
         if task.checkpoint_after == index:
             accelerator, model, optimizer = _checkpoint(task, accelerator)
-        logits = logits_of(model(input_ids=batch["input_ids"]))
-        loss = causal_lm_loss_sum(logits, batch["labels"])
-        loss = (loss * k * accelerator.num_processes) / num_items_in_batch
-        accelerator.backward(loss)
+        # The guide's skeleton: DDP's all-reduce only on the window's last batch.
+        last = index == len(batches) - 1
+        wrapped: Any = model  # DistributedDataParallel across ranks: it has no_sync
+        sync = wrapped.no_sync if not last and accelerator.num_processes > 1 else nullcontext
+        with sync():
+            logits = logits_of(model(input_ids=batch["input_ids"]))
+            loss = causal_lm_loss_sum(logits, batch["labels"])
+            loss = (loss * k * accelerator.num_processes) / num_items_in_batch
+            accelerator.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
     return _finished(task, accelerator, float(num_items_in_batch), before)
@@ -127,7 +152,7 @@ def run_variable(task: LoopTask) -> LoopRun:
 
 _COMMON = dict(requires=("accelerate", "transformers"), model="gpt2", loss_scale=False,
                checked="accelerate 1.15.0 with transformers 5.24.0", checkpoint=None,
-               fp16=None)  # fmt: skip
+               fp16=None, ranks=True)  # fmt: skip
 ACCUMULATE = Adapter(
     name="accelerate",
     title="accelerate accumulate() (documented loop)",

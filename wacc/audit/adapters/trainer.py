@@ -43,6 +43,40 @@ same with ``TrainingArguments(fp16=True)`` and ``SGD(lr=task.learning_rate)``; t
 does nothing off-GPU), which the run reports.  Checked against transformers
 5.24.0 with accelerate 1.15.0 (the versions run here; ``train_sampling_strategy`` is a 5.x
 argument, without it the order is random).
+
+Across ranks (``task.world_size > 1``, a torchrun world): ``TrainingArguments(ddp_backend=
+task.backend)`` (gloo on a CPU) and nothing else; ``Trainer`` reads the torchrun environment
+(accelerate's ``PartialState``: ``MULTI_CPU``) and wraps the model in DDP.  Its dataloader is
+sharded by accelerate (``BatchSamplerShard``: rank ``r`` reads global batches ``r, r + N, ...``), so
+each rank is given the global dataset its window is the shard of
+(:class:`wacc.audit.adapters.sharded.RankShard`, which refuses any other rank's index).  What
+decides the weighting across ranks (transformers 5.25.0, accelerate 1.16.0, the versions run):
+
+* ``transformers/trainer.py:2384-2387`` (``_get_num_items_in_batch``): with
+  ``average_tokens_across_devices`` (default True, ``training_args.py:858``) and ``world_size >
+  1``, ``num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()``: every rank
+  divides its loss sum by the count over all ranks;
+* ``trainer.py:2244-2252`` (``compute_loss``): with that flag, ``loss *= num_processes //
+  tp_size``, undoing DDP's mean over ranks (its reducer divides the all-reduced bucket by the
+  world size);
+* ``trainer.py:2147-2155`` (``training_step``): the loss is then not divided by
+  ``current_gradient_accumulation_steps``; ``trainer.py:1941-1952``: ``accelerator.no_sync`` on
+  every batch but the window's last.
+
+So ``trainer-hub`` (the flag at its default) hands the optimizer Σ_r Σ_k g_rk / C, C the gathered
+count (measured: exactly, to float32 rounding of transformers' loss); for GPT-2 C counts unshifted
+labels (``trainer.py:543``: ``_loss_shifts_labels`` only for a ``loss_type`` mapped to
+``ForCausalLMLoss``), one per sequence too many: on the windows (211;17 tokens, counted 235) rel
+L2 0.0298 = 7/235.  ``trainer-hub-ranktok`` and ``trainer-llama-ranktok``
+(``average_tokens_across_devices=False``) divide by each rank's own count and DDP averages the
+ranks: mean_r Σ_k g_rk / T_r, the ranks weighing alike.  Measured at N = 2: Llama (shifted count,
+the true totals 211;17) 1.6442034490 against 1.6442034514 predicted from the per-rank totals
+(agreement 1.5e-9 relative: Llama's float32 RMSNorm); GPT-2 1.2621 (counted 215;20, the
+unshifted counts; 1.4982 predicted from the true totals, 1.2621 from the counted ones).
+``trainer-plain`` (no ``num_items_in_batch``: ``loss / current_gradient_accumulation_steps`` on
+each microbatch's mean, then DDP's mean) weighs every microbatch of every rank 1 / (N K):
+measured 4.726084520055488, the prediction from the microbatch counts to 2e-16.  The other
+families take the same code path (``ranks=True``) and were not run across ranks here.
 """
 
 from __future__ import annotations
@@ -52,13 +86,31 @@ from typing import Any
 
 import torch
 
+from wacc.audit.adapters.sharded import sharded_dataset
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["BERT", "GPT_NEOX", "HUB", "LLAMA", "OPT", "PLAIN", "QWEN2", "T5"]
+__all__ = [
+    "BERT",
+    "GPT_NEOX",
+    "HUB",
+    "HUB_RANK_TOKENS",
+    "LLAMA",
+    "LLAMA_RANK_TOKENS",
+    "OPT",
+    "PLAIN",
+    "QWEN2",
+    "T5",
+]
 
 
 def _trainer(
-    task: LoopTask, model: torch.nn.Module, *, steps: int, capture: bool, kind: Any = None
+    task: LoopTask,
+    model: torch.nn.Module,
+    *,
+    steps: int,
+    capture: bool,
+    kind: Any = None,
+    average: bool | None = None,
 ) -> Any:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
@@ -76,11 +128,15 @@ def _trainer(
     )  # fmt: skip
     if task.fp16:
         options["fp16"] = True
+    if task.world_size > 1:  # the torchrun environment makes it a DDP run; on a CPU, gloo
+        options["ddp_backend"] = task.backend
+    if average is not None:  # None: the library's default (True in 5.x)
+        options["average_tokens_across_devices"] = average
     if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
         options["train_sampling_strategy"] = "sequential"
-    dataset: Any = task.dataset
+    dataset: Any = sharded_dataset(task)  # Trainer shards it across ranks itself
     if task.checkpoint_after is not None:  # two windows: the second is the one interrupted
-        dataset = torch.utils.data.ConcatDataset([task.dataset, task.dataset])
+        dataset = torch.utils.data.ConcatDataset([dataset, sharded_dataset(task)])
     trainer = (kind or Trainer)(
         model=model,
         args=TrainingArguments(**options),
@@ -99,8 +155,13 @@ def _no_scaler(accelerator: Any) -> str:
 
 
 def run(task: LoopTask) -> LoopRun:
-    """One ``Trainer.train()`` over the window (module docstring)."""
+    """One ``Trainer.train()`` over the window (module docstring), every option its default."""
     return run_with(task, None)
+
+
+def run_rank_tokens(task: LoopTask) -> LoopRun:
+    """:func:`run` with ``average_tokens_across_devices=False``: each rank's own token count."""
+    return run_with(task, None, average=False)
 
 
 def _scaler_scale(trainer: Any) -> float | None:
@@ -121,8 +182,9 @@ def _counted(trainer: Any, counts: list[float]) -> float | None:
     return counts[-1] if counts else None
 
 
-def run_with(task: LoopTask, kind: Any) -> LoopRun:
-    """:func:`run` with the Trainer class ``kind`` (None: ``transformers.Trainer``)."""
+def run_with(task: LoopTask, kind: Any, *, average: bool | None = None) -> LoopRun:
+    """:func:`run` with the Trainer class ``kind`` (None: ``transformers.Trainer``) and
+    ``average_tokens_across_devices`` ``average`` (None: the library's default)."""
     model = task.build_model()
     counts: list[float] = []
 
@@ -132,7 +194,7 @@ def run_with(task: LoopTask, kind: Any) -> LoopRun:
 
     model.register_forward_pre_hook(note_count, with_kwargs=True)
     if task.fp16:
-        trainer = _trainer(task, model, steps=1, capture=True, kind=kind)
+        trainer = _trainer(task, model, steps=1, capture=True, kind=kind, average=average)
         before = _scaler_scale(trainer)
         trainer.train()
         counted, after = _counted(trainer, counts), _scaler_scale(trainer)
@@ -140,23 +202,23 @@ def run_with(task: LoopTask, kind: Any) -> LoopRun:
             return LoopRun(counted_tokens=counted, note=_no_scaler(trainer.accelerator))
         return LoopRun(counted_tokens=counted, loss_scales=(before, after))
     if task.checkpoint_after is None:
-        trainer = _trainer(task, model, steps=1, capture=True, kind=kind)
+        trainer = _trainer(task, model, steps=1, capture=True, kind=kind, average=average)
         trainer.train()
         return LoopRun(counted_tokens=_counted(trainer, counts))
     # The first window ends with checkpoint-1 (Trainer saves only at optimizer steps); the run
     # "stops" inside the second window, and a fresh Trainer resumes from checkpoint-1.
-    _trainer(task, model, steps=1, capture=False, kind=kind).train()
+    _trainer(task, model, steps=1, capture=False, kind=kind, average=average).train()
     resumed = task.build_model()
     resumed.register_forward_pre_hook(note_count, with_kwargs=True)
     checkpoint = task.workdir / "trainer" / "checkpoint-1"
-    trainer = _trainer(task, resumed, steps=2, capture=True, kind=kind)
+    trainer = _trainer(task, resumed, steps=2, capture=True, kind=kind, average=average)
     trainer.train(resume_from_checkpoint=str(checkpoint))
     return LoopRun(counted_tokens=_counted(trainer, counts), resume="replay")
 
 
 _COMMON = dict(requires=("transformers", "accelerate"), loss_scale=False,
                checked="transformers 5.24.0 with accelerate 1.15.0", checkpoint=None,
-               run=run, fp16=None)  # fmt: skip
+               run=run, fp16=None, ranks=True)  # fmt: skip
 HUB = Adapter(
     name="trainer-hub",
     title="Trainer + GPT2LMHeadModel (num_items_in_batch)",
@@ -168,6 +230,13 @@ HUB = Adapter(
     "ForCausalLMLoss shifts them: one token too many per sequence.",
     **_COMMON,  # type: ignore[arg-type]
 )
+HUB_RANK_TOKENS = Adapter(
+    name="trainer-hub-ranktok",
+    title="Trainer + GPT2LMHeadModel, average_tokens_across_devices=False",
+    model="gpt2",
+    code_path="Trainer.train: num_items_in_batch of this rank only -> model(**inputs); DDP mean",
+    **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
+)
 LLAMA = Adapter(
     name="trainer-llama",
     title="Trainer + LlamaForCausalLM (num_items_in_batch)",
@@ -176,6 +245,13 @@ LLAMA = Adapter(
     **_COMMON,  # type: ignore[arg-type]
 )
 _NUM_ITEMS = "Trainer.train: get_batch_samples -> num_items_in_batch -> model(**inputs)"
+LLAMA_RANK_TOKENS = Adapter(
+    name="trainer-llama-ranktok",
+    title="Trainer + LlamaForCausalLM, average_tokens_across_devices=False",
+    model="llama",
+    code_path="Trainer.train: num_items_in_batch of this rank only -> model(**inputs); DDP mean",
+    **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
+)
 QWEN2 = Adapter(
     name="trainer-qwen2",
     title="Trainer + Qwen2ForCausalLM (num_items_in_batch)",
