@@ -222,11 +222,16 @@ def judge_check(verdicts: Verdicts, scratch: Path, examples: int | None, **kwarg
     }
 
 
-def judge_gate(verdicts: Verdicts, scratch: Path, **kwargs: Any) -> None:
+def judge_gate(verdicts: Verdicts, scratch: Path, baseline: Path, **kwargs: Any) -> None:
+    # The judge's committed baseline (wacc_torch's): a 1/1 run with --results reads it in an
+    # older gate (a regression fails it there), the current one does not (hard failures only).
+    other = ["--impl", verdicts.spec, "--allow-other-impl"] if verdicts.spec else []
     argv = [
         "gate",
-        *(["--impl", verdicts.spec] if verdicts.spec else []),
+        *other,
         *verdicts.flags,
+        "--baseline",
+        str(baseline),
         "--quiet",
         "--results",
         str(scratch / "gate.json"),
@@ -396,6 +401,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per command")
     parser.add_argument("--render", action="store_true", help="print the table and stop")
+    parser.add_argument(
+        "--rerun", action="append", default=[], help="judge NAME again though results has it"
+    )
+    parser.add_argument(
+        "--commands",
+        default="check,gate,report",
+        help="which commands to run (comma-separated); on a --rerun the others' outcomes stay",
+    )
     args = parser.parse_args(argv)
 
     out = args.out.resolve()
@@ -421,15 +434,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.pop("HYPOTHESIS_PROFILE", None)
     if not args.render:
         for name, spec, flags in chosen:
-            if name in results:
+            if name in results and name not in args.rerun:
                 continue
-            verdicts = Verdicts(name=name, spec=spec, flags=list(flags))
+            verdicts = results.get(name) or Verdicts(name=name, spec=spec, flags=list(flags))
             scratch = out / "runs" / name
             scratch.mkdir(parents=True, exist_ok=True)
             kwargs: dict[str, Any] = {"cwd": scratch, "env": env, "timeout": args.timeout}
-            judge_check(verdicts, scratch, args.examples, **kwargs)
-            judge_gate(verdicts, scratch, **kwargs)
-            judge_report(verdicts, scratch, **kwargs)
+            commands = args.commands.split(",")
+            if "check" in commands:
+                judge_check(verdicts, scratch, args.examples, **kwargs)
+            if "gate" in commands:
+                baseline = args.judge.resolve() / "reports" / "baseline.json"
+                judge_gate(verdicts, scratch, baseline, **kwargs)
+            if "report" in commands:
+                judge_report(verdicts, scratch, **kwargs)
             results[name] = verdicts
             _save(results_path, results, meta)
             print(f"{name}: {' | '.join(cells(verdicts)[1:])}", file=sys.stderr, flush=True)
