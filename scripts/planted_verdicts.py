@@ -164,6 +164,10 @@ def run(argv: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float) 
         exit_code = None
         stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else ""
         stderr = expired.stderr.decode() if isinstance(expired.stderr, bytes) else ""
+    # What the command printed, kept beside its outputs (the table shows only a summary).
+    log = cwd / f"{argv[0]}.log"
+    with log.open("a", encoding="utf-8") as handle:
+        handle.write(f"$ wacc {' '.join(argv)}\n-> exit {exit_code}\n{stdout}\n{stderr}\n")
     return Run(list(argv), exit_code, time.monotonic() - start, stdout, stderr)
 
 
@@ -250,6 +254,7 @@ def judge_gate(verdicts: Verdicts, scratch: Path, baseline: Path, **kwargs: Any)
         "phantom": sum("did not recur" in line for line in groups),
         "unsupported": sum("unsupported" in line for line in result.stdout.splitlines()),
         "first": groups[0][:200] if groups else "",
+        "all": [line[:200] for line in groups],
     }
 
 
