@@ -407,6 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per command")
     parser.add_argument("--render", action="store_true", help="print the table and stop")
     parser.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="with --render: also the results of this --out folder (runs made side by side)",
+    )
+    parser.add_argument(
         "--rerun", action="append", default=[], help="judge NAME again though results has it"
     )
     parser.add_argument(
@@ -432,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results_path = out / "results.json"
     results = _load(results_path)
     meta = {"judge": str(args.judge), "commit": _commit(args.judge), "examples": args.examples}
+    if args.render and results_path.exists():  # as the runs recorded it
+        meta = json.loads(results_path.read_text(encoding="utf-8"))["meta"]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(args.judge.resolve()), str(out / "impls")]),
@@ -456,14 +465,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[name] = verdicts
             _save(results_path, results, meta)
             print(f"{name}: {' | '.join(cells(verdicts)[1:])}", file=sys.stderr, flush=True)
+    for other in args.also if args.render else []:
+        results.update(_load(other.resolve() / "results.json"))
     order = [k[0] for k in chosen] + [k[0] for k in known if k not in chosen]
     shown = sorted(
         (v for v in results.values() if not args.only or v.name in args.only),
         key=lambda v: order.index(v.name) if v.name in order else len(order),
     )
     print(
-        f"judge: {args.judge} at {meta['commit']}; check examples: "
-        f"{args.examples or 'the ci profile'}\n"
+        f"judge: {meta['judge']} at {meta['commit']}; check examples: "
+        f"{meta['examples'] or 'the ci profile'}\n"
     )
     print(table(shown))
     return 0
