@@ -18,6 +18,7 @@ import pytest
 from tests.wacc.test_plugin import _user_pytest
 from wacc.errors import UsageError
 from wacc.gate.baseline import BASELINE_FORMAT, V2_INFERRED, read_gate_file
+from wacc.gate.measure import units
 from wacc.judge.contract import CONTRACT, Coverage, feature
 from wacc.judge.implementation import load_implementation
 from wacc.report.previous import read_rows
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[3]
 SEED_API = "tests.wacc.impls:seed_api"  # correct, written to the seed API: no dynamic scaling
 WACC_TORCH = "wacc.implementation:wacc_torch_reproducible"
 PLANTED = "tests.wacc.planted:equal_weight_mean"  # every mean microbatch weighs 1
+STRUCTURAL = "tests.wacc.impls:broadcast_accepted"  # a (1, n) gradient added to an (m, n) buffer
 DYNAMIC = ("found_inf", "set_loss_scale", "loss_scaler")
 
 
@@ -127,10 +129,11 @@ def report(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """One quick report judging wacc_torch (always in it) and, with --impl, the seed-API
-    accumulator and the planted bug."""
+    accumulator, the planted bug and the planted structural bug."""
     out = tmp_path_factory.mktemp("report") / "wacc-report"
     result = wacc("report", "--quick", "--quiet", "--out", str(out), "--impl", SEED_API,
-                  "--impl", PLANTED, "--allow-missing", "checksum")  # fmt: skip
+                  "--impl", PLANTED, "--impl", STRUCTURAL,
+                  "--allow-missing", "checksum")  # fmt: skip
     return out, result
 
 
@@ -165,7 +168,7 @@ def test_check_gate_and_report_give_the_same_verdict(
     out, reported = report
     name = "wacc_torch" if spec == WACC_TORCH else spec
     assert _report_verdict(out, name) is passes
-    assert reported.returncode == 1  # the planted bug's rows fail; nothing else does
+    assert reported.returncode == 1  # the planted bugs' rows fail; nothing else does
     if spec != SEED_API:
         return
     for output in (checked.stdout, gated.stdout, reported.stdout):
@@ -185,6 +188,50 @@ def test_check_gate_and_report_give_the_same_verdict(
     with (out / "divergence.csv").open(newline="", encoding="utf-8") as handle:
         every = list(csv.DictReader(handle))
     assert len(read_rows(out)) == sum(not r["verdict"].startswith("not judged") for r in every)
+
+
+def _shard_with(key: str) -> str:
+    """The gate shard ``K/N`` whose one check unit is ``key`` (N: the number of check units, so
+    each shard runs one check family on one dtype and a slice of the corpus)."""
+    checks = [unit.key for unit in units([])]
+    return f"{checks.index(key) + 1}/{len(checks)}"
+
+
+@pytest.mark.slow  # a check of one family, then a shard of the gate
+def test_check_and_gate_fail_a_planted_structural_bug_alike(tmp_path: Path) -> None:
+    """A planted bug that skips a §5 check (a gradient whose shape broadcasts to the
+    parameter's is added) fails ``wacc check`` and ``wacc gate`` alike: exit 1, never 3, one
+    divergence block in the check and one failure group in the gate's shard that holds the
+    float32 structural family, each naming the structural family and the refusal §5 demands."""
+    flags = ("--allow-missing", "checksum")
+    checked = wacc("check", STRUCTURAL, *flags, "--family", "structural", "--dtype", "float32",
+                   "--quiet", "--out", str(tmp_path / "check"))  # fmt: skip
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    blocks = [line for line in checked.stdout.splitlines() if line.startswith("DIVERGENCE")]
+    assert len(blocks) == 1 and "float32/structural" in blocks[0], checked.stdout
+    assert "ParameterMismatchError" in checked.stdout
+    gated = wacc("gate", "--quiet", "--impl", STRUCTURAL, *flags, "--shard",
+                 _shard_with("float32/structural/check"), "--results",
+                 str(tmp_path / "shard.json"), "--out", str(tmp_path / "gate"))  # fmt: skip
+    assert gated.returncode == 1, gated.stdout + gated.stderr
+    groups = [line for line in gated.stdout.splitlines() if line.startswith("FAILURE ")]
+    assert len(groups) == 1, gated.stdout
+    assert "float32/structural/check" in gated.stdout and "ParameterMismatchError" in groups[0]
+
+
+@pytest.mark.slow  # shares the quick report of the agreement test
+@pytest.mark.xfail(
+    strict=True,
+    reason="the report's corpus (wacc.judge.engine.CORPUS_FAMILIES) has no structural family: "
+    "wacc report passes a planted structural bug that wacc check and wacc gate fail",
+)
+def test_the_report_fails_a_planted_structural_bug_like_check_and_gate(
+    report: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """``wacc report --impl`` judges a planted bug that skips a §5 check as ``wacc check``
+    and ``wacc gate`` do (they fail it: the test above): some of its rows fail."""
+    out, _ = report
+    assert _report_verdict(out, STRUCTURAL) is False
 
 
 def test_divergence_csv_says_what_was_not_judged_and_reads_back(tmp_path: Path) -> None:
