@@ -61,17 +61,20 @@ FAMILIES: Mapping[str, Mapping[str, Any]] = {
     # malformed gradients (semantics §5, §11, wacc_ref.faults): a wrong shape, dtype, device,
     # layout or type, or an unknown name, refused with ParameterMismatchError at any weight with
     # nothing changed; non-contiguous, channels-last and missing gradients, accepted as the
-    # dense ones. Not in the frozen corpus (CORPUS_FAMILIES).
+    # dense ones.
     "structural": {"structural": True, "invalid_weights": False, "max_interruptions": 1},
 }
 # The families of the frozen report corpus (and so of the gate's corpus keys). dynamic_scaling
-# came later: its cells were appended to the frozen file, the older ones kept as they were drawn.
+# and structural came later: their cells were appended to the frozen file, the older ones kept as
+# they were drawn. structural is here so that the report judges what check and gate judge (one
+# verdict for one implementation: a planted bug that accepts a malformed gradient fails all three).
 CORPUS_FAMILIES: tuple[str, ...] = (
     "windows",
     "invalid_weights",
     "interruptions",
     "non_finite",
     "dynamic_scaling",
+    "structural",
 )
 # family -> the features without which its scenarios cannot run: the family is then skipped (the
 # features are reported as not judged). Declared by the contract (wacc.judge.contract).

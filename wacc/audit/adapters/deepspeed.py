@@ -343,4 +343,7 @@ ZERO1 = DeepSpeedAdapter(
     run=run_zero1,
     fp16="ZeRO 1 audited across ranks only",
     ranks=True,
+    cause="deepspeed/runtime/engine.py:3413 (deepspeed 0.19.8, DeepSpeedEngine.backward) divides "
+    "each microbatch's loss by gradient_accumulation_steps, as at ZeRO 0; no wacc integration "
+    "yet: TokenWeightedEngine takes ZeRO 0 only (ZeRO 1 partitions the gradient it writes).",
 )
