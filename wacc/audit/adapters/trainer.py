@@ -250,6 +250,10 @@ LLAMA_RANK_TOKENS = Adapter(
     title="Trainer + LlamaForCausalLM, average_tokens_across_devices=False",
     model="llama",
     code_path="Trainer.train: num_items_in_batch of this rank only -> model(**inputs); DDP mean",
+    # Llama's loss shifts the labels and the Trainer counts them shifted: each rank's token mean
+    # is right, and the DDP mean over ranks weighs the ranks alike (the prediction applies; the
+    # GPT-2 row also counts one token too many per sequence, so it does not).
+    weighs_ranks_equally=True,
     **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
 )
 QWEN2 = Adapter(
