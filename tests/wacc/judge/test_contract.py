@@ -220,11 +220,6 @@ def test_check_and_gate_fail_a_planted_structural_bug_alike(tmp_path: Path) -> N
 
 
 @pytest.mark.slow  # shares the quick report of the agreement test
-@pytest.mark.xfail(
-    strict=True,
-    reason="the report's corpus (wacc.judge.engine.CORPUS_FAMILIES) has no structural family: "
-    "wacc report passes a planted structural bug that wacc check and wacc gate fail",
-)
 def test_the_report_fails_a_planted_structural_bug_like_check_and_gate(
     report: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
