@@ -334,3 +334,12 @@ def test_bad_rank_columns_are_usage_errors(
     column, value = next(iter(change.items())) if len(change) == 1 else list(change.items())[-1]
     with pytest.raises(UsageError, match=re.escape(f"column {column}: {value!r} {why}")):
         read_audit(folder)
+
+
+def test_the_ranks_figure_draws_no_two_loops_alike() -> None:
+    """In the figure across ranks, the first 70 loops each get their own (colour, marker): the
+    committed run draws 21 loops, and tab10's colours repeat after ten."""
+    from wacc.report.audit_figure import loop_marker
+
+    styles = {(index % 10, loop_marker(index)) for index in range(70)}
+    assert len(styles) == 70

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from wacc.report.audit_section import AuditRow, AuditRun  # noqa: E402
 
-__all__ = ["FLOOR", "plot_ranks"]
+__all__ = ["FLOOR", "loop_marker", "plot_ranks"]
 
 FLOOR = 1e-17  # where an exactly-zero error is drawn (log axis); the caption says so
 TOP = 1e3  # where a non-finite error is drawn
@@ -39,9 +39,8 @@ def plot_ranks(runs: Sequence[AuditRun], path: Path, *, window: str = "unequal")
     sizes = sorted({run.world_size for run in runs})
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.0, 5.0), dpi=130)
     colors = plt.get_cmap("tab10")
-    markers = "osD^v<>ph*"
     for index, loop in enumerate(loops):
-        color, marker = colors(index % 10), markers[index % len(markers)]
+        color, marker = colors(index % 10), loop_marker(index)
         points = []
         for size in sizes:
             row = next((r for r in rows if (r.loop, r.world_size, r.window) ==
@@ -86,3 +85,14 @@ def plot_ranks(runs: Sequence[AuditRun], path: Path, *, window: str = "unequal")
     fig.tight_layout(rect=(0.0, 0.08, 1.0, 1.0))
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
+
+
+# Seven markers against tab10's ten colours: (colour, marker) repeats only after 70 loops (ten
+# markers, as many as the colours, gave the 1st, 11th and 21st loop the same blue circle).
+_MARKERS = "osD^v<>"
+
+
+def loop_marker(index: int) -> str:
+    """The marker of the ``index``-th loop; with colour ``index % 10`` no two of the first 70
+    loops look alike."""
+    return _MARKERS[index % len(_MARKERS)]
