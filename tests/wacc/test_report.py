@@ -244,7 +244,7 @@ def test_the_previous_reports_headline_stands_next_to_the_new_one(run: tuple[Pat
     changes = {line: line.rstrip(" |").rsplit("| ", 1)[-1] for line in lines}
     assert set(changes.values()) <= {"same", "better", "worse", "new"}
     assert {change for line, change in changes.items() if USER in line} == {"new"}
-    assert "compared with" in stdout and "(180)" in stdout  # the committed report's 180 each
+    assert "compared with" in stdout and "(216)" in stdout  # the committed report's 216 each
 
 
 def test_a_previous_report_of_an_older_format_or_a_broken_one(tmp_path: Path) -> None:

@@ -63,9 +63,13 @@ def test_wacc_torch_passes_the_structural_family(factory: str) -> None:
     assert verdict is None, verdict.describe()
 
 
-def test_structural_is_a_family_but_not_in_the_frozen_corpus() -> None:
-    """`wacc check` runs the structural family; the report corpus and the gate do not."""
-    assert "structural" in FAMILIES and "structural" not in CORPUS_FAMILIES
+def test_structural_is_a_family_and_in_the_frozen_corpus() -> None:
+    """`wacc check` runs the structural family, and the report's frozen corpus holds its cells
+    (so `wacc report` and the gate's corpus keys judge malformed gradients too: one verdict)."""
+    from wacc.report.corpus import build_corpus
+
+    assert "structural" in FAMILIES and "structural" in CORPUS_FAMILIES
+    assert any(entry.family == "structural" for entry in build_corpus(size="quick"))
 
 
 def test_a_fault_round_trips_through_json_version_3() -> None:

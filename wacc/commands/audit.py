@@ -29,8 +29,8 @@ HELP = "audit training frameworks' gradient accumulation against the exact full-
 
 _BUILTIN = (
     "trainer-hub",
-    "trainer-hub-ranktok",
     "trainer-hub+wacc",
+    "trainer-hub-ranktok",
     "trainer-llama",
     "trainer-llama-ranktok",
     "trainer-qwen2",
@@ -53,8 +53,8 @@ _BUILTIN = (
     "keras",
     "keras+wacc",
     "deepspeed",
-    "deepspeed-zero1",
     "deepspeed+wacc",
+    "deepspeed-zero1",
     "peft-lora-gpt2",
     "peft-lora-gpt2+wacc",
     "peft-lora-llama",

@@ -113,7 +113,7 @@ def test_plain_ddp_fails_as_predicted_from_the_rank_totals(cli: CliRun) -> None:
     assert float(row["predicted_rel_l2"]) == pytest.approx(expected, rel=1e-12)
     assert row["ranks_agree"] == "True"
     table = cli.done.stdout
-    assert "world size 2" in table and "211;17" in table and "predicted rel L2" in table
+    assert "world size 2" in table and "211;17" in table and "pred. rel L2" in table
 
 
 def test_wacc_torch_all_reduce_mean_passes_across_ranks(cli: CliRun) -> None:

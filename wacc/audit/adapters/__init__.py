@@ -34,8 +34,8 @@ ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
         trainer.HUB,
-        trainer.HUB_RANK_TOKENS,
         trainer_wacc.HUB,
+        trainer.HUB_RANK_TOKENS,
         trainer.LLAMA,
         trainer.LLAMA_RANK_TOKENS,
         trainer.QWEN2,
@@ -58,8 +58,8 @@ ADAPTERS: dict[str, Adapter] = {
         keras.ADAPTER,
         keras_wacc.ADAPTER,
         deepspeed.ADAPTER,
-        deepspeed.ZERO1,
         deepspeed_wacc.ADAPTER,
+        deepspeed.ZERO1,
         peft_lora.LORA_GPT2,
         trainer_wacc.LORA_GPT2,
         peft_lora.LORA_LLAMA,

@@ -235,11 +235,11 @@ HUB_RANK_TOKENS = Adapter(
     title="Trainer + GPT2LMHeadModel, average_tokens_across_devices=False",
     model="gpt2",
     code_path="Trainer.train: num_items_in_batch of this rank only -> model(**inputs); DDP mean",
-    fixed_by="trainer-hub+wacc",
     cause="GPT2LMHeadModel sets no loss_type, so Trainer counts the unshifted labels "
     "(transformers 5.25.0: trainer.py:543), and average_tokens_across_devices=False "
     "(training_args.py:858) divides each rank by its own count while DDP averages the ranks "
-    "alike (trainer.py:2244-2252); WaccTrainer fixes it in one process only (it refuses several).",
+    "alike (trainer.py:2244-2252); no wacc integration across ranks yet: WaccTrainer "
+    "(trainer-hub+wacc) fixes it in one process and refuses several.",
     **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
 )
 LLAMA = Adapter(
