@@ -52,13 +52,16 @@ FAULTY = ("state_dict_raises", "async_result_raises", "sparse_record", "stride_z
 
 # Either location of the judge's implementation module (it moves into wacc/judge/).
 _COMPAT = """\
+from wacc.implementation import *  # noqa: F403
+from wacc.implementation import wacc_torch_loss_scaler  # noqa: F401
+
 try:
     from wacc.judge.implementation import *  # noqa: F403
-    from wacc.judge.implementation import Implementation, wacc_torch_loss_scaler  # noqa: F401
-except ImportError:
-    from wacc.judge.implementation import *  # noqa: F403
-    from wacc.judge.implementation import Implementation, wacc_torch_loss_scaler  # noqa: F401
+    from wacc.judge.implementation import Implementation  # noqa: F401
+except ImportError:  # a judge older than wacc/judge/
+    from wacc.implementation import Implementation  # noqa: F401
 """
+
 
 # One factory per planted bug, as tests/wacc/planted.py's Planted.implementation builds it.
 _FACTORIES = """\
