@@ -274,14 +274,46 @@ def judge_report(verdicts: Verdicts, scratch: Path, **kwargs: Any) -> None:
         with table.open(newline="", encoding="utf-8") as handle:
             for row in csv.DictReader(handle):
                 if row.get("implementation") == name:
-                    verdict = row["verdict"]
-                    key = (
-                        "pass"
-                        if verdict == "pass"
-                        else ("not judged" if verdict.startswith("not judged") else "FAIL")
-                    )
+                    key = _row_verdict(row["verdict"])
                     tally[key] = tally.get(key, 0) + 1
     verdicts.report = {**_outcome(result), "rows": tally, "csv": table.exists()}
+
+
+def judge_report_batch(
+    batch: Sequence[Verdicts], scratch: Path, flags: Sequence[str], **kwargs: Any
+) -> None:
+    """One ``wacc report --quick`` over every implementation of ``batch`` (``--impl`` is
+    repeatable; all take the same ``flags``): each is judged on the same corpus on its own, so
+    its rows are those of a report of it alone, and wacc_torch's rows are computed once instead
+    of once per implementation."""
+    out = scratch / "report"
+    argv = ["report", "--quick", "--quiet", "--out", str(out)]
+    for verdicts in batch:
+        argv += ["--impl", str(verdicts.spec)]
+    argv += list(flags)
+    result = with_fallback(argv, flags, **kwargs)
+    tallies: dict[str, dict[str, int]] = {str(v.spec): {} for v in batch}
+    table = out / "divergence.csv"
+    if table.exists():
+        with table.open(newline="", encoding="utf-8") as handle:
+            for row in csv.DictReader(handle):
+                tally = tallies.get(row.get("implementation", ""))
+                if tally is not None:
+                    key = _row_verdict(row["verdict"])
+                    tally[key] = tally.get(key, 0) + 1
+    for verdicts in batch:
+        verdicts.report = {
+            **_outcome(result),
+            "rows": tallies[str(verdicts.spec)],
+            "csv": table.exists(),
+            "batch": len(batch),
+        }
+
+
+def _row_verdict(verdict: str) -> str:
+    if verdict == "pass":
+        return "pass"
+    return "not judged" if verdict.startswith("not judged") else "FAIL"
 
 
 def passed(outcome: dict[str, Any], kind: str) -> bool | None:
@@ -424,6 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="check,gate,report",
         help="which commands to run (comma-separated); on a --rerun the others' outcomes stay",
     )
+    parser.add_argument(
+        "--batch-report",
+        action="store_true",
+        help="judge the planted bugs in one `wacc report --quick` (--impl repeated) before the "
+        "per-implementation check and gate runs; the others still one report each",
+    )
     args = parser.parse_args(argv)
 
     out = args.out.resolve()
@@ -449,9 +487,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "PYTHONPATH": os.pathsep.join([str(args.judge.resolve()), str(out / "impls")]),
     }
     env.pop("HYPOTHESIS_PROFILE", None)
+    if not args.render and args.batch_report and "report" in args.commands.split(","):
+        batch = [
+            results.get(name) or Verdicts(name=name, spec=spec, flags=list(flags))
+            for name, spec, flags in chosen
+            if flags == PLANTED_FLAGS and (name not in results or name in args.rerun)
+        ]
+        if batch:
+            scratch = out / "runs" / "planted-batch"
+            scratch.mkdir(parents=True, exist_ok=True)
+            kwargs = {"cwd": scratch, "env": env, "timeout": args.timeout * 4}
+            judge_report_batch(batch, scratch, PLANTED_FLAGS, **kwargs)
+            for verdicts in batch:
+                results[verdicts.name] = verdicts
+            _save(results_path, results, meta)
+            print(f"report of {len(batch)} planted bugs in one run", file=sys.stderr, flush=True)
     if not args.render:
         for name, spec, flags in chosen:
-            if name in results and name not in args.rerun:
+            done = results.get(name)
+            if done is not None and done.check and name not in args.rerun:
                 continue
             verdicts = results.get(name) or Verdicts(name=name, spec=spec, flags=list(flags))
             scratch = out / "runs" / name
@@ -463,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "gate" in commands:
                 baseline = args.judge.resolve() / "reports" / "baseline.json"
                 judge_gate(verdicts, scratch, baseline, **kwargs)
-            if "report" in commands:
+            if "report" in commands and not verdicts.report:
                 judge_report(verdicts, scratch, **kwargs)
             results[name] = verdicts
             _save(results_path, results, meta)
