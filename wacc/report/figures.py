@@ -64,6 +64,15 @@ def _save(figure: plt.Figure, path: Path) -> Path:
 _OWN_MODES = ("wacc_torch", "wacc_torch_zero_copy", "wacc_torch_fused")
 _RATIO_TOP = 1.08  # ratios above it (the bound broken) are drawn here as triangles
 _USER_COLORS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf")  # a user's --impl, in order
+_USER_MARKERS = ("o", "s", "D", "v", "P", "X", "*", "h")  # a new marker per round of the colours
+
+
+def user_styles(users: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) of each of ``users``, in order: every colour with the first marker, then
+    every colour with the next one, ...; any number of users gets one (32 distinct pairs, then
+    they repeat)."""
+    pairs = [(c, m) for m in _USER_MARKERS for c in _USER_COLORS]
+    return {name: pairs[index % len(pairs)] for index, name in enumerate(users)}
 
 
 def error_bound_figure(rows: Sequence[Row], path: Path, *, users: Sequence[str] = ()) -> Path:
@@ -72,7 +81,7 @@ def error_bound_figure(rows: Sequence[Row], path: Path, *, users: Sequence[str] 
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, sharey=True)
     rng = np.random.default_rng(0)  # jitter only, so overlapping points stay visible
     names = (*_OWN_MODES, *users)
-    colors = {**_COLORS, **dict(zip(users, _USER_COLORS * 4, strict=False))}
+    styles = {**{name: (color, "o") for name, color in _COLORS.items()}, **user_styles(users)}
     spread = 0.6 / max(1, len(names) - 1)  # side by side within one window length
     for axis, dtype in zip(axes.flat, formats.WORK_DTYPES, strict=True):
         for position, name in enumerate(names):
@@ -86,10 +95,12 @@ def error_bound_figure(rows: Sequence[Row], path: Path, *, users: Sequence[str] 
             y = np.array([r.max_ratio for r in chosen])
             x = x + offset + rng.uniform(-0.08, 0.08, x.size)
             above = y > _RATIO_TOP  # a bound broken (a user's implementation): shown at the top
-            axis.scatter(x[~above], y[~above], s=10, alpha=0.5, color=colors[name], label=name)
+            color, marker = styles[name]
+            axis.scatter(x[~above], y[~above], s=10, alpha=0.5, color=color, marker=marker,
+                         label=name)  # fmt: skip
             if above.any():
                 axis.scatter(x[above], np.full(int(above.sum()), _RATIO_TOP), s=24, marker="^",
-                             color=colors[name])  # fmt: skip
+                             color=color)  # fmt: skip
         axis.axhline(1.0, color="black", linewidth=1, linestyle="--")
         axis.text(0.01, 1.02, "bound", fontsize=9, transform=axis.get_yaxis_transform())
         axis.set_title(f"work dtype {dtype}")
@@ -100,15 +111,21 @@ def error_bound_figure(rows: Sequence[Row], path: Path, *, users: Sequence[str] 
     for axis in axes[:, 0]:
         axis.set_ylabel("max |error| / derived bound")
     # Below the panels, where it covers no point (the names are the headline table's).
+    # Many --impl: more columns, and the figure grows by the legend's rows (0.25 in each).
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=10, frameon=False,
+    columns = 3 if len(labels) <= 9 else 4
+    legend_rows = -(-len(labels) // columns)
+    height = 7 + 0.25 * max(0, legend_rows - 1)
+    figure.set_size_inches(10, height)
+    figure.legend(handles, labels, loc="lower center", ncol=columns, fontsize=10, frameon=False,
                   markerscale=2)  # fmt: skip
     figure.suptitle(
         "Error against the exact result relative to the derived bound (≤ 1: within; ▲: above)"
         if users
         else "Error against the exact result stays within the derived bound (≤ 1)"
     )
-    figure.tight_layout(rect=(0, 0.05, 1, 0.97))
+    bottom = (0.1 + 0.25 * legend_rows) / height  # 0.05 of the figure for one row, as before
+    figure.tight_layout(rect=(0, bottom, 1, 1 - 0.21 / height))
     return _save(figure, path)
 
 
@@ -122,8 +139,11 @@ def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
     """Relative error vs the window's weight skew: wacc_torch against the pixparse loop."""
     figure, axis = plt.subplots(figsize=(9, 5.5))
     floor = 1e-10  # exact results (error 0) are drawn here, on a log axis
-    for name in sorted({p.implementation for p in points}, key=lambda n: n != "wacc_torch"):
-        marker, size = _SKEW_MARKERS.get(name, ("^", 6))
+    names = sorted({p.implementation for p in points}, key=lambda n: n != "wacc_torch")
+    users = user_styles([n for n in names if n not in _SKEW_MARKERS])  # a user's --impl
+    for name in names:
+        marker, size = _SKEW_MARKERS.get(name) or (users[name][1], 6)
+        color = _COLORS.get(name) or users[name][0]
         for dtype, style in (("float32", "-"), ("bfloat16", "--")):
             chosen = [p for p in points if p.implementation == name and p.work_dtype == dtype]
             if not chosen:
@@ -136,7 +156,7 @@ def skew_figure(points: Sequence[SkewPoint], path: Path) -> Path:
                 skews, [max(w, floor) for w in worst], style, marker=marker,
                 markersize=size + (4 if dtype == "bfloat16" else 0),
                 markerfacecolor="none" if hollow else None,
-                color=_COLORS.get(name, "gray"), label=f"{name}, D = {dtype}",
+                color=color, label=f"{name}, D = {dtype}",
             )  # fmt: skip
     axis.set_xscale("log")
     axis.set_yscale("log")
