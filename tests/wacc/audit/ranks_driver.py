@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,17 +124,11 @@ class Fp16RankResult:
 def run_fp16_world(spec: str, world_size: int, *, timeout: float = 300) -> list[Fp16RankResult]:
     """Run adapter ``module:ATTR``'s float16 path as a ``world_size``-rank torchrun world, the
     overflow spike in rank 0's window only; every rank's outcome."""
-    with tempfile.TemporaryDirectory(prefix="wacc-ranks-") as tmp:
-        out = Path(tmp)
-        _launch(spec, world_size, FP16, out, timeout)
-        results = []
-        for rank in range(world_size):
-            saved = torch.load(out / f"rank{rank}.pt", weights_only=True)
-            results.append(Fp16RankResult(
-                changed=saved["changed"], loss_scales=saved["loss_scales"],
-                spiked=saved["spiked"],
-            ))  # fmt: skip
-        return results
+    return [
+        Fp16RankResult(changed=saved["changed"], loss_scales=saved["loss_scales"],
+                       spiked=saved["spiked"])
+        for saved in _launch(spec, world_size, FP16, timeout)
+    ]  # fmt: skip
 
 
 def run_world(
@@ -142,27 +137,31 @@ def run_world(
     """Run adapter ``module:ATTR`` as a ``world_size``-rank torchrun world; every rank's result."""
     adapter = _adapter(spec)
     names = expected(adapter.model, world_size, dtype).truth_names
+    results = []
+    for rank, saved in enumerate(_launch(spec, world_size, dtype, timeout)):
+        if saved["captured"] is None:
+            raise AssertionError(f"rank {rank} never called record_gradients")
+        results.append(
+            RankResult(
+                gradient=flatten(saved["captured"], names),
+                counted=saved["counted"],
+                steps_seen=saved["steps_seen"],
+                fetched=saved["fetched"],
+            )
+        )
+    return results
+
+
+def _launch(spec: str, world_size: int, dtype: str, timeout: float) -> list[dict[str, Any]]:
+    """The torchrun world of ``spec`` on ``dtype``: what each rank saved, in rank order."""
     with tempfile.TemporaryDirectory(prefix="wacc-ranks-") as tmp:
         out = Path(tmp)
-        _launch(spec, world_size, dtype, out, timeout)
-        results = []
-        for rank in range(world_size):
-            saved = torch.load(out / f"rank{rank}.pt", weights_only=True)
-            if saved["captured"] is None:
-                raise AssertionError(f"rank {rank} never called record_gradients")
-            results.append(
-                RankResult(
-                    gradient=flatten(saved["captured"], names),
-                    counted=saved["counted"],
-                    steps_seen=saved["steps_seen"],
-                    fetched=saved["fetched"],
-                )
-            )
-        return results
+        _run_torchrun(spec, world_size, dtype, out, timeout)
+        return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
-def _launch(spec: str, world_size: int, dtype: str, out: Path, timeout: float) -> None:
-    """The torchrun world of ``spec`` on ``dtype``: each rank saves to ``out/rank<r>.pt``."""
+def _run_torchrun(spec: str, world_size: int, dtype: str, out: Path, timeout: float) -> None:
+    """Each rank of the world saves to ``out/rank<r>.pt`` (raises when the world fails)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
