@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from wacc_torch.accumulator import WeightedGradientsAccumulator
+from wacc_torch.distributed import all_reduce_mean
 from wacc_torch.errors import RecordError
+from wacc_torch.results import AccumulatedGradients
 from wacc_torch.scaler import WindowLossScaler
 
-__all__ = ["IGNORE_INDEX", "TokenWindow", "count_tokens"]
+__all__ = ["IGNORE_INDEX", "TokenWindow", "count_tokens", "finish_window"]
 
 IGNORE_INDEX = -100  # the label every Hugging Face loss ignores
 STATE_KEYS = ("format_version", "record", "scaler")
@@ -27,6 +29,20 @@ def count_tokens(labels: torch.Tensor, *, shift: bool) -> int:
     position when the loss shifts the labels (a causal LM predicts ``t + 1`` from ``t``)."""
     counted = labels[..., 1:] if shift else labels
     return int((counted != IGNORE_INDEX).sum())
+
+
+def finish_window(
+    accumulator: WeightedGradientsAccumulator, *, group: Any = None
+) -> AccumulatedGradients:
+    """The window's token-weighted mean: ``finish_mean()`` in a single process; across the ranks
+    of ``group`` (default: the whole world, when ``torch.distributed`` is initialized with more
+    than one rank) every rank's ``finish_sums()`` reduced once, sums and weights together, by
+    :func:`wacc_torch.all_reduce_mean` (semantics §7): every rank gets the same mean, divided by
+    ``S`` once and then by the global weight, and the same ``found_inf``."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size(group) > 1:
+        return all_reduce_mean(accumulator.finish_sums(), group=group)
+    return accumulator.finish_mean()
 
 
 def _work_dtype(module: nn.Module) -> torch.dtype:

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from wacc_torch.accumulator import WeightedGradientsAccumulator
-from wacc_torch.distributed import all_reduce_mean
 from wacc_torch.integrations._framework import require
+from wacc_torch.integrations._token_window import finish_window
 from wacc_torch.results import AccumulatedGradients
 
 __all__ = ["RECORD_KEY", "TokenWeightedEngine"]
@@ -95,11 +95,7 @@ class TokenWeightedEngine:
     def step(self) -> AccumulatedGradients:
         """End the window: its token-weighted mean into ``.grad``, then ``engine.step()``
         (which may skip it whole on an overflow); returns the mean (``weight``: its tokens)."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_world_size(self.group) > 1:
-            result = all_reduce_mean(self.accumulator.finish_sums(), group=self.group)
-        else:
-            result = self.accumulator.finish_mean()
+        result = finish_window(self.accumulator, group=self.group)
         result.apply_to(self.engine.module)
         self.engine.step()
         return result

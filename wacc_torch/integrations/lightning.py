@@ -14,17 +14,23 @@ reaches the optimizer:
   ``training_step``'s own loss (``(g * K) / K == g`` for a power-of-two ``g``: 1, or a
   ``GradScaler``'s scale);
 * ``on_after_backward``: ``accumulate_mean(module, tokens)`` takes the gradient out of ``.grad``;
-  on the batch Lightning steps on, ``finish_mean().apply_to(module)`` writes the window's
-  token-weighted mean into ``.grad`` (before a ``GradScaler`` unscales it and decides, once for
-  the window, whether to step or to skip it whole);
+  on the batch Lightning steps on, ``finish_window(accumulator).apply_to(module)`` writes the
+  window's token-weighted mean into ``.grad`` (before a ``GradScaler`` unscales it and decides,
+  once for the window, whether to step or to skip it whole);
+* across ranks (the DDP strategy): ``on_train_batch_start`` also turns DDP's gradient all-reduce
+  off (:func:`stop_gradient_sync`), since it would average the ranks' gradients, and
+  :func:`finish_window` reduces every rank's sums and token counts once
+  (:func:`wacc_torch.all_reduce_mean`, semantics §7): every rank writes the same mean over every
+  rank's tokens, so a ``GradScaler`` skips an overflowing window on every rank alike;
 * ``on_save_checkpoint`` / ``on_load_checkpoint``: the accumulator's record
   (:meth:`~wacc_torch.WeightedGradientsAccumulator.state_dict`) rides in Lightning's own
   checkpoint under :data:`RECORD_KEY`, so a mid-window resume keeps the pending gradient bit for
   bit (the data position is the loader's: a resumable one, ``state_dict``/``load_state_dict``,
   continues where it was).
 
-Manual optimization needs no callback: use the accumulator directly in ``training_step`` (the
-recipe of ``docs/fix-your-framework/lightning.md``).  Importing this module does not import
+Manual optimization needs no callback: use the accumulator directly in ``training_step`` with
+:func:`finish_window` and :func:`stop_gradient_sync` (the recipe of
+``docs/fix-your-framework/lightning.md``).  Importing this module does not import
 Lightning; using :class:`TokenWeightedAccumulation` does, and raises
 :class:`~wacc_torch.integrations._framework.MissingFrameworkError` (an ``ImportError``) naming
 the ``lightning`` extra when it is missing.  Checked against lightning 2.6.6.
@@ -39,8 +45,9 @@ import torch
 
 from wacc_torch.accumulator import WeightedGradientsAccumulator
 from wacc_torch.integrations._framework import require
+from wacc_torch.integrations._token_window import finish_window
 
-__all__ = ["RECORD_KEY", "TokenWeightedAccumulation"]
+__all__ = ["RECORD_KEY", "TokenWeightedAccumulation", "finish_window", "stop_gradient_sync"]
 
 RECORD_KEY = "wacc_accumulator"
 """The key of the accumulator's record in a Lightning checkpoint."""
@@ -57,6 +64,18 @@ def __getattr__(name: str) -> Any:
             _BUILT[name] = _build_callback()
         return _BUILT[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def stop_gradient_sync(trainer: Any) -> None:
+    """Turn off the gradient all-reduce of ``trainer``'s ``DistributedDataParallel`` model (DDP
+    strategy; nothing under any other): call it before each batch's forward
+    (``on_train_batch_start``), where DDP reads ``require_backward_grad_sync``.  The window is
+    then reduced once, sums and weights, by :func:`finish_window`: DDP's average of the ranks
+    must not act on top of it (semantics §7)."""
+    model = getattr(trainer, "model", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # Lightning's no_sync() around the window's other batches restores this value.
+        model.require_backward_grad_sync = False
 
 
 def _build_callback() -> type:
@@ -105,6 +124,7 @@ def _build_callback() -> type:
             self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
         ) -> None:
             self._weight = self.tokens(batch)
+            stop_gradient_sync(trainer)  # the window is reduced once, in on_after_backward
 
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
             steps = int(trainer.accumulate_grad_batches)
@@ -120,7 +140,7 @@ def _build_callback() -> type:
             # Lightning's own decision for this batch (epoch_loop._should_accumulate: the K-th
             # batch of the window, or the epoch's last), read where the step will follow.
             if not trainer.fit_loop._should_accumulate():
-                result = accumulator.finish_mean()
+                result = finish_window(accumulator)  # across ranks: one all_reduce_mean
                 result.apply_to(pl_module)
                 self.window_tokens = result.weight
 

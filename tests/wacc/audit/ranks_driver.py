@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from wacc.audit.metrics import relative_l2
 from wacc.audit.models import MODEL_KINDS
 from wacc.audit.protocol import Adapter, LoopTask
 from wacc.audit.truth import Truth, compute_truth, flatten
-from wacc.audit.windows import Window, _sequences, _window
+from wacc.audit.windows import Window, _sequences, _window, build_fp16_window
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -53,30 +54,42 @@ def _adapter(spec: str) -> Adapter:
     return adapter
 
 
+FP16 = "fp16"  # the dtype argument of a float16 world (:func:`run_fp16_world`)
+
+
 def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
-    """One rank: run the adapter on this rank's window, save what it captured."""
+    """One rank: run the adapter on this rank's window, save what it captured (a float16 world:
+    whether its parameters moved and its scaler's scale around the window)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     adapter = _adapter(spec)
     workdir = out / f"rank{rank}"
     workdir.mkdir(parents=True, exist_ok=True)
+    fp16 = dtype_name == FP16
     task = LoopTask(
         model_spec=MODEL_KINDS[adapter.model],
-        dtype=getattr(torch, dtype_name),
-        window=rank_windows(world_size)[rank],
+        dtype=torch.float32 if fp16 else getattr(torch, dtype_name),
+        # float16: the overflow spike on rank 0 only, the same window without it elsewhere
+        window=build_fp16_window(spike=rank == 0) if fp16 else rank_windows(world_size)[rank],
         workdir=workdir,
         world_size=world_size,
         rank=rank,
         backend="gloo",
+        fp16=fp16,
     )
     result = adapter.run(task)
     if torch.distributed.is_initialized():  # the machinery's job at merge (protocol item 4)
         torch.distributed.destroy_process_group()
+    fresh = task.model_spec.build(torch.float32).state_dict()
+    trained = task.models[-1].state_dict()
     torch.save(
         {
             "captured": task.captured,
             "counted": result.counted_tokens,
             "steps_seen": task.steps_seen,
             "fetched": sorted(set(task.fetch_log)),
+            "changed": any(not torch.equal(trained[k], v) for k, v in fresh.items()),
+            "loss_scales": result.loss_scales,
+            "spiked": any(probe.spike_overflowed for probe in task.spikes),
         },
         out / f"rank{rank}.pt",
     )
@@ -99,51 +112,79 @@ class RankResult:
     fetched: list[int]
 
 
+@dataclass(frozen=True)
+class Fp16RankResult:
+    """What one rank's float16 run did to its parameters."""
+
+    changed: bool  # some parameter differs from a fresh model: the window was applied
+    loss_scales: tuple[float, float] | None  # the loop's scale before, after the window
+    spiked: bool  # this rank's forward overflowed at the spike
+
+
+def run_fp16_world(spec: str, world_size: int, *, timeout: float = 300) -> list[Fp16RankResult]:
+    """Run adapter ``module:ATTR``'s float16 path as a ``world_size``-rank torchrun world, the
+    overflow spike in rank 0's window only; every rank's outcome."""
+    return [
+        Fp16RankResult(changed=saved["changed"], loss_scales=saved["loss_scales"],
+                       spiked=saved["spiked"])
+        for saved in _launch(spec, world_size, FP16, timeout)
+    ]  # fmt: skip
+
+
 def run_world(
     spec: str, world_size: int, *, dtype: str = "float64", timeout: float = 300
 ) -> list[RankResult]:
     """Run adapter ``module:ATTR`` as a ``world_size``-rank torchrun world; every rank's result."""
     adapter = _adapter(spec)
     names = expected(adapter.model, world_size, dtype).truth_names
+    results = []
+    for rank, saved in enumerate(_launch(spec, world_size, dtype, timeout)):
+        if saved["captured"] is None:
+            raise AssertionError(f"rank {rank} never called record_gradients")
+        results.append(
+            RankResult(
+                gradient=flatten(saved["captured"], names),
+                counted=saved["counted"],
+                steps_seen=saved["steps_seen"],
+                fetched=saved["fetched"],
+            )
+        )
+    return results
+
+
+def _launch(spec: str, world_size: int, dtype: str, timeout: float) -> list[dict[str, Any]]:
+    """The torchrun world of ``spec`` on ``dtype``: what each rank saved, in rank order."""
     with tempfile.TemporaryDirectory(prefix="wacc-ranks-") as tmp:
         out = Path(tmp)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        command = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-            __file__, spec, str(out), dtype,
-        ]  # fmt: skip
-        with subprocess.Popen(
-            command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        ) as world:
+        _run_torchrun(spec, world_size, dtype, out, timeout)
+        return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def _run_torchrun(spec: str, world_size: int, dtype: str, out: Path, timeout: float) -> None:
+    """Each rank of the world saves to ``out/rank<r>.pt`` (raises when the world fails)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
+        "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        __file__, spec, str(out), dtype,
+    ]  # fmt: skip
+    with subprocess.Popen(
+        command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as world:
+        try:
+            _, stderr = world.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # torchrun starts each rank in a session of its own: only its SIGTERM handler
+            # (which stops the workers it started) ends a world that hangs, ranks included.
+            world.terminate()
             try:
-                _, stderr = world.communicate(timeout=timeout)
+                world.communicate(timeout=60)
             except subprocess.TimeoutExpired:
-                # torchrun starts each rank in a session of its own: only its SIGTERM handler
-                # (which stops the workers it started) ends a world that hangs, ranks included.
-                world.terminate()
-                try:
-                    world.communicate(timeout=60)
-                except subprocess.TimeoutExpired:
-                    world.kill()
-                    world.communicate()
-                raise AssertionError(f"world of {spec} still running after {timeout} s") from None
-        if world.returncode != 0:
-            raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
-        results = []
-        for rank in range(world_size):
-            saved = torch.load(out / f"rank{rank}.pt", weights_only=True)
-            if saved["captured"] is None:
-                raise AssertionError(f"rank {rank} never called record_gradients")
-            results.append(
-                RankResult(
-                    gradient=flatten(saved["captured"], names),
-                    counted=saved["counted"],
-                    steps_seen=saved["steps_seen"],
-                    fetched=saved["fetched"],
-                )
-            )
-        return results
+                world.kill()
+                world.communicate()
+            raise AssertionError(f"world of {spec} still running after {timeout} s") from None
+    if world.returncode != 0:
+        raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine on the CPU, one process (world size 1, gloo), ZeRO stage 0, the loop its
+"""DeepSpeed's engine on the CPU (gloo; one process at world size 1), ZeRO stage 0, the loop its
 "Getting Started" guide writes (``for step, batch in enumerate(data_loader): loss =
 model_engine(batch); model_engine.backward(loss); model_engine.step()``) on the plain causal LM
 (whose forward returns its own *mean* token loss):

@@ -1,5 +1,5 @@
-"""``deepspeed+wacc``: DeepSpeed's engine (:mod:`wacc.audit.adapters.deepspeed`: CPU, one gloo
-process, ZeRO 0, ``gradient_clipping`` 0) with
+"""``deepspeed+wacc``: DeepSpeed's engine (:mod:`wacc.audit.adapters.deepspeed`: CPU, gloo,
+ZeRO 0, ``gradient_clipping`` 0) with
 :class:`wacc_torch.integrations.deepspeed.TokenWeightedEngine`, the loop a user writes with it:
 
 .. code-block:: python
@@ -22,6 +22,16 @@ microbatches: the window's position is the caller's (no ``micro_steps`` to lose)
 gradient the record's.  Float16 (``task.fp16``): the ``deepspeed`` row's ``torch_autocast`` fp16
 engine, whose ``GradScaler`` scales each backward and, in ``engine.step()``, unscales the
 window's mean and steps or skips it whole.
+
+Across ranks (``task.world_size > 1``): the ``deepspeed`` row's torchrun world
+(``init_distributed`` reading the environment torchrun set).  ``TokenWeightedEngine`` sets
+``engine.enable_backward_allreduce = False``, which keeps DeepSpeed's own reduce (an average of
+the ranks, ``buffered_allreduce_fallback``) out of ``backward`` (``_backward_epilogue``) and of
+the unmanaged boundary in ``step()`` (``engine.py`` ``step``: ``elif
+self.enable_backward_allreduce``), and its ``step()`` reduces the window once:
+:func:`wacc_torch.all_reduce_mean` of every rank's ``finish_sums()`` (semantics §7).  Every
+rank's ``.grad`` holds the same mean over every rank's tokens, so the ``torch_autocast``
+``GradScaler`` finds the same overflow on every rank.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ def run(task: LoopTask) -> LoopRun:
     from wacc_torch.integrations.deepspeed import TokenWeightedEngine
 
     data = task.dataset
-    with _world(task.dtype) as deepspeed:
+    with _world(task.dtype, task.world_size) as deepspeed:
 
         def fresh() -> tuple[Any, TokenWeightedEngine]:
             engine, _ = _engine(
@@ -82,4 +92,5 @@ ADAPTER = DeepSpeedAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=True,
 )

@@ -93,7 +93,7 @@ import torch
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import IGNORE_INDEX
 
-__all__ = ["ADAPTER", "FLOAT32_WEIGHTS", "import_keras", "resume"]
+__all__ = ["ADAPTER", "FLOAT32_WEIGHTS", "KERAS_RANKS", "import_keras", "resume"]
 
 BACKEND = "torch"
 FLOAT32_WEIGHTS = (
@@ -130,6 +130,15 @@ def import_keras() -> Any:
     finally:
         if asked is None:
             del os.environ["KERAS_BACKEND"]
+
+
+KERAS_RANKS = (
+    "Keras 3 has no multi-process data parallelism on the torch backend: keras/src/backend/"
+    "__init__.py:43-47 (keras 3.15.1) sets `distribution_lib = None` for backend 'torch' (only "
+    "jax/ and tensorflow/ ship a distribution_lib.py), so keras.distribution.initialize / "
+    "DataParallel cannot run, and the torch trainer (src/backend/torch/trainer.py) never "
+    "all-reduces gradients"
+)
 
 
 @dataclass(frozen=True)
@@ -328,6 +337,7 @@ ADAPTER = KerasAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=KERAS_RANKS,
     fixed_by="keras+wacc",
     cause="keras/src/optimizers/base_optimizer.py:567 (keras 3.15.1, "
     "BaseOptimizer._backend_apply_gradients) applies `(g + acc_g) / steps` on the K-th call: "

@@ -36,4 +36,5 @@ ADAPTER = keras.KerasAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=keras.KERAS_RANKS,
 )

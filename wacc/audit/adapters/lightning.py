@@ -132,13 +132,23 @@ def _trainer(task: LoopTask, pl: Any, *, manual: bool, callbacks: list[Any]) -> 
     )  # fmt: skip
     if not manual:  # manual optimisation refuses accumulate_grad_batches != 1
         options["accumulate_grad_batches"] = task.num_microbatches
-    if task.world_size > 1:  # under torchrun: TorchElasticEnvironment, no processes spawned
-        options["devices"] = task.world_size
-        options["strategy"] = pl.strategies.DDPStrategy(process_group_backend=task.backend)
-        # Its DistributedSampler would shuffle the training data (seed 0) whatever the loader
-        # says: each rank reads its own window as given instead, Lightning's switch for that.
-        options["use_distributed_sampler"] = False
+    options.update(ddp_options(task, pl))
     return pl.Trainer(**options)
+
+
+def ddp_options(task: LoopTask, pl: Any) -> dict[str, Any]:
+    """The ``Trainer`` options of a run across ranks (none at world size 1): Lightning's DDP
+    strategy in the torchrun world (module docstring)."""
+    if task.world_size == 1:
+        return {}
+    # Under torchrun: TorchElasticEnvironment, no processes spawned.  Its DistributedSampler
+    # would shuffle the training data (seed 0) whatever the loader says: each rank reads its own
+    # window as given instead, Lightning's switch for that.
+    return dict(
+        devices=task.world_size,
+        strategy=pl.strategies.DDPStrategy(process_group_backend=task.backend),
+        use_distributed_sampler=False,
+    )
 
 
 def fit_window(

@@ -7,8 +7,9 @@
 * ``lightning-manual+wacc``: manual optimization, the recipe of
   ``docs/fix-your-framework/lightning.md``: ``self.manual_backward(loss)`` (no ``/ N``),
   ``self.accumulator.accumulate_mean(self, tokens)``, and on the window's last batch
-  ``self.accumulator.finish_mean().apply_to(self); opt.step(); opt.zero_grad()``, the record
-  in the module's ``on_save_checkpoint`` / ``on_load_checkpoint``.
+  ``finish_window(self.accumulator).apply_to(self); opt.step(); opt.zero_grad()``
+  (``finish_mean()`` in one process), ``stop_gradient_sync(self.trainer)`` in the module's
+  ``on_train_batch_start``, the record in its ``on_save_checkpoint`` / ``on_load_checkpoint``.
 
 ``tokens`` is the audit's :func:`~wacc.audit.windows.target_count` of the batch's labels.
 Checkpoint: as the ``lightning`` row (``trainer.save_checkpoint`` after ``c`` batches, a fresh
@@ -23,6 +24,15 @@ reads microbatches ``c ..``; the accumulator's record rides in the checkpoint.  
 so that the forward runs under float16 autocast and Lightning's ``GradScaler`` decides once per
 window (the token-weighted mean is written into ``.grad`` before it unscales): an overflow
 anywhere in the window skips it whole.  Checked against lightning 2.6.6 (CPU, run here).
+
+Across ranks (``task.world_size > 1``): the ``lightning`` rows' DDP strategy in the torchrun
+world (:func:`wacc.audit.adapters.lightning.ddp_options`).  Both rows turn DDP's gradient
+all-reduce off before every batch's forward (``stop_gradient_sync``:
+``require_backward_grad_sync = False`` on Lightning's ``DistributedDataParallel``; Lightning's
+``no_sync()`` on the window's other batches restores that value) and end the window with
+``finish_window``: one :func:`wacc_torch.all_reduce_mean` of every rank's ``finish_sums()``
+(semantics §7), the same token-weighted mean over every rank's tokens written into every rank's
+``.grad``, so a ``GradScaler`` finds the same overflow on every rank.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import Any
 
 import torch
 
-from wacc.audit.adapters.lightning import fit_window
+from wacc.audit.adapters.lightning import ddp_options, fit_window
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
@@ -77,6 +87,7 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
 def _module(task: LoopTask, pl: Any, *, manual: bool) -> Any:
     """The ``lightning`` row's module (automatic), or the manual recipe with the accumulator."""
     from wacc_torch import WeightedGradientsAccumulator
+    from wacc_torch.integrations.lightning import finish_window, stop_gradient_sync
 
     steps = task.num_microbatches
 
@@ -102,12 +113,16 @@ def _module(task: LoopTask, pl: Any, *, manual: bool) -> Any:
             self.manual_backward(self.compute_loss(batch))
             self.accumulator.accumulate_mean(self, _tokens(batch))
             if self.accumulator.state.issued == steps or self.trainer.is_last_batch:
-                result = self.accumulator.finish_mean()
+                result = finish_window(self.accumulator)  # across ranks: reduced once
                 result.apply_to(self)
                 self.window_tokens = result.weight
                 opt.step()
                 opt.zero_grad()
             return None
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if manual:  # before the forward: DDP must not average what finish_window reduces
+                stop_gradient_sync(self.trainer)
 
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             if manual:
@@ -138,6 +153,7 @@ def _trainer(task: LoopTask, pl: Any, *, manual: bool, callbacks: list[Any]) -> 
 
         options["accumulate_grad_batches"] = task.num_microbatches
         options["callbacks"] = [TokenWeightedAccumulation(tokens=_tokens), *callbacks]
+    options.update(ddp_options(task, pl))
     return pl.Trainer(**options)
 
 
@@ -178,7 +194,7 @@ def run_manual(task: LoopTask) -> LoopRun:
 
 _COMMON = dict(requires=("lightning", "lightning.pytorch"), model="plain", loss_scale=False,
                checked="lightning 2.6.6 (CPU, run here)", checkpoint=None,
-               fp16=None)  # fmt: skip
+               fp16=None, ranks=True)  # fmt: skip
 AUTOMATIC = Adapter(
     name="lightning+wacc",
     title="Lightning accumulate_grad_batches=K + TokenWeightedAccumulation",
@@ -191,7 +207,8 @@ MANUAL = Adapter(
     name="lightning-manual+wacc",
     title="Lightning manual optimisation with WeightedGradientsAccumulator",
     code_path="training_step: manual_backward(loss); accumulator.accumulate_mean(self, tokens); "
-    "on the last batch: accumulator.finish_mean().apply_to(self); opt.step()",
+    "on the last batch: finish_window(accumulator).apply_to(self); opt.step() "
+    "(on_train_batch_start: stop_gradient_sync(trainer))",
     run=run_manual,
     **_COMMON,  # type: ignore[arg-type]
 )

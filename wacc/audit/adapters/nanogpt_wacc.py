@@ -33,11 +33,29 @@ scaler's ``state_dict``, written between micro-steps; resume builds everything a
 them (``acc.load_state_dict(wacc_torch.load_record(...), model)``) and continues at that
 micro-step: the pending gradient is restored bit for bit.  The loop body is shared with
 ``pixparse+wacc`` (:func:`run_loop`): the two loops differ in the prefetch only.
+
+Across ranks (``task.world_size > 1``, a torchrun world): ``train.py``'s DDP path
+(``init_process_group(backend)``, ``model = DDP(model)``, K microbatches per rank) with two
+changes: ``model.require_backward_grad_sync = False`` on *every* micro step (the script syncs
+the last one: DDP's reducer would average the ranks' gradients, a mean of per-rank means), and
+
+.. code-block:: python
+
+    result = wacc_torch.all_reduce_mean(acc.finish_sums())  # was: acc.finish_mean()
+
+one reduction of every rank's sums and token counts (semantics §7: a metadata exchange, one SUM
+all-reduce, ``/ S`` once, then ``/`` the global weight): every rank applies the same mean, its
+``weight`` the tokens of every rank, and ``scaler.update(result.found_inf)`` decides the same on
+every rank (an overflow on one rank skips the window on all).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
+from torch.distributed import init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817 (the script's name)
 
 from wacc.audit.adapters import nanogpt
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
@@ -58,6 +76,10 @@ def run_loop(task: LoopTask, *, prefetch: bool, name: str) -> LoopRun:
     data = task.dataset
     scaler = wacc_torch.WindowLossScaler() if task.fp16 else None
     scale = scaler.scale if scaler is not None else task.loss_scale
+    ddp = task.world_size > 1
+    if ddp:  # the loop's DDP setup (nanoGPT's `init_process_group(backend=backend)`)
+        init_process_group(backend=task.backend)
+    wrapped: torch.nn.Module | None = None  # DDP(model) across ranks
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, Accumulator]:
         model = task.build_model()
@@ -65,6 +87,8 @@ def run_loop(task: LoopTask, *, prefetch: bool, name: str) -> LoopRun:
         optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
         task.hook_optimizer(optimizer, model)
         acc = Accumulator(dtype=task.dtype, loss_scale=scale)  # D = the parameters' dtype
+        nonlocal wrapped
+        wrapped = DDP(model, device_ids=None) if ddp else None
         return model, optimizer, acc
 
     def get_batch(index: int) -> Batch:
@@ -95,17 +119,30 @@ def run_loop(task: LoopTask, *, prefetch: bool, name: str) -> LoopRun:
                 scaler.load_state_dict(checkpoint["scaler"])
             acc.load_state_dict(wacc_torch.load_record(record), model)
             X, Y = get_batch(checkpoint["micro_step"])  # noqa: N806 (the data position)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
-            loss = model(input_ids=X, labels=Y)["loss"]  # the microbatch's mean token loss
-        tokens = target_count(Y)  # what that mean divides by (0: a 0/0 mean, never read)
-        if prefetch and micro_step + 1 < task.num_microbatches:
-            X, Y = get_batch(micro_step + 1)  # noqa: N806
-        (scale * loss).backward()
+        # Every microbatch without DDP's all-reduce (the window's sums and weights are reduced
+        # once, by all_reduce_mean below): nanoGPT's switch on every micro step, pixparse's
+        # `with model.no_sync()` around every microbatch, its last one too.
+        unsynced: AbstractContextManager[object] = nullcontext()
+        if isinstance(wrapped, DDP):
+            if prefetch:
+                wrapped.require_backward_grad_sync = False
+            else:
+                unsynced = wrapped.no_sync()
+        with unsynced:
+            with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
+                # the microbatch's mean token loss
+                loss = (wrapped or model)(input_ids=X, labels=Y)["loss"]
+            tokens = target_count(Y)  # what that mean divides by (0: a 0/0 mean, never read)
+            if prefetch and micro_step + 1 < task.num_microbatches:
+                X, Y = get_batch(micro_step + 1)  # noqa: N806
+            (scale * loss).backward()
         acc.accumulate_mean(model, tokens)
         if not prefetch and micro_step + 1 < task.num_microbatches:
             X, Y = get_batch(micro_step + 1)  # noqa: N806
-    counted = acc.state.total_weight
-    result = acc.finish_mean()
+    # Across ranks: every rank's sums and weights reduced once (semantics §7): the same mean,
+    # the same weight and the same found_inf on every rank.
+    result = wacc_torch.all_reduce_mean(acc.finish_sums()) if ddp else acc.finish_mean()
+    counted = result.weight
     if scaler is None or scaler.update(result.found_inf):  # False: skip the whole window
         result.apply_to(model)
         optimizer.step()
@@ -126,10 +163,12 @@ ADAPTER = Adapter(
     requires=("torch",),
     model="plain",
     code_path=f"{nanogpt.SOURCE} with (S * loss).backward(); acc.accumulate_mean(model, tokens); "
-    "acc.finish_mean().apply_to(model) before the step",
+    "acc.finish_mean().apply_to(model) before the step (across ranks: "
+    "require_backward_grad_sync = False on every micro step, all_reduce_mean(acc.finish_sums()))",
     checked="nanoGPT 3adf61e (written here), this repository's wacc_torch (record format 1)",
     loss_scale=True,
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=True,
 )

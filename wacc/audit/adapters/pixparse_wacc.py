@@ -21,6 +21,12 @@ and ``NativeScaler(..., need_update=last)``) written with ``wacc_torch``, as a u
 record and the scaler's state (what ``NativeScaler.state_dict()`` held), between microbatches;
 resume continues at that microbatch with the pending gradient restored bit for bit.  The loop is
 :func:`wacc.audit.adapters.nanogpt_wacc.run_loop` without nanoGPT's prefetch.
+
+Across ranks (``task.world_size > 1``): the task's ``DistributedDataParallel`` model, every
+microbatch under ``model.no_sync()`` (the last one too: pixparse syncs it, and DDP would average
+the ranks' gradients), and ``result = wacc_torch.all_reduce_mean(acc.finish_sums())`` in place
+of ``acc.finish_mean()``: the sums and the token counts of every rank reduced once (semantics
+§7), the same mean and the same ``found_inf`` on every rank.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ ADAPTER = Adapter(
     requires=("torch",),
     model="plain",
     code_path="(S * loss).backward(); acc.accumulate_mean(model, tokens); on need_update: "
-    "acc.finish_mean().apply_to(model), WindowLossScaler.update, optimizer.step",
+    "acc.finish_mean() (across ranks: all_reduce_mean(acc.finish_sums()), every microbatch "
+    "under no_sync).apply_to(model), WindowLossScaler.update, optimizer.step",
     checked="torch 2.13.0, this repository's wacc_torch (record format 1)",
     loss_scale=True,
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=True,
 )

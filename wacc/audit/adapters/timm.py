@@ -17,13 +17,29 @@ default), so that the loop the project started from runs without torchvision.  F
 ``torch.autocast("cpu", dtype=torch.float16)``, the same ``NativeScaler`` call (its
 ``GradScaler.step`` skips the update on NaN/inf and backs off), ``SGD(lr=task.learning_rate)``;
 the scale before/after is ``NativeScaler._scaler.get_scale()``.  Not run here either.
+
+Across ranks (``pixparse``, ``task.world_size > 1``, a torchrun world): the task's DDP idiom —
+``torch.distributed.init_process_group(task.backend)``, the model wrapped in
+``DistributedDataParallel`` (``device_ids=None`` on a CPU), ``has_no_sync = hasattr(model,
+"no_sync")`` and ``train_step``'s ``if self.has_no_sync and not need_update: with
+self.model.no_sync(): ...`` (the seed's ``task_cruller_finetune_docvqa.py`` L342-376,
+``task_cruller_finetune_xent.py`` L257-294): every microbatch but the window's last accumulates
+locally, the last one's backward all-reduces.  What decides the weighting across ranks: ``loss
+/= accum_steps`` on each microbatch's *mean* (the same lines) and DDP's reducer averaging the
+ranks (``Reducer::mark_variable_ready_dense`` divides by the world size): every microbatch of
+every rank weighs 1 / (N K), whatever its tokens.  No prediction from per-rank totals applies
+(it weighs microbatches, not ranks, equally: ``weighs_ranks_equally`` is False); measured at
+N = 2 (ranks of 211 and 17 tokens in the test's windows), the float64 gradient equals the
+equal-microbatch one to rounding (``tests/wacc/audit/test_ranks_wacc.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from wacc.audit.models import logits_of
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
@@ -79,7 +95,13 @@ def run(task: LoopTask, make_scaler: Callable[[], NativeScaler] = _timm_scaler) 
         task.hook_optimizer(optimizer, model)
         return model, optimizer, make_scaler()
 
+    ddp = task.world_size > 1
+    if ddp:  # the task's distributed setup, as torchrun starts it
+        torch.distributed.init_process_group(backend=task.backend)
     model, optimizer, scaler = fresh()
+    # pixparse's task wraps its model in DDP and asks `has_no_sync` (module docstring).
+    train_model: torch.nn.Module = DDP(model, device_ids=None) if ddp else model
+    has_no_sync = hasattr(train_model, "no_sync")
     before = float(scaler._scaler.get_scale()) if task.fp16 else 0.0  # the wrapped GradScaler
     data = task.dataset
     accum_steps = task.num_microbatches
@@ -88,18 +110,26 @@ def run(task: LoopTask, make_scaler: Callable[[], NativeScaler] = _timm_scaler) 
             path = task.workdir / "pixparse_checkpoint.pt"
             torch.save({"model": model.state_dict(), "scaler": scaler.state_dict()}, path)
             model, optimizer, scaler = fresh()
+            train_model = DDP(model, device_ids=None) if ddp else model
             state = torch.load(path, weights_only=True)
             model.load_state_dict(state["model"])
             scaler.load_state_dict(state["scaler"])
         batch = data[index]
         need_update = index + 1 == accum_steps
-        with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
-            out = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
-        logits_of(out)  # the loop trains on the model's own loss
-        loss = out["loss"]
-        if accum_steps > 1:
-            loss /= accum_steps
-        scaler(loss, optimizer, parameters=model.parameters(), need_update=need_update)
+        # pixparse's train_step: `if self.has_no_sync and not need_update: with no_sync(): ...`
+        sync: AbstractContextManager[object] = nullcontext()
+        if has_no_sync and not need_update:
+            assert isinstance(train_model, DDP)
+            sync = train_model.no_sync()
+        with sync:
+            with torch.autocast("cpu", dtype=torch.float16, enabled=task.fp16):
+                ids, labels = batch["input_ids"][None], batch["labels"][None]
+                out = train_model(input_ids=ids, labels=labels)
+            logits_of(out)  # the loop trains on the model's own loss
+            loss = out["loss"]
+            if accum_steps > 1:
+                loss /= accum_steps
+            scaler(loss, optimizer, parameters=train_model.parameters(), need_update=need_update)
     if task.fp16:
         return LoopRun(counted_tokens=None, loss_scales=(before, float(scaler._scaler.get_scale())))
     return LoopRun(counted_tokens=None)
@@ -134,8 +164,10 @@ PIXPARSE = Adapter(
     checkpoint=None,
     run=_pixparse,
     fp16=None,
+    ranks=True,
     fixed_by="pixparse+wacc",
     cause="pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
     "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
-    "1/K whatever its token count.",
+    "1/K whatever its token count (across ranks, DDP's average of the last microbatch's "
+    "all-reduce makes it 1/(N K)).",
 )
