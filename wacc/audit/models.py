@@ -50,6 +50,7 @@ encoder have the same length in the audit's windows).
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -354,14 +355,19 @@ class ModelSpec:
 
 
 _BASES: dict[str, nn.Module] = {}
+# The factories draw their init from torch's global generator, which every thread shares: two
+# threads building at once (``wacc audit --world-size 2 --jobs 2`` computes truths in threads)
+# interleaved their draws and cached a model no process builds, so the truth was another model's.
+_BUILDING = threading.Lock()
 
 
 def _base(name: str) -> nn.Module:
-    if name not in _BASES:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(MODEL_SEED)
-            _BASES[name] = MODEL_KINDS[name].factory().float()
-    return _BASES[name]
+    with _BUILDING:
+        if name not in _BASES:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(MODEL_SEED)
+                _BASES[name] = MODEL_KINDS[name].factory().float()
+        return _BASES[name]
 
 
 MODEL_KINDS: dict[str, ModelSpec] = {
