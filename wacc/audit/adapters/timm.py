@@ -105,6 +105,11 @@ def run(task: LoopTask, make_scaler: Callable[[], NativeScaler] = _timm_scaler) 
     return LoopRun(counted_tokens=None)
 
 
+_CAUSE = (
+    "pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
+    "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
+    "1/K whatever its token count."
+)
 ADAPTER = Adapter(
     name="timm",
     title="pixparse/timm loss /= accum_steps + NativeScaler",
@@ -116,6 +121,7 @@ ADAPTER = Adapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    cause=_CAUSE,
 )
 
 
@@ -135,7 +141,5 @@ PIXPARSE = Adapter(
     run=_pixparse,
     fp16=None,
     fixed_by="pixparse+wacc",
-    cause="pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
-    "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
-    "1/K whatever its token count.",
+    cause=_CAUSE,
 )

@@ -20,7 +20,12 @@ and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deeps
 (:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
-``no_sync()``) and ``nanogpt`` (its DDP path).
+``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
+global dataset Trainer shards), the two ``accelerate`` loops, the two ``lightning`` paths
+(``DDPStrategy``) and ``deepspeed`` / ``deepspeed-zero1``.  A row across ranks needs only its
+``ranks`` text (and ``ranks_imports``): :func:`wacc.audit.repro._rank_script` adds the common
+part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact
+gradient over every rank's tokens, rank 0's result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -65,7 +70,21 @@ class LoopTemplate:
 
 
 _TRAINER = LoopTemplate(
-    "transformers.Trainer", ("transformers", "accelerate"), trainer.IMPORTS, trainer.BODY
+    "transformers.Trainer",
+    ("transformers", "accelerate"),
+    trainer.IMPORTS,
+    trainer.BODY,
+    ranks=trainer.RANKS,
+    ranks_imports=trainer.IMPORTS,
+)
+# average_tokens_across_devices=False: each rank divides by its own count.
+_TRAINER_RANK_TOKENS = LoopTemplate(
+    "transformers.Trainer (average_tokens_across_devices=False)",
+    ("transformers", "accelerate"),
+    trainer.IMPORTS,
+    trainer.RANK_TOKENS_BODY,
+    ranks=trainer.RANK_TOKENS_RANKS,
+    ranks_imports=trainer.IMPORTS,
 )
 # PEFT's LoRA model (repro._model writes it) under Trainer's own loop: the Trainer body.
 _LORA = LoopTemplate(
@@ -90,12 +109,15 @@ LOOPS: dict[str, LoopTemplate] = {
             "trainer-plain",
         )
     },
+    **{name: _TRAINER_RANK_TOKENS for name in ("trainer-hub-ranktok", "trainer-llama-ranktok")},
     "accelerate": LoopTemplate(
         "accelerate accumulate()",
         ("accelerate",),
         accelerate.IMPORTS,
         accelerate.ACCUMULATE,
         accelerate.ACCUMULATE_RESUME,
+        ranks=accelerate.ACCUMULATE,
+        ranks_imports=accelerate.IMPORTS,
     ),
     "accelerate-variable": LoopTemplate(
         "accelerate (variable-size guide)",
@@ -103,6 +125,8 @@ LOOPS: dict[str, LoopTemplate] = {
         accelerate.IMPORTS,
         accelerate.VARIABLE,
         accelerate.VARIABLE_RESUME,
+        ranks=accelerate.VARIABLE,
+        ranks_imports=accelerate.IMPORTS,
     ),
     "lightning": LoopTemplate(
         "Lightning accumulate_grad_batches",
@@ -111,6 +135,8 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.AUTOMATIC,
         lightning.AUTOMATIC_RESUME,
         lightning.RESUME_IMPORTS,
+        ranks=lightning.AUTOMATIC_RANKS,
+        ranks_imports=lightning.IMPORTS,
     ),
     "lightning-manual": LoopTemplate(
         "Lightning manual optimisation",
@@ -119,12 +145,27 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.MANUAL,
         lightning.MANUAL_RESUME,
         lightning.RESUME_IMPORTS,
+        ranks=lightning.MANUAL_RANKS,
+        ranks_imports=lightning.IMPORTS,
     ),
     "keras": LoopTemplate(
         "Keras SGD(gradient_accumulation_steps=K)", ("keras",), keras.IMPORTS, keras.BODY
     ),
     "deepspeed": LoopTemplate(
-        "DeepSpeed engine (ZeRO 0)", ("deepspeed",), deepspeed.IMPORTS, deepspeed.BODY
+        "DeepSpeed engine (ZeRO 0)",
+        ("deepspeed",),
+        deepspeed.IMPORTS,
+        deepspeed.BODY,
+        ranks=deepspeed.RANKS,
+        ranks_imports=deepspeed.IMPORTS,
+    ),
+    "deepspeed-zero1": LoopTemplate(
+        "DeepSpeed engine (ZeRO 1)",
+        ("deepspeed",),
+        deepspeed.IMPORTS,
+        deepspeed.ZERO1,
+        ranks=deepspeed.ZERO1_RANKS,
+        ranks_imports=deepspeed.IMPORTS,
     ),
     **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
     "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),
