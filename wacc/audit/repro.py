@@ -223,6 +223,7 @@ def _rank_script(
     spec = MODEL_KINDS[adapter.model]
     assert template.ranks is not None
     imports, model = _model(spec, dtype)
+    ranks_imports = template.imports if template.ranks_imports is None else template.ranks_imports
     n = len(ranks)
     totals = ", ".join(str(w.total_targets) for w in ranks)
     docstring = [
@@ -258,7 +259,7 @@ def _rank_script(
     )
     parts = [
         header,
-        _imports([*template.ranks_imports, "import torch.distributed as dist", *imports]),
+        _imports([*ranks_imports, "import torch.distributed as dist", *imports]),
         constants,
         model,
         FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),

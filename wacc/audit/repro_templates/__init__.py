@@ -23,9 +23,10 @@ and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate``
 ``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
 global dataset Trainer shards), the two ``accelerate`` loops, the two ``lightning`` paths
 (``DDPStrategy``) and ``deepspeed`` / ``deepspeed-zero1``.  A row across ranks needs only its
-``ranks`` text (and ``ranks_imports``): :func:`wacc.audit.repro._rank_script` adds the common
-part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact
-gradient over every rank's tokens, rank 0's result).
+``ranks`` text (importing ``ranks_imports``, by default ``imports``):
+:func:`wacc.audit.repro._rank_script` adds the common part (``torch.distributed`` imported and
+its gloo group up, each rank's window, the exact gradient over every rank's tokens, rank 0's
+result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -33,7 +34,7 @@ user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from wacc.audit.repro_templates import (
     accelerate,
@@ -66,7 +67,7 @@ class LoopTemplate:
     # The loop across ranks (its data-parallel code path; the common part's rank variant has
     # defined ``rank``, ``batches``/``targets`` of this rank, and ``dist`` is up); None: none.
     ranks: str | None = None
-    ranks_imports: tuple[str, ...] = ()
+    ranks_imports: tuple[str, ...] | None = None  # what ``ranks`` imports; None: ``imports``
 
 
 _TRAINER = LoopTemplate(
@@ -75,16 +76,13 @@ _TRAINER = LoopTemplate(
     trainer.IMPORTS,
     trainer.BODY,
     ranks=trainer.RANKS,
-    ranks_imports=trainer.IMPORTS,
 )
 # average_tokens_across_devices=False: each rank divides by its own count.
-_TRAINER_RANK_TOKENS = LoopTemplate(
-    "transformers.Trainer (average_tokens_across_devices=False)",
-    ("transformers", "accelerate"),
-    trainer.IMPORTS,
-    trainer.RANK_TOKENS_BODY,
+_TRAINER_RANK_TOKENS = replace(
+    _TRAINER,
+    framework="transformers.Trainer (average_tokens_across_devices=False)",
+    body=trainer.RANK_TOKENS_BODY,
     ranks=trainer.RANK_TOKENS_RANKS,
-    ranks_imports=trainer.IMPORTS,
 )
 # PEFT's LoRA model (repro._model writes it) under Trainer's own loop: the Trainer body.
 _LORA = LoopTemplate(
@@ -117,7 +115,6 @@ LOOPS: dict[str, LoopTemplate] = {
         accelerate.ACCUMULATE,
         accelerate.ACCUMULATE_RESUME,
         ranks=accelerate.ACCUMULATE,
-        ranks_imports=accelerate.IMPORTS,
     ),
     "accelerate-variable": LoopTemplate(
         "accelerate (variable-size guide)",
@@ -126,7 +123,6 @@ LOOPS: dict[str, LoopTemplate] = {
         accelerate.VARIABLE,
         accelerate.VARIABLE_RESUME,
         ranks=accelerate.VARIABLE,
-        ranks_imports=accelerate.IMPORTS,
     ),
     "lightning": LoopTemplate(
         "Lightning accumulate_grad_batches",
@@ -136,7 +132,6 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.AUTOMATIC_RESUME,
         lightning.RESUME_IMPORTS,
         ranks=lightning.AUTOMATIC_RANKS,
-        ranks_imports=lightning.IMPORTS,
     ),
     "lightning-manual": LoopTemplate(
         "Lightning manual optimisation",
@@ -146,7 +141,6 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.MANUAL_RESUME,
         lightning.RESUME_IMPORTS,
         ranks=lightning.MANUAL_RANKS,
-        ranks_imports=lightning.IMPORTS,
     ),
     "keras": LoopTemplate(
         "Keras SGD(gradient_accumulation_steps=K)", ("keras",), keras.IMPORTS, keras.BODY
@@ -157,7 +151,6 @@ LOOPS: dict[str, LoopTemplate] = {
         deepspeed.IMPORTS,
         deepspeed.BODY,
         ranks=deepspeed.RANKS,
-        ranks_imports=deepspeed.IMPORTS,
     ),
     "deepspeed-zero1": LoopTemplate(
         "DeepSpeed engine (ZeRO 1)",
@@ -165,7 +158,6 @@ LOOPS: dict[str, LoopTemplate] = {
         deepspeed.IMPORTS,
         deepspeed.ZERO1,
         ranks=deepspeed.ZERO1_RANKS,
-        ranks_imports=deepspeed.IMPORTS,
     ),
     **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
     "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),

@@ -44,15 +44,14 @@ class Capture(TrainerCallback):  # the gradient right before optimizer.step()
         captured.append(gradient(model))
 
 
-{dataset}
-args = TrainingArguments(
+{dataset}args = TrainingArguments(
     output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=1,
     gradient_accumulation_steps=len(batches), learning_rate=0.0, max_grad_norm=0.0,
     use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no",
     disable_tqdm=True,{sequential} seed=0,{options}
 )
 trainer = Trainer(
-    model=model, args=args, train_dataset=dataset, callbacks=[Capture()],
+    model=model, args=args, train_dataset={train}, callbacks=[Capture()],
     optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
 )
 trainer.remove_callback(PrinterCallback)  # it prints the run's metrics
@@ -62,10 +61,11 @@ n = received[0]
 counted = f"num_items_in_batch {int(n)}" if n is not None else "no num_items_in_batch passed"
 """
 
-_ONE = "dataset = batches"
+_ONE = ""
 _GLOBAL = """# The global dataset: Trainer hands rank r of N its items r, r + N, ...
 # (BatchSamplerShard), so item k * N + r is rank r's microbatch k: every window, interleaved.
-dataset = [every[r][0][k] for k in range(len(batches)) for r in range(len(every))]"""
+dataset = [every[r][0][k] for k in range(len(batches)) for r in range(len(every))]
+"""
 _DDP = ' ddp_backend="gloo",'  # the torchrun environment makes it a DDP run; on a CPU, gloo
 _OWN = " average_tokens_across_devices=False,"  # each rank divides by its own count
 
@@ -73,6 +73,7 @@ _OWN = " average_tokens_across_devices=False,"  # each rank divides by its own c
 def _body(dataset: str, options: str) -> str:
     return (
         _BODY.replace("{dataset}", dataset)
+        .replace("{train}", "dataset" if dataset else "batches")
         .replace("{sequential}", _sequential())
         .replace("{options}", options)
     )
