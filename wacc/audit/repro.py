@@ -259,7 +259,7 @@ def _rank_script(
     )
     parts = [
         header,
-        _imports([*ranks_imports, "import torch.distributed as dist", *imports]),
+        _imports(["import torch.distributed as dist", *ranks_imports, *imports]),
         constants,
         model,
         FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),

@@ -12,6 +12,7 @@ audit-extras).  The audit runs the loops across two ranks on the ``unequal`` win
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ pytest.importorskip("accelerate")
 from tests.wacc.audit.test_repro import NUMBER, RUNNER, imports, tolerance  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.repro import Reproducer, write_reproducers  # noqa: E402
+from wacc.audit.repro_templates import LOOPS as TEMPLATES  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
 from wacc.audit.windows import build_window  # noqa: E402
 
@@ -108,3 +110,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> RankRuns:
 def test_script_across_ranks_prints_its_rows_number(runs: RankRuns, loop: str) -> None:
     """:func:`check_prints_its_rows_number` for ``loop``."""
     check_prints_its_rows_number(runs, loop)
+
+
+def _keywords(text: str) -> set[tuple[str, str]]:
+    """(called name, keyword) of every keyword argument in the script text ``text``, but those
+    of ``os.environ.update`` (a one-process run's world, which torchrun gives across ranks)."""
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) != "os.environ.update":
+            found |= {(ast.unparse(node.func), k.arg) for k in node.keywords if k.arg}
+    return found
+
+
+def test_each_ranks_text_keeps_every_option_of_its_one_process_run() -> None:
+    """A loop's text across ranks is its one-process code path with the data-parallel options
+    added: every keyword argument the one-process text passes, it passes too (none lost to a
+    comment or a rewrite)."""
+    checked = 0
+    for name, template in TEMPLATES.items():
+        if template.ranks is None:
+            continue
+        lost = _keywords(template.body) - _keywords(template.ranks)
+        assert not lost, (name, sorted(lost))
+        checked += 1
+    assert checked >= 14  # every trainer-* row, accelerate, lightning, deepspeed, nanogpt, plain

@@ -116,6 +116,8 @@ MANUAL_RESUME = _MANUAL + _RESUME
 _ONE = 'accelerator="cpu", devices=1,'
 _DDP = """accelerator="cpu", devices=len(RANK_TOKENS),
         strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"),
-        use_distributed_sampler=False,  # each rank reads its own window, in order"""
+        use_distributed_sampler=False,  # each rank reads its own window, in order
+       """  # the line goes on with " max_epochs=1, ...": a line of its own
 AUTOMATIC_RANKS = AUTOMATIC.replace(_ONE, _DDP)
 MANUAL_RANKS = MANUAL.replace(_ONE, _DDP)
+assert _DDP in AUTOMATIC_RANKS and _DDP in MANUAL_RANKS  # the one-process options were found

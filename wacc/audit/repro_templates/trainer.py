@@ -66,8 +66,10 @@ _GLOBAL = """# The global dataset: Trainer hands rank r of N its items r, r + N,
 # (BatchSamplerShard), so item k * N + r is rank r's microbatch k: every window, interleaved.
 dataset = [every[r][0][k] for k in range(len(batches)) for r in range(len(every))]
 """
-_DDP = ' ddp_backend="gloo",'  # the torchrun environment makes it a DDP run; on a CPU, gloo
-_OWN = " average_tokens_across_devices=False,"  # each rank divides by its own count
+_DDP = """
+    ddp_backend="gloo",  # torchrun's environment makes it a DDP run: on a CPU, gloo"""
+_OWN = """
+    average_tokens_across_devices=False,  # each rank divides by its own count"""
 
 
 def _body(dataset: str, options: str) -> str:
