@@ -31,6 +31,11 @@ _TERMINAL_HEADERS = {
     "ranks agree": "agree",
 }  # fmt: skip
 WIDTH = 120  # the terminal's columns: every line of the stdout report fits
+# Across ranks, the terminal's second table (the world size is in its header).
+TERMINAL_RANK_COLUMNS = (
+    "loop", "window", "rank tokens", "tokens counted/true", "predicted rel L2", "f64 rel L2",
+    "ranks agree",
+)  # fmt: skip
 FACT_COLUMNS = (
     "loop", "version", "model", "float64 copy", "reads window first", "zero-target window",
     "mid-window resume", "resumed rel L2", "fixed loss scale", "fp16 overflow",
@@ -316,8 +321,9 @@ def _fact_blocks(result: AuditResult) -> str:
 
 def render_table(result: AuditResult) -> str:
     """The stdout report, every line at most :data:`WIDTH` columns (a loop name permitting):
-    the cells under short headers, a legend, why a pass shows a D run above its bound, and per
-    loop its facts (the wide tables are :func:`write_markdown`'s)."""
+    the cells under short headers, a legend, why a pass shows a D run above its bound, across
+    ranks the rank columns of the cells that ran (:data:`TERMINAL_RANK_COLUMNS`), and per loop
+    its facts (the wide tables are :func:`write_markdown`'s)."""
     ranks = result.world_size > 1
     header = _wrap(
         f"wacc audit — dtype {result.dtype}"
@@ -325,15 +331,30 @@ def render_table(result: AuditResult) -> str:
            else "; windows: ")
         + _describe_windows(result)
     )  # fmt: skip
-    shown = _cell_columns(ranks=ranks)[:-1]  # the basis is audit.md's (the reasons follow)
-    rows = [{_TERMINAL_HEADERS.get(c, c): r[c] for c in shown} for r in cell_rows(result)]
-    columns = tuple(_TERMINAL_HEADERS.get(c, c) for c in shown)
-    cells = "\n".join([_text_table(rows, columns), _legend(result), *_why(result)])
+    # The basis is audit.md's (the reasons follow); across ranks the rank columns and the counts
+    # are a table of their own, for the rows that ran, so that both fit in WIDTH.
+    shown = tuple(c for c in CELL_COLUMNS[:-1] if not (ranks and c in TERMINAL_RANK_COLUMNS[2:]))
+    all_rows = cell_rows(result)
+    cells = "\n".join([_terminal_table(all_rows, shown), _legend(result), *_why(result)])
+    across = [r for r, c in zip(all_rows, result.cells, strict=True) if c.status == "ok"]
+    blocks = [header, cells]
+    if ranks and across:
+        blocks.append(
+            f"Across {result.world_size} ranks (rank 0's gradient):\n"
+            + _terminal_table(across, TERMINAL_RANK_COLUMNS)
+        )
     facts = "Per loop (the full table is audit.md's):\n" + _fact_blocks(result)
     fixes = [_wrap(line, "  ") for line in fix_lines(result)]
     return "\n\n".join(
-        [header, cells, facts] + (["Causes and fixes:\n" + "\n".join(fixes)] if fixes else [])
+        [*blocks, facts] + (["Causes and fixes:\n" + "\n".join(fixes)] if fixes else [])
     )
+
+
+def _terminal_table(rows: list[dict[str, str]], shown: tuple[str, ...]) -> str:
+    """The ``shown`` columns of ``rows`` under the terminal's short headers."""
+    columns = tuple(_TERMINAL_HEADERS.get(c, c) for c in shown)
+    short = [{_TERMINAL_HEADERS.get(c, c): r[c] for c in shown} for r in rows]
+    return _text_table(short, columns)
 
 
 _METHOD = """\

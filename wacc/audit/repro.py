@@ -11,6 +11,12 @@ float64 copy of the model) and runs the framework's accumulation the framework's
 (:mod:`wacc.audit.repro_templates`), then prints the relative L2 error of the gradient the
 framework hands its optimizer, and the token counts.
 
+Across ranks (``--world-size N``) a FAIL row gets ``DIR/<loop>-<window>-ranks<N>.py`` instead,
+for a loop whose template has a ``ranks`` text: ``python -m torch.distributed.run
+--nproc-per-node N`` runs it on a CPU (gloo); every rank's window is in it, each rank builds its
+own, the exact gradient is the mean over every rank's tokens, and rank 0 prints the row's float64
+error and whether the ranks agree.
+
 Which loops have a template (:data:`wacc.audit.repro_templates.LOOPS`): every loop that can fail
 in the audit — ``transformers.Trainer`` (every ``trainer-*`` model family and the PEFT LoRA
 loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightning-manual``,
@@ -217,6 +223,7 @@ def _rank_script(
     spec = MODEL_KINDS[adapter.model]
     assert template.ranks is not None
     imports, model = _model(spec, dtype)
+    ranks_imports = template.imports if template.ranks_imports is None else template.ranks_imports
     n = len(ranks)
     totals = ", ".join(str(w.total_targets) for w in ranks)
     docstring = [
@@ -252,7 +259,7 @@ def _rank_script(
     )
     parts = [
         header,
-        _imports([*template.ranks_imports, *imports]),
+        _imports(["import torch.distributed as dist", *ranks_imports, *imports]),
         constants,
         model,
         FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),
@@ -276,6 +283,7 @@ def _join(parts: Sequence[str]) -> str:
 
 def _imports(lines: Sequence[str]) -> str:
     """The import block: the standard library first, then torch, then the frameworks."""
+    lines = list(dict.fromkeys(lines))  # a line two parts need, once
     stdlib = sorted(line for line in lines if line.split()[1].split(".")[0] in _STDLIB)
     torch_lines = ["import torch", "from torch.nn import functional as F"]
     others = [line for line in lines if line not in stdlib]

@@ -26,6 +26,8 @@ from wacc.audit.report import (
     CELL_COLUMNS,
     FACT_COLUMNS,
     RANK_COLUMNS,
+    _cell_columns,
+    cell_rows,
     render_table,
     write_csv,
     write_markdown,
@@ -355,3 +357,77 @@ def test_audit_csv_holds_each_cells_values_in_full(
         assert (record["status"], record["verdict"]) == (cell.status, cell.verdict)
         assert record["deterministic"] == ("" if cell.deterministic is None else
                                            str(cell.deterministic))  # fmt: skip
+
+
+@pytest.mark.parametrize("report", ["audit", "audit-2-ranks"])
+def test_every_loop_failing_a_committed_audit_has_a_cause(report: str) -> None:
+    """Every loop that fails a window in a committed audit (one process, and two ranks) has its
+    cause recorded (``Adapter.cause``): its "Causes and fixes" line never reads "cause not
+    recorded"."""
+    from wacc.audit.adapters import ADAPTERS
+
+    path = Path(__file__).resolve().parents[3] / "reports" / report / "audit.csv"
+    with path.open(newline="", encoding="utf-8") as handle:
+        failing = sorted({r["loop"] for r in csv.DictReader(handle) if r["verdict"] == "FAIL"})
+    assert failing  # the committed run has failures to explain
+    missing = [loop for loop in failing if ADAPTERS[loop].cause is None]
+    assert not missing, f"no cause recorded for {missing}"
+
+
+def _ranks_result() -> AuditResult:
+    """A result across 2 ranks with the widest values a real run has: the longest loop name
+    (not run at that world size), a per-microbatch mean, a miscount on each rank, ranks that
+    disagree, a prediction."""
+    names = ("accelerate-variable+wacc", "trainer-llama-ranktok", "accelerate", "plain")
+    long, ranktok, mean, plain = (_adapter(n) for n in names)
+    common = dict(world_size=2, rank_tokens=(211, 17), true_count=228, deterministic=True)
+    cells = [
+        Cell(long.name, "unequal", status="not run at world size 2: its adapter has no "
+             "multi-rank path", **common),
+        Cell(ranktok.name, "unequal", rel_l2=1.6442034, max_rel=1234.5, max_rel_normal=987.65,
+             ratio=4.32e6, semantic_rel_l2=1.6442035, semantic_ratio=4.32e6, counted=235.0,
+             rank_counted=(235.0, 20.0), predicted_rel_l2=1.6442034514, **common),
+        Cell(mean.name, "unequal", rel_l2=2.6691914, max_rel=3.5e-1, max_rel_normal=2.5e-1,
+             ratio=5.28e6, semantic_rel_l2=2.6691913, semantic_ratio=5.28e6, counted=None,
+             rank_counted=(None, None), **common),
+        Cell(plain.name, "unequal", rel_l2=2.3145, max_rel=0.5, max_rel_normal=0.25,
+             ratio=3.97e6, semantic_rel_l2=2.3145001, semantic_ratio=3.97e6, counted=211.0,
+             rank_counted=(211.0, 17.0), predicted_rel_l2=2.3145, ranks_agree=False,
+             rank_spread=1.25e-3, **common),
+    ]  # fmt: skip
+    facts = [
+        LoopFacts(long, status="not run at world size 2: its adapter has no multi-rank path",
+                  model="gpt2"),
+        *(LoopFacts(a, version="1.0", model="plain", needs_total="yes")
+          for a in (ranktok, mean, plain)),
+    ]  # fmt: skip
+    ranks = (Window("unequal", (1, 7, 200, 3), ()), Window("unequal", (12, 0, 3, 2), ()))
+    joined = Window("unequal", (1, 7, 200, 3, 12, 0, 3, 2), ())
+    return AuditResult(dtype="float32", windows=[joined], facts=facts, cells=cells,
+                       world_size=2, rank_windows={"unequal": ranks})  # fmt: skip
+
+
+def test_the_terminal_report_across_ranks_fits_120_columns_and_shows_every_column() -> None:
+    """Across ranks the stdout report fits 120 columns as at world size 1, and still shows what
+    audit.md's cell table has but the basis and the world size (in its header): the cell columns
+    of every row, and the rank columns and counts of the rows that ran in a table of their own."""
+    result = _ranks_result()
+    text = render_table(result)
+    assert max(len(line) for line in text.splitlines()) <= 120, max(text.splitlines(), key=len)
+    assert "world size 2" in text.split("\n\n")[0]
+    long_names = {short: name for name, short in _TERMINAL_HEADERS.items()}
+    cells, across = text.split("\n\n")[1:3]
+    cells = "\n".join(cells.splitlines()[: 2 + len(result.cells)])  # the legend follows
+    shown: dict[tuple[str, str], dict[str, str]] = {}
+    for block in (cells, across):
+        for row in text_table(block):
+            key = (row["loop"], row["window"])
+            shown.setdefault(key, {}).update({long_names.get(k, k): v for k, v in row.items()})
+    expected = cell_rows(result)
+    assert len(shown) == len(expected)
+    for row, cell in zip(expected, result.cells, strict=True):
+        seen = shown[(row["loop"], row["window"])]
+        columns = set(_cell_columns(ranks=True)) - {"basis", "world size"}
+        if cell.status != "ok":  # no rank figures to show: its verdict says why
+            columns = set(CELL_COLUMNS[:-1]) - {"tokens counted/true"}
+        assert {c: seen[c] for c in columns} == {c: row[c] for c in columns}

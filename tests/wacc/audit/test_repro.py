@@ -35,7 +35,7 @@ from wacc.audit.protocol import Adapter  # noqa: E402
 from wacc.audit.repro import LOST, Reproducer, write_reproducers  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
 from wacc.audit.truth import compute_truth  # noqa: E402
-from wacc.audit.windows import build_window  # noqa: E402
+from wacc.audit.windows import Window, build_window  # noqa: E402
 from wacc_ref.bounds import gamma  # noqa: E402
 
 LOOPS = [
@@ -155,13 +155,17 @@ def _tolerance(reproducer: Reproducer) -> float:
     the float64 order of the window's K additions, ‖ΔT‖ <= γ_K(float64) ‖Σ_k |g_k|‖ / N, which
     moves r by at most (1 + r) ‖ΔT‖ / (‖T‖ − ‖ΔT‖); the printed 15 significant digits add half a
     unit of the 15th (5e-15 r)."""
-    window = build_window(reproducer.window)
-    truth = compute_truth(MODEL_KINDS[ADAPTERS[reproducer.loop].model], torch.float32, window)
+    return tolerance(reproducer.loop, build_window(reproducer.window), reproducer.expected)
+
+
+def tolerance(loop: str, window: Window, r: float) -> float:
+    """:func:`_tolerance` of the row of ``loop`` on ``window`` (across ranks: every rank's
+    microbatches joined, the truth's window) whose number is ``r``."""
+    truth = compute_truth(MODEL_KINDS[ADAPTERS[loop].model], torch.float32, window)
     k = len(truth.microbatch_sums)
     spread = np.linalg.norm(sum(np.abs(g) for g in truth.microbatch_sums)) / sum(truth.targets)
     moved = gamma(k, "float64") * spread
     exact = float(np.linalg.norm(truth.gradient))
-    r = reproducer.expected
     return (1 + r) * moved / (exact - moved) + 5e-15 * r
 
 

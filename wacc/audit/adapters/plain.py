@@ -129,4 +129,9 @@ ADAPTER = Adapter(
     fp16=None,
     ranks=True,
     weighs_ranks_equally=True,
+    cause="across ranks the tutorial loop backwards `loss_sum / known_total` with known_total its "
+    "own rank's tokens, every microbatch but the last under DistributedDataParallel.no_sync(), and "
+    "DDP's reducer divides the all-reduced sum by the world size (torch 2.13.0: "
+    "torch/csrc/distributed/c10d/reducer.cpp, Reducer::mark_variable_ready_dense, div_factor_): "
+    "every rank weighs 1/N whatever its token count (exact at world size 1).",
 )

@@ -135,6 +135,12 @@ def run(task: LoopTask, make_scaler: Callable[[], NativeScaler] = _timm_scaler) 
     return LoopRun(counted_tokens=None)
 
 
+_CAUSE = (
+    "pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
+    "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
+    "1/K whatever its token count (across ranks, DDP's average of the last microbatch's "
+    "all-reduce makes it 1/(N K))."
+)
 ADAPTER = Adapter(
     name="timm",
     title="pixparse/timm loss /= accum_steps + NativeScaler",
@@ -146,6 +152,7 @@ ADAPTER = Adapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    cause=_CAUSE,
 )
 
 
@@ -166,8 +173,5 @@ PIXPARSE = Adapter(
     fp16=None,
     ranks=True,
     fixed_by="pixparse+wacc",
-    cause="pixparse task_cruller_finetune_*.py train_step divides each microbatch's mean loss by "
-    "accum_steps (`loss /= accum_steps`) before NativeScaler's backward: every microbatch weighs "
-    "1/K whatever its token count (across ranks, DDP's average of the last microbatch's "
-    "all-reduce makes it 1/(N K)).",
+    cause=_CAUSE,
 )

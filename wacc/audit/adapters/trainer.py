@@ -259,6 +259,10 @@ LLAMA_RANK_TOKENS = Adapter(
     # is right, and the DDP mean over ranks weighs the ranks alike (the prediction applies; the
     # GPT-2 row also counts one token too many per sequence, so it does not).
     weighs_ranks_equally=True,
+    cause="average_tokens_across_devices=False (transformers 5.25.0: training_args.py:858) divides "
+    "each rank's loss sum by its own num_items_in_batch (trainer.py:2384-2387 skips the gather) "
+    "while DDP averages the ranks (trainer.py:2244-2252 no longer multiplies by num_processes): "
+    "every rank weighs 1/N whatever its token count; no wacc integration across ranks yet.",
     **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
 )
 QWEN2 = Adapter(

@@ -20,7 +20,13 @@ and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deeps
 (:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
-``no_sync()``) and ``nanogpt`` (its DDP path).
+``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
+global dataset Trainer shards), the two ``accelerate`` loops, the two ``lightning`` paths
+(``DDPStrategy``) and ``deepspeed`` / ``deepspeed-zero1``.  A row across ranks needs only its
+``ranks`` text (importing ``ranks_imports``, by default ``imports``):
+:func:`wacc.audit.repro._rank_script` adds the common part (``torch.distributed`` imported and
+its gloo group up, each rank's window, the exact gradient over every rank's tokens, rank 0's
+result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -28,7 +34,7 @@ user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from wacc.audit.repro_templates import (
     accelerate,
@@ -61,11 +67,22 @@ class LoopTemplate:
     # The loop across ranks (its data-parallel code path; the common part's rank variant has
     # defined ``rank``, ``batches``/``targets`` of this rank, and ``dist`` is up); None: none.
     ranks: str | None = None
-    ranks_imports: tuple[str, ...] = ()
+    ranks_imports: tuple[str, ...] | None = None  # what ``ranks`` imports; None: ``imports``
 
 
 _TRAINER = LoopTemplate(
-    "transformers.Trainer", ("transformers", "accelerate"), trainer.IMPORTS, trainer.BODY
+    "transformers.Trainer",
+    ("transformers", "accelerate"),
+    trainer.IMPORTS,
+    trainer.BODY,
+    ranks=trainer.RANKS,
+)
+# average_tokens_across_devices=False: each rank divides by its own count.
+_TRAINER_RANK_TOKENS = replace(
+    _TRAINER,
+    framework="transformers.Trainer (average_tokens_across_devices=False)",
+    body=trainer.RANK_TOKENS_BODY,
+    ranks=trainer.RANK_TOKENS_RANKS,
 )
 # PEFT's LoRA model (repro._model writes it) under Trainer's own loop: the Trainer body.
 _LORA = LoopTemplate(
@@ -90,12 +107,14 @@ LOOPS: dict[str, LoopTemplate] = {
             "trainer-plain",
         )
     },
+    **{name: _TRAINER_RANK_TOKENS for name in ("trainer-hub-ranktok", "trainer-llama-ranktok")},
     "accelerate": LoopTemplate(
         "accelerate accumulate()",
         ("accelerate",),
         accelerate.IMPORTS,
         accelerate.ACCUMULATE,
         accelerate.ACCUMULATE_RESUME,
+        ranks=accelerate.ACCUMULATE,
     ),
     "accelerate-variable": LoopTemplate(
         "accelerate (variable-size guide)",
@@ -103,6 +122,7 @@ LOOPS: dict[str, LoopTemplate] = {
         accelerate.IMPORTS,
         accelerate.VARIABLE,
         accelerate.VARIABLE_RESUME,
+        ranks=accelerate.VARIABLE,
     ),
     "lightning": LoopTemplate(
         "Lightning accumulate_grad_batches",
@@ -111,6 +131,7 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.AUTOMATIC,
         lightning.AUTOMATIC_RESUME,
         lightning.RESUME_IMPORTS,
+        ranks=lightning.AUTOMATIC_RANKS,
     ),
     "lightning-manual": LoopTemplate(
         "Lightning manual optimisation",
@@ -119,12 +140,24 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.MANUAL,
         lightning.MANUAL_RESUME,
         lightning.RESUME_IMPORTS,
+        ranks=lightning.MANUAL_RANKS,
     ),
     "keras": LoopTemplate(
         "Keras SGD(gradient_accumulation_steps=K)", ("keras",), keras.IMPORTS, keras.BODY
     ),
     "deepspeed": LoopTemplate(
-        "DeepSpeed engine (ZeRO 0)", ("deepspeed",), deepspeed.IMPORTS, deepspeed.BODY
+        "DeepSpeed engine (ZeRO 0)",
+        ("deepspeed",),
+        deepspeed.IMPORTS,
+        deepspeed.BODY,
+        ranks=deepspeed.RANKS,
+    ),
+    "deepspeed-zero1": LoopTemplate(
+        "DeepSpeed engine (ZeRO 1)",
+        ("deepspeed",),
+        deepspeed.IMPORTS,
+        deepspeed.ZERO1,
+        ranks=deepspeed.ZERO1_RANKS,
     ),
     **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
     "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),

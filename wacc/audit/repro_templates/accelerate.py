@@ -1,12 +1,15 @@
 """``accelerate``'s two documented accumulation loops (:mod:`wacc.audit.adapters.accelerate`):
 ``accumulate()`` and the variable-size guide's ``num_items_in_batch``, each also with
-``save_state`` / ``load_state`` into fresh objects after ``CHECKPOINT_AFTER`` microbatches."""
+``save_state`` / ``load_state`` into fresh objects after ``CHECKPOINT_AFTER`` microbatches.  The
+same text runs across ranks (``Accelerator(cpu=True)`` reads the torchrun world and ``prepare``
+wraps the model in DDP; each rank reads its own window); the guide's skeleton runs every batch
+but the window's last under ``no_sync`` there."""
 
 from __future__ import annotations
 
 __all__ = ["ACCUMULATE", "ACCUMULATE_RESUME", "IMPORTS", "VARIABLE", "VARIABLE_RESUME"]
 
-IMPORTS = ("import tempfile", "from accelerate import Accelerator")
+IMPORTS = ("import contextlib", "import tempfile", "from accelerate import Accelerator")
 
 _FRESH = """
 captured = []
@@ -61,8 +64,11 @@ steps = len(batches)  # gradient_accumulation_steps
 for index, batch in enumerate(batches):
 """
         + restart
-        + """    loss = token_loss_sum(model, {k: v[None] for k, v in batch.items()})
-    accelerator.backward(loss * steps * accelerator.num_processes / num_items_in_batch)
+        + """    # Across ranks the guide's skeleton all-reduces (DDP) on the last batch only.
+    alone = index == len(batches) - 1 or accelerator.num_processes == 1
+    with contextlib.nullcontext() if alone else model.no_sync():
+        loss = token_loss_sum(model, {k: v[None] for k, v in batch.items()})
+        accelerator.backward(loss * steps * accelerator.num_processes / num_items_in_batch)
 optimizer.step()
 optimizer.zero_grad()
 grads = captured[0]

@@ -3,11 +3,22 @@
 ``Trainer.fit`` on a ``LightningModule`` whose ``training_step`` returns the model's own mean
 token loss; the resume saves with ``trainer.save_checkpoint`` after ``CHECKPOINT_AFTER`` batches,
 stops the run (an exception, as a crash would) and fits a fresh module and ``Trainer`` with
-``ckpt_path``."""
+``ckpt_path``.  Across ranks (``AUTOMATIC_RANKS``, ``MANUAL_RANKS``): the same fit with
+``devices=N``, ``DDPStrategy(process_group_backend="gloo")`` and ``use_distributed_sampler=False``
+(each rank reads its own window in order, as the audit's adapter does)."""
 
 from __future__ import annotations
 
-__all__ = ["AUTOMATIC", "AUTOMATIC_RESUME", "IMPORTS", "MANUAL", "MANUAL_RESUME", "RESUME_IMPORTS"]
+__all__ = [
+    "AUTOMATIC",
+    "AUTOMATIC_RANKS",
+    "AUTOMATIC_RESUME",
+    "IMPORTS",
+    "MANUAL",
+    "MANUAL_RANKS",
+    "MANUAL_RESUME",
+    "RESUME_IMPORTS",
+]
 
 IMPORTS = ("import tempfile", "import lightning.pytorch as pl")
 RESUME_IMPORTS = ("import os",)
@@ -99,3 +110,14 @@ AUTOMATIC = _AUTOMATIC + _FIT
 AUTOMATIC_RESUME = _AUTOMATIC + _RESUME
 MANUAL = _MANUAL + _FIT
 MANUAL_RESUME = _MANUAL + _RESUME
+
+# Under torchrun: Lightning's TorchElasticEnvironment, no processes spawned; its
+# DistributedSampler would shuffle the training set, so each rank reads its own window instead.
+_ONE = 'accelerator="cpu", devices=1,'
+_DDP = """accelerator="cpu", devices=len(RANK_TOKENS),
+        strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"),
+        use_distributed_sampler=False,  # each rank reads its own window, in order
+       """  # the line goes on with " max_epochs=1, ...": a line of its own
+AUTOMATIC_RANKS = AUTOMATIC.replace(_ONE, _DDP)
+MANUAL_RANKS = MANUAL.replace(_ONE, _DDP)
+assert _DDP in AUTOMATIC_RANKS and _DDP in MANUAL_RANKS  # the one-process options were found
