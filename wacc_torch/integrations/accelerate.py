@@ -29,8 +29,15 @@ and decides at the step, once per window (the accumulator carries its scaled sum
 where it has none (CPU: there its fp16 switch does nothing), ``wacc.autocast()`` is float16
 autocast and a :class:`~wacc_torch.WindowLossScaler` (``loss_scaler=``) scales the losses and
 skips an overflowing window whole (every ``.grad`` stays None: the optimizer's step changes
-nothing). One process only for now: the across-ranks reduction of sums and weights (semantics §7)
-is not wired into accelerate's loop yet.
+nothing). Across ranks (``accelerate launch`` / ``torchrun``; ``prepare`` wraps the model in DDP):
+``WaccAccumulation`` gives the prepared model a DDP communication hook that sends nothing
+(:func:`wacc_torch.ddp_hook.local_gradients_hook`), so the backward on which accelerate syncs
+leaves every rank's gradients local (DDP never averages them); on the window's last microbatch
+each rank's scaled sums and token count are SUM-reduced once (:func:`wacc_torch.all_reduce_mean`:
+one metadata exchange, one all-reduce), divided by the loss scale once and by the global count
+(semantics §7). Every rank hands its optimizer the same token mean over every rank's targets, and
+the float16 scaler decides on those same reduced values: all ranks step or skip together.
+:attr:`~WaccAccumulation.window_tokens` is then the global count.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Any
 import torch
 
 from wacc_torch.integrations._framework import require
-from wacc_torch.integrations._token_window import TokenWindow, count_tokens
+from wacc_torch.integrations._token_window import TokenWindow, count_tokens, keep_local
 from wacc_torch.scaler import WindowLossScaler
 
 __all__ = ["WaccAccumulation", "count_tokens"]
@@ -68,23 +75,26 @@ class WaccAccumulation:
         loss_scaler: WindowLossScaler | None = None,
     ) -> None:
         require("accelerate", extra="frameworks", integration=_BY)
-        if accelerator.num_processes > 1:
-            raise NotImplementedError(
-                f"WaccAccumulation runs on one process; this accelerator has "
-                f"{accelerator.num_processes} (the across-ranks reduction is not wired in yet)"
-            )
         if accelerator.distributed_type == "DEEPSPEED":
             raise NotImplementedError("WaccAccumulation does not drive DeepSpeed's engine")
+        if accelerator.distributed_type == "FSDP":
+            raise NotImplementedError("WaccAccumulation reduces across DDP ranks, not FSDP shards")
+        across_ranks = accelerator.num_processes > 1
         fp16 = accelerator.mixed_precision == "fp16"
         own_scaler = fp16 and accelerator.scaler is None
         if loss_scaler is not None and not own_scaler:
             why = "accelerate's GradScaler decides" if fp16 else "mixed_precision is not fp16"
             raise ValueError(f"loss_scaler is for the CPU float16 path only ({why} here)")
+        window = TokenWindow(
+            dtype=dtype,
+            loss_scaler=(loss_scaler or WindowLossScaler()) if own_scaler else None,
+            across_ranks=across_ranks,
+        )
+        if across_ranks:  # checked first (ValueError), then the one change to the model
+            keep_local(model)
         self.accelerator = accelerator
         self.model = model
-        self.window = TokenWindow(
-            dtype=dtype, loss_scaler=(loss_scaler or WindowLossScaler()) if own_scaler else None
-        )
+        self.window = window
         self._own_scaler = own_scaler
 
     @property

@@ -14,6 +14,15 @@ is reported around the window. It starts at ``2**12`` (GradScaler's other defaul
 ``wacc_torch`` rows (:data:`wacc.audit.adapters.wacc_torch.FP16_INIT_SCALE`): at GradScaler's
 ``2**16`` the float16 backward overflows on the clean window too (measured), so a running loop
 skips windows until its scale has backed off there; the audit starts where it would have settled.
+
+Across ranks (``task.world_size > 1``, a torchrun world): the Trainer rows' own across-ranks path
+(:func:`wacc.audit.adapters.trainer.run_with`: ``ddp_backend``, the sharded global dataset), the
+Trainer wrapping the model in DDP. ``WaccTrainer.training_step`` runs every microbatch (the
+window's last too) under DDP's ``no_sync()`` and its window's last microbatch reduces every rank's
+scaled sums and token count once (``wacc_torch.all_reduce_mean``), then divides by the global
+count: what decides the weighting across ranks is ``wacc_torch/integrations/_token_window.py``
+(``TokenWindow.finish``), not ``num_items_in_batch``, ``average_tokens_across_devices`` or DDP's
+mean.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ def fix(adapter: Adapter, **changes: Any) -> Adapter:
         name=f"{adapter.name}+wacc", title=f"{adapter.title} + WaccTrainer",
         requires=adapter.requires, model=adapter.model, code_path=_PATH,
         checked=adapter.checked, loss_scale=False, checkpoint=None, run=run, fp16=None,
+        ranks=True,
     )  # fmt: skip
     fields.update(changes)
     return Adapter(**fields)
