@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from wacc.audit.metrics import relative_l2
 from wacc.audit.models import MODEL_KINDS
 from wacc.audit.protocol import Adapter, LoopTask
 from wacc.audit.truth import Truth, compute_truth, flatten
-from wacc.audit.windows import Window, _sequences, _window
+from wacc.audit.windows import Window, _sequences, _window, build_fp16_window
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -53,30 +54,49 @@ def _adapter(spec: str) -> Adapter:
     return adapter
 
 
+# The dtype arguments that run the loop's float16 path (:func:`run_world_fp16`): the overflow
+# window spiked on rank 0 only, or its clean twin on every rank.
+FP16, FP16_CLEAN = "fp16", "fp16-clean"
+
+
 def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
-    """One rank: run the adapter on this rank's window, save what it captured."""
+    """One rank: run the adapter on this rank's window, save what it captured.  With ``FP16``:
+    the loop's float16 path (float32 parameters) on the float16 overflow window, spiked on rank 0
+    only (every other rank its clean twin; ``FP16_CLEAN``: the clean twin everywhere), and whether
+    the parameters moved."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     adapter = _adapter(spec)
     workdir = out / f"rank{rank}"
     workdir.mkdir(parents=True, exist_ok=True)
+    fp16 = dtype_name in (FP16, FP16_CLEAN)
+    spiked = dtype_name == FP16 and rank == 0
     task = LoopTask(
         model_spec=MODEL_KINDS[adapter.model],
-        dtype=getattr(torch, dtype_name),
-        window=rank_windows(world_size)[rank],
+        dtype=torch.float32 if fp16 else getattr(torch, dtype_name),
+        window=build_fp16_window(spike=spiked) if fp16 else rank_windows(world_size)[rank],
         workdir=workdir,
         world_size=world_size,
         rank=rank,
         backend="gloo",
+        fp16=fp16,
     )
     result = adapter.run(task)
     if torch.distributed.is_initialized():  # the machinery's job at merge (protocol item 4)
         torch.distributed.destroy_process_group()
+    fresh = dict(task.model_spec.build(task.dtype).named_parameters())
+    moved = [
+        not torch.equal(p.detach(), fresh[n].detach())
+        for n, p in task.models[-1].named_parameters()
+    ]
     torch.save(
         {
             "captured": task.captured,
             "counted": result.counted_tokens,
             "steps_seen": task.steps_seen,
             "fetched": sorted(set(task.fetch_log)),
+            "changed": any(moved),
+            "loss_scales": list(result.loss_scales) if result.loss_scales else None,
+            "spike_overflowed": any(s.spike_overflowed for s in task.spikes),
         },
         out / f"rank{rank}.pt",
     )
@@ -99,12 +119,58 @@ class RankResult:
     fetched: list[int]
 
 
+@dataclass(frozen=True)
+class Fp16RankResult:
+    """One rank's float16 run: whether its parameters moved, its scaler's scale around the
+    window, whether its own spike overflowed float16."""
+
+    changed: bool
+    loss_scales: tuple[float, float] | None
+    spike_overflowed: bool
+
+
+def run_world_fp16(
+    spec: str, world_size: int, *, spike: bool = True, timeout: float = 300
+) -> list[Fp16RankResult]:
+    """Run adapter ``module:ATTR``'s float16 path as a ``world_size``-rank torchrun world on the
+    float16 overflow window, spiked on rank 0 only (``spike=False``: nowhere); every rank's
+    outcome."""
+    results = []
+    for saved in _run_ranks(spec, world_size, FP16 if spike else FP16_CLEAN, timeout):
+        scales = saved["loss_scales"]
+        results.append(
+            Fp16RankResult(
+                changed=saved["changed"],
+                loss_scales=None if scales is None else (scales[0], scales[1]),
+                spike_overflowed=saved["spike_overflowed"],
+            )
+        )
+    return results
+
+
 def run_world(
     spec: str, world_size: int, *, dtype: str = "float64", timeout: float = 300
 ) -> list[RankResult]:
     """Run adapter ``module:ATTR`` as a ``world_size``-rank torchrun world; every rank's result."""
     adapter = _adapter(spec)
     names = expected(adapter.model, world_size, dtype).truth_names
+    results = []
+    for rank, saved in enumerate(_run_ranks(spec, world_size, dtype, timeout)):
+        if saved["captured"] is None:
+            raise AssertionError(f"rank {rank} never called record_gradients")
+        results.append(
+            RankResult(
+                gradient=flatten(saved["captured"], names),
+                counted=saved["counted"],
+                steps_seen=saved["steps_seen"],
+                fetched=saved["fetched"],
+            )
+        )
+    return results
+
+
+def _run_ranks(spec: str, world_size: int, dtype: str, timeout: float) -> list[dict[str, Any]]:
+    """The torchrun world of :func:`_rank_main`; what every rank saved, read back."""
     with tempfile.TemporaryDirectory(prefix="wacc-ranks-") as tmp:
         out = Path(tmp)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -130,20 +196,7 @@ def run_world(
                 raise AssertionError(f"world of {spec} still running after {timeout} s") from None
         if world.returncode != 0:
             raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
-        results = []
-        for rank in range(world_size):
-            saved = torch.load(out / f"rank{rank}.pt", weights_only=True)
-            if saved["captured"] is None:
-                raise AssertionError(f"rank {rank} never called record_gradients")
-            results.append(
-                RankResult(
-                    gradient=flatten(saved["captured"], names),
-                    counted=saved["counted"],
-                    steps_seen=saved["steps_seen"],
-                    fetched=saved["fetched"],
-                )
-            )
-        return results
+        return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
 @dataclass(frozen=True)

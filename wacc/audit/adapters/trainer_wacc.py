@@ -34,7 +34,7 @@ from wacc.audit.adapters import peft_lora, trainer
 from wacc.audit.adapters.wacc_torch import FP16_INIT_SCALE
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["BERT", "HUB", "LORA_GPT2", "PLAIN", "T5", "fix"]
+__all__ = ["BERT", "HUB", "HUB_RANK_TOKENS", "LORA_GPT2", "PLAIN", "T5", "fix"]
 
 
 def _run(task: LoopTask, **options: Any) -> LoopRun:
@@ -49,6 +49,19 @@ def _run(task: LoopTask, **options: Any) -> LoopRun:
 def run(task: LoopTask) -> LoopRun:
     """The Trainer loop with ``WaccTrainer`` (module docstring)."""
     return _run(task)
+
+
+def run_rank_tokens(task: LoopTask) -> LoopRun:
+    """The ``average_tokens_across_devices=False`` Trainer loop with ``WaccTrainer`` (the flag
+    changes nothing: ``WaccTrainer`` never hands the model a count)."""
+    from wacc_torch.integrations.transformers import WaccTrainer
+
+    options: dict[str, Any] = {}
+    if task.fp16:
+        import wacc_torch
+
+        options["loss_scaler"] = wacc_torch.WindowLossScaler(init_scale=FP16_INIT_SCALE)
+    return trainer.run_with(task, functools.partial(WaccTrainer, **options), average=False)
 
 
 def run_plain(task: LoopTask) -> LoopRun:
@@ -72,6 +85,7 @@ def fix(adapter: Adapter, **changes: Any) -> Adapter:
 
 
 HUB = fix(trainer.HUB)
+HUB_RANK_TOKENS = fix(trainer.HUB_RANK_TOKENS, run=run_rank_tokens)
 BERT = fix(trainer.BERT)
 T5 = fix(trainer.T5)
 PLAIN = fix(trainer.PLAIN, run=run_plain, code_path=_PATH + " (shift_labels=True)")
