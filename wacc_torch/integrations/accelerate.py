@@ -37,7 +37,9 @@ each rank's scaled sums and token count are SUM-reduced once (:func:`wacc_torch.
 one metadata exchange, one all-reduce), divided by the loss scale once and by the global count
 (semantics §7). Every rank hands its optimizer the same token mean over every rank's targets, and
 the float16 scaler decides on those same reduced values: all ranks step or skip together.
-:attr:`~WaccAccumulation.window_tokens` is then the global count.
+:attr:`~WaccAccumulation.window_tokens` is then the global count, and ``save_state`` mid-window
+keeps every rank's pending window (accelerate writes one process's custom state: ``state_dict``
+gathers all of them, ``load_state_dict`` takes this rank's).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from wacc_torch.errors import RecordError
 from wacc_torch.integrations._framework import require
 from wacc_torch.integrations._token_window import TokenWindow, count_tokens, keep_local
 from wacc_torch.scaler import WindowLossScaler
@@ -134,9 +138,27 @@ class WaccAccumulation:
         return self.window.finish(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """The pending window and the scaler (``accelerator.register_for_checkpointing``)."""
-        return self.window.state_dict()
+        """The pending window and the scaler (``accelerator.register_for_checkpointing``).
+        Across ranks accelerate writes one process's custom state for all of them, so this is a
+        collective: every rank's window, gathered (``{"ranks": [state of rank 0, ...]}``)."""
+        state = self.window.state_dict()
+        if not self.window.across_ranks:
+            return state
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        return {"ranks": gathered}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the window of ``state`` for this model, bit for bit."""
+        """Continue the window of ``state`` for this model, bit for bit (across ranks: this
+        rank's window of the gathered ones; :class:`~wacc_torch.RecordError` for a state saved
+        by another number of ranks)."""
+        if self.window.across_ranks or (isinstance(state, Mapping) and "ranks" in state):
+            ranks = state.get("ranks") if isinstance(state, Mapping) else None
+            world = dist.get_world_size() if self.window.across_ranks else 1
+            if not isinstance(ranks, list) or len(ranks) != world:
+                saved = len(ranks) if isinstance(ranks, list) else 1
+                raise RecordError(
+                    f"the window state was saved by {saved} process(es); this run has {world}"
+                )
+            state = ranks[dist.get_rank() if self.window.across_ranks else 0]
         self.window.load_state_dict(state, self.model)

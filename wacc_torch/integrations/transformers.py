@@ -238,6 +238,10 @@ def _save_window_callback(trainer: WaccTrainerMixin, base: type) -> Any:
 
     class SaveWindow(base):
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not state.is_world_process_zero:
+                # Checkpoints fall between windows: every rank's window is empty and its scaler
+                # the same (one decision per window), so rank 0's file is every rank's.
+                return
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if os.path.isdir(directory):
                 save_record(trainer.wacc.state_dict(), os.path.join(directory, WINDOW_FILE))

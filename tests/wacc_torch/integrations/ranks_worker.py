@@ -5,7 +5,9 @@ handed its optimizer (``torch.save``; the test reads it back with ``weights_only
 Run as ``python -m torch.distributed.run --nproc-per-node=2 ranks_worker.py MODE OUT`` by
 :func:`run_ranks`.  ``MODE``: ``accelerate`` (``WaccAccumulation`` in the documented
 ``accumulate()`` loop), ``trainer`` (``WaccTrainer.train()`` on the global dataset the Trainer
-shards), ``empty`` (``WaccAccumulation`` on a window without a single target on any rank).
+shards), ``empty`` (``WaccAccumulation`` on a window without a single target on any rank),
+``resume`` (``accelerate``, with ``save_state`` after two microbatches, everything rebuilt and
+``load_state``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     }
 
 
-def _accelerate(rank: int, *, empty: bool) -> dict[str, Any]:
+def _prepared() -> tuple[Any, nn.Module, Any, Any]:
     from accelerate import Accelerator
 
     from wacc_torch.integrations.accelerate import WaccAccumulation
@@ -84,10 +86,23 @@ def _accelerate(rank: int, *, empty: bool) -> dict[str, Any]:
     accelerator = Accelerator(gradient_accumulation_steps=len(RANK_TOKENS[0]), cpu=True)
     model = build_model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    seen: dict[str, Any] = {}
     wacc = WaccAccumulation(accelerator, model)
+    accelerator.register_for_checkpointing(wacc)
+    return accelerator, model, optimizer, wacc
+
+
+def _accelerate(
+    rank: int, *, empty: bool = False, resume_after: int | None = None
+) -> dict[str, Any]:
+    accelerator, model, optimizer, wacc = _prepared()
+    seen: dict[str, Any] = {}
     steps = []
-    for inputs, labels in rank_data(rank, empty=empty):
+    for index, (inputs, labels) in enumerate(rank_data(rank, empty=empty)):
+        if index == resume_after:  # save mid-window, rebuild everything, restore
+            directory = str(Path(os.environ["WORKER_OUT"]) / "state")
+            accelerator.save_state(directory)
+            accelerator, model, optimizer, wacc = _prepared()
+            accelerator.load_state(directory)
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(inputs), labels, ignore_index=-100)
             steps.append(wacc.backward(loss, int((labels != -100).sum())))
@@ -131,7 +146,12 @@ def _trainer(rank: int) -> dict[str, Any]:
 def _main(mode: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     os.environ["WORKER_OUT"] = str(out)
-    saved = _trainer(rank) if mode == "trainer" else _accelerate(rank, empty=mode == "empty")
+    if mode == "trainer":
+        saved = _trainer(rank)
+    else:
+        saved = _accelerate(
+            rank, empty=mode == "empty", resume_after=2 if mode == "resume" else None
+        )
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     torch.save(saved, out / f"rank{rank}.pt")

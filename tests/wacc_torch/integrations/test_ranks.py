@@ -102,3 +102,15 @@ def test_a_window_without_targets_on_any_rank_is_skipped_on_every_rank() -> None
         assert result["steps"] == [None, None, None, False]
         assert result["window_tokens"] == 0.0
         assert all(g is None for g in result["grads"].values())
+
+
+def test_a_mid_window_save_state_keeps_every_ranks_window() -> None:
+    """``accelerator.save_state`` after two microbatches on every rank, everything rebuilt and
+    ``load_state``: each rank continues its own pending window (accelerate writes one process's
+    custom state: every rank's is gathered into it), and the gradient is bit for bit the
+    uninterrupted run's on every rank."""
+    resumed, uninterrupted = run_ranks("resume"), run_ranks("accelerate")
+    for again, once in zip(resumed, uninterrupted, strict=True):
+        assert again["window_tokens"] == once["window_tokens"] == TOTAL
+        for name, grad in once["grads"].items():
+            assert torch.equal(again["grads"][name], grad), name
