@@ -37,13 +37,13 @@ from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 __all__ = ["BERT", "HUB", "HUB_RANK_TOKENS", "LORA_GPT2", "PLAIN", "T5", "fix"]
 
 
-def _run(task: LoopTask, **options: Any) -> LoopRun:
+def _run(task: LoopTask, *, average: bool | None = None, **options: Any) -> LoopRun:
     import wacc_torch
     from wacc_torch.integrations.transformers import WaccTrainer
 
     if task.fp16:
         options["loss_scaler"] = wacc_torch.WindowLossScaler(init_scale=FP16_INIT_SCALE)
-    return trainer.run_with(task, functools.partial(WaccTrainer, **options))
+    return trainer.run_with(task, functools.partial(WaccTrainer, **options), average=average)
 
 
 def run(task: LoopTask) -> LoopRun:
@@ -54,14 +54,7 @@ def run(task: LoopTask) -> LoopRun:
 def run_rank_tokens(task: LoopTask) -> LoopRun:
     """The ``average_tokens_across_devices=False`` Trainer loop with ``WaccTrainer`` (the flag
     changes nothing: ``WaccTrainer`` never hands the model a count)."""
-    from wacc_torch.integrations.transformers import WaccTrainer
-
-    options: dict[str, Any] = {}
-    if task.fp16:
-        import wacc_torch
-
-        options["loss_scaler"] = wacc_torch.WindowLossScaler(init_scale=FP16_INIT_SCALE)
-    return trainer.run_with(task, functools.partial(WaccTrainer, **options), average=False)
+    return _run(task, average=False)
 
 
 def run_plain(task: LoopTask) -> LoopRun:
