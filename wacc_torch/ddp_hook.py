@@ -76,7 +76,7 @@ from wacc_torch.errors import (
 from wacc_torch.normalize import divide_sums
 from wacc_torch.results import AccumulatedGradients
 
-__all__ = ["WeightedAllReduceHook"]
+__all__ = ["WeightedAllReduceHook", "local_gradients_hook"]
 
 
 @dataclass
@@ -303,3 +303,16 @@ def _weighted_all_reduce_hook(
     """The function DDP calls per bucket; ``state`` is the :class:`WeightedAllReduceHook`."""
     assert isinstance(state, WeightedAllReduceHook)
     return state._reduce_bucket(bucket)
+
+
+def local_gradients_hook(
+    state: object, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that sends nothing: the bucket comes back as it is, so every rank
+    keeps its own gradients (no all-reduce, no division by the world size). For a loop that
+    reduces the window itself after its last backward (:func:`wacc_torch.all_reduce_mean`, as the
+    framework integrations do across ranks) where the last microbatch's forward ran outside
+    ``no_sync()``."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future

@@ -31,6 +31,7 @@ _BUILTIN = (
     "trainer-hub",
     "trainer-hub+wacc",
     "trainer-hub-ranktok",
+    "trainer-hub-ranktok+wacc",
     "trainer-llama",
     "trainer-llama-ranktok",
     "trainer-qwen2",

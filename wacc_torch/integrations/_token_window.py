@@ -1,7 +1,12 @@
 """The window every integration shares: one optimizer step's microbatches, each added with its
 token count as weight (``accumulate_mean``), finished once as the token-weighted mean (semantics
 §6, §8), with an optional :class:`~wacc_torch.WindowLossScaler` deciding per window whether the
-window is applied or skipped whole (§13), and a record for the framework's checkpoint (§9)."""
+window is applied or skipped whole (§13), and a record for the framework's checkpoint (§9).
+Across ranks (``across_ranks=True``) the window is finished once over every rank's microbatches:
+each rank's scaled sums and weight are SUM-reduced once (:func:`wacc_torch.all_reduce_mean`, after
+its one metadata exchange), then divided by the loss scale once and by the global weight (§7);
+the framework's own data-parallel averaging must not touch the gradients (``no_sync`` on every
+microbatch, or :func:`keep_local`'s DDP communication hook)."""
 
 from __future__ import annotations
 
@@ -13,11 +18,18 @@ from torch import nn
 
 from wacc_torch.accumulator import WeightedGradientsAccumulator
 from wacc_torch.distributed import all_reduce_mean
-from wacc_torch.errors import RecordError
+from wacc_torch.errors import RecordError, ZeroTotalWeightError
 from wacc_torch.results import AccumulatedGradients
 from wacc_torch.scaler import WindowLossScaler
 
-__all__ = ["IGNORE_INDEX", "TokenWindow", "count_tokens", "finish_window"]
+__all__ = [
+    "IGNORE_INDEX",
+    "TokenWindow",
+    "count_tokens",
+    "finish_window",
+    "keep_local",
+    "local_module",
+]
 
 IGNORE_INDEX = -100  # the label every Hugging Face loss ignores
 STATE_KEYS = ("format_version", "record", "scaler")
@@ -52,6 +64,30 @@ def _work_dtype(module: nn.Module) -> torch.dtype:
     return torch.float64 if any(p.dtype == torch.float64 for p in trainable) else torch.float32
 
 
+def local_module(module: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (the same parameters, their plain names: a
+    window's record then loads into the unwrapped model); any other module itself."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        inner: nn.Module = module.module
+        return inner
+    return module
+
+
+def keep_local(model: nn.Module) -> None:
+    """Make a ``DistributedDataParallel`` ``model``'s synchronized backward leave every rank's
+    gradients as they are (a communication hook that sends nothing): the window is reduced once,
+    by :meth:`TokenWindow.finish`, and never averaged by DDP on top. ``ValueError`` for a model
+    that is not a ``DistributedDataParallel``; DDP's own ``RuntimeError`` when it has a hook."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            f"across ranks the model must be the prepared DistributedDataParallel, got "
+            f"{type(model).__name__}"
+        )
+    from wacc_torch.ddp_hook import local_gradients_hook
+
+    model.register_comm_hook(None, local_gradients_hook)
+
+
 class TokenWindow:
     """One window of microbatches weighted by their token counts.
 
@@ -61,17 +97,26 @@ class TokenWindow:
     window without a single target (nothing to average: every ``.grad`` stays None) and for a
     window the scaler skips (an overflow: every ``.grad`` stays None, so a ``torch.optim``
     optimizer's ``step()`` changes nothing). ``dtype`` is the accumulator's work dtype (default:
-    float64 for a float64 model, else float32).
+    float64 for a float64 model, else float32). ``across_ranks``: ``finish`` is a collective of
+    the default process group (module docstring): every rank calls it on the same window's end,
+    the mean is over every rank's targets, every rank writes the same ``.grad`` and the scaler
+    decides on the same reduced values (all ranks step or skip together); ``window_tokens`` is
+    then the global count.
     """
 
     def __init__(
-        self, *, dtype: torch.dtype | None = None, loss_scaler: WindowLossScaler | None = None
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        loss_scaler: WindowLossScaler | None = None,
+        across_ranks: bool = False,
     ) -> None:
         if loss_scaler is not None and not isinstance(loss_scaler, WindowLossScaler):
             kind = type(loss_scaler).__name__
             raise TypeError(f"loss_scaler must be a wacc_torch.WindowLossScaler, got {kind}")
         self._dtype = dtype
         self.loss_scaler = loss_scaler
+        self.across_ranks = across_ranks
         self._accumulator: WeightedGradientsAccumulator | None = None
         self.window_tokens: float | None = None  # W of the last finished window
         self.applied: bool | None = None  # whether the last finished window reached .grad
@@ -98,18 +143,33 @@ class TokenWindow:
     def add(self, module: nn.Module, tokens: int | float | torch.Tensor) -> None:
         """Take the gradients of ``loss_scale * mean_loss`` of one microbatch out of ``.grad``,
         weighted by its ``tokens`` (a zero-target microbatch's NaN mean is never read)."""
+        module = local_module(module)
         self._ready(module).accumulate_mean(module, tokens, disposable=True)
 
     def finish(self, module: nn.Module) -> bool:
         """Write the window's token-weighted mean into ``.grad``; whether to step (class doc)."""
+        module = local_module(module)
         accumulator = self._ready(module)
-        weight = accumulator.state.total_weight
-        if weight == 0:  # no target in the whole window: there is no mean to step on
-            accumulator.discard()
-            self.window_tokens, self.applied = 0.0, False
-            return False
-        result = accumulator.finish_mean()
+        if self.across_ranks:
+            # Sums and weights reduced once over every rank, divided by S once, then by the global
+            # W (semantics §7); a zero global weight raises on every rank alike, before any
+            # buffer is sent: every rank leaves .grad None together.
+            try:
+                result = all_reduce_mean(accumulator.finish_sums())
+            except ZeroTotalWeightError:
+                self.window_tokens, self.applied = 0.0, False
+                return False
+            weight = result.weight
+        else:
+            weight = accumulator.state.total_weight
+            if weight == 0:  # no target in the whole window: there is no mean to step on
+                accumulator.discard()
+                self.window_tokens, self.applied = 0.0, False
+                return False
+            result = accumulator.finish_mean()
         self.window_tokens = weight
+        # Across ranks found_inf is read from the reduced values every rank holds bit for bit:
+        # every rank's scaler makes the same decision, without another collective.
         if self.loss_scaler is not None and not self.loss_scaler.update(result.found_inf):
             self.applied = False  # an overflow: the whole window is skipped, .grad stays None
             return False
@@ -127,6 +187,7 @@ class TokenWindow:
     def load_state_dict(self, state: Mapping[str, Any], module: nn.Module) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) for ``module``, bit for bit; every
         field is checked before anything changes (:class:`~wacc_torch.RecordError` naming it)."""
+        module = local_module(module)
         if not isinstance(state, Mapping) or set(state) != set(STATE_KEYS):
             keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
             raise RecordError(f"a window state has the keys {list(STATE_KEYS)}, got {keys}")

@@ -29,8 +29,17 @@ and decides at the step, once per window (the accumulator carries its scaled sum
 where it has none (CPU: there its fp16 switch does nothing), ``wacc.autocast()`` is float16
 autocast and a :class:`~wacc_torch.WindowLossScaler` (``loss_scaler=``) scales the losses and
 skips an overflowing window whole (every ``.grad`` stays None: the optimizer's step changes
-nothing). One process only for now: the across-ranks reduction of sums and weights (semantics §7)
-is not wired into accelerate's loop yet.
+nothing). Across ranks (``accelerate launch`` / ``torchrun``; ``prepare`` wraps the model in DDP):
+``WaccAccumulation`` gives the prepared model a DDP communication hook that sends nothing
+(:func:`wacc_torch.ddp_hook.local_gradients_hook`), so the backward on which accelerate syncs
+leaves every rank's gradients local (DDP never averages them); on the window's last microbatch
+each rank's scaled sums and token count are SUM-reduced once (:func:`wacc_torch.all_reduce_mean`:
+one metadata exchange, one all-reduce), divided by the loss scale once and by the global count
+(semantics §7). Every rank hands its optimizer the same token mean over every rank's targets, and
+the float16 scaler decides on those same reduced values: all ranks step or skip together.
+:attr:`~WaccAccumulation.window_tokens` is then the global count, and ``save_state`` mid-window
+keeps every rank's pending window (accelerate writes one process's custom state: ``state_dict``
+gathers all of them, ``load_state_dict`` takes this rank's).
 """
 
 from __future__ import annotations
@@ -40,9 +49,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from wacc_torch.errors import RecordError
 from wacc_torch.integrations._framework import require
-from wacc_torch.integrations._token_window import TokenWindow, count_tokens
+from wacc_torch.integrations._token_window import TokenWindow, count_tokens, keep_local
 from wacc_torch.scaler import WindowLossScaler
 
 __all__ = ["WaccAccumulation", "count_tokens"]
@@ -68,23 +79,26 @@ class WaccAccumulation:
         loss_scaler: WindowLossScaler | None = None,
     ) -> None:
         require("accelerate", extra="frameworks", integration=_BY)
-        if accelerator.num_processes > 1:
-            raise NotImplementedError(
-                f"WaccAccumulation runs on one process; this accelerator has "
-                f"{accelerator.num_processes} (the across-ranks reduction is not wired in yet)"
-            )
         if accelerator.distributed_type == "DEEPSPEED":
             raise NotImplementedError("WaccAccumulation does not drive DeepSpeed's engine")
+        if accelerator.distributed_type == "FSDP":
+            raise NotImplementedError("WaccAccumulation reduces across DDP ranks, not FSDP shards")
+        across_ranks = accelerator.num_processes > 1
         fp16 = accelerator.mixed_precision == "fp16"
         own_scaler = fp16 and accelerator.scaler is None
         if loss_scaler is not None and not own_scaler:
             why = "accelerate's GradScaler decides" if fp16 else "mixed_precision is not fp16"
             raise ValueError(f"loss_scaler is for the CPU float16 path only ({why} here)")
+        window = TokenWindow(
+            dtype=dtype,
+            loss_scaler=(loss_scaler or WindowLossScaler()) if own_scaler else None,
+            across_ranks=across_ranks,
+        )
+        if across_ranks:  # checked first (ValueError), then the one change to the model
+            keep_local(model)
         self.accelerator = accelerator
         self.model = model
-        self.window = TokenWindow(
-            dtype=dtype, loss_scaler=(loss_scaler or WindowLossScaler()) if own_scaler else None
-        )
+        self.window = window
         self._own_scaler = own_scaler
 
     @property
@@ -124,9 +138,27 @@ class WaccAccumulation:
         return self.window.finish(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """The pending window and the scaler (``accelerator.register_for_checkpointing``)."""
-        return self.window.state_dict()
+        """The pending window and the scaler (``accelerator.register_for_checkpointing``).
+        Across ranks accelerate writes one process's custom state for all of them, so this is a
+        collective: every rank's window, gathered (``{"ranks": [state of rank 0, ...]}``)."""
+        state = self.window.state_dict()
+        if not self.window.across_ranks:
+            return state
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        return {"ranks": gathered}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the window of ``state`` for this model, bit for bit."""
+        """Continue the window of ``state`` for this model, bit for bit (across ranks: this
+        rank's window of the gathered ones; :class:`~wacc_torch.RecordError` for a state saved
+        by another number of ranks)."""
+        if self.window.across_ranks or (isinstance(state, Mapping) and "ranks" in state):
+            ranks = state.get("ranks") if isinstance(state, Mapping) else None
+            world = dist.get_world_size() if self.window.across_ranks else 1
+            if not isinstance(ranks, list) or len(ranks) != world:
+                saved = len(ranks) if isinstance(ranks, list) else 1
+                raise RecordError(
+                    f"the window state was saved by {saved} process(es); this run has {world}"
+                )
+            state = ranks[dist.get_rank() if self.window.across_ranks else 0]
         self.window.load_state_dict(state, self.model)

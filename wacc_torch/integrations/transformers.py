@@ -31,7 +31,14 @@ step changes nothing). Checkpoints: each ``checkpoint-N`` directory the Trainer 
 ``wacc_window.pt`` (the accumulator's record and the scaler's state), and
 ``train(resume_from_checkpoint=...)`` restores it. The Trainer checkpoints only at optimizer
 steps, where the window is empty, and resumes at a window's start: a run stopped inside a window
-recomputes that window from the last checkpoint (bit for bit the same gradient).
+recomputes that window from the last checkpoint (bit for bit the same gradient). Across ranks
+(``torchrun``: the Trainer wraps the model in DDP): every microbatch's forward and backward run
+under DDP's ``no_sync()``, the window's last one too, so DDP never averages a gradient; at the
+window's end each rank's scaled sums and token count are SUM-reduced once
+(:func:`wacc_torch.all_reduce_mean`: one metadata exchange, one all-reduce), divided by the loss
+scale once and by the global count (semantics §7). Every rank hands its optimizer the same token
+mean over every rank's targets, and the float16 scaler decides on those same reduced values: all
+ranks step or skip together. :attr:`~WaccTrainerMixin.window_tokens` is then the global count.
 """
 
 from __future__ import annotations
@@ -123,21 +130,20 @@ class WaccTrainerMixin:
         if shift_labels is not None and not isinstance(shift_labels, bool):
             raise TypeError(f"shift_labels must be True, False or None, got {shift_labels!r}")
         super().__init__(*args, **kwargs)
-        if self.args.world_size > 1:
-            raise NotImplementedError(
-                f"WaccTrainer runs on one process; world_size is {self.args.world_size} (the "
-                f"across-ranks reduction of sums and weights is not wired into Trainer yet)"
-            )
         if self.accelerator.distributed_type == "DEEPSPEED":
             raise NotImplementedError("WaccTrainer does not drive DeepSpeed's engine")
+        if self.accelerator.distributed_type == "FSDP":
+            raise NotImplementedError("WaccTrainer reduces across DDP ranks, not FSDP shards")
         own_scaler = self.args.fp16 and self.accelerator.scaler is None
         if loss_scaler is not None and not own_scaler:
             why = "accelerate's GradScaler decides" if self.args.fp16 else "fp16 is off"
             raise ValueError(f"loss_scaler is for the CPU float16 path only ({why} here)")
         self._wacc_shift = shifts_labels(self.model) if shift_labels is None else shift_labels
+        self._wacc_ranks = int(self.args.world_size)
         self.wacc = TokenWindow(
             dtype=accumulator_dtype,
             loss_scaler=(loss_scaler or WindowLossScaler()) if own_scaler else None,
+            across_ranks=self._wacc_ranks > 1,
         )
         self._wacc_autocast = own_scaler
         self._wacc_step = False  # inside training_step: compute_loss scales the loss
@@ -191,9 +197,13 @@ class WaccTrainerMixin:
         else:
             raise ValueError("WaccTrainer needs labels in every batch: its weight is their count")
         scale = self.wacc.loss_scale
+        # Across ranks DDP must never average a microbatch's gradient (the window is reduced
+        # once, in finish): its forward and backward run under no_sync, the last one's too.
+        sync = getattr(model, "no_sync", None) if self._wacc_ranks > 1 else None
         self._wacc_step = True
         try:
-            loss = super().training_step(model, inputs, None)  # type: ignore[misc]
+            with sync() if callable(sync) else contextlib.nullcontext():
+                loss = super().training_step(model, inputs, None)  # type: ignore[misc]
         finally:
             self._wacc_step = False
         self.wacc.add(model, tokens)
@@ -204,7 +214,9 @@ class WaccTrainerMixin:
             return torch.zeros_like(loss)
         self.wacc.finish(model)
         total = self.wacc.window_tokens or 0.0
-        logged = self._wacc_loss / total if total > 0 else 0.0
+        # Across ranks the Trainer logs the mean over ranks of what each returns: N * this
+        # rank's loss sum / the global count makes that the window's token mean over all ranks.
+        logged = self._wacc_ranks * self._wacc_loss / total if total > 0 else 0.0
         self._wacc_loss = 0.0
         return torch.full_like(loss, logged)
 
@@ -226,6 +238,10 @@ def _save_window_callback(trainer: WaccTrainerMixin, base: type) -> Any:
 
     class SaveWindow(base):
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not state.is_world_process_zero:
+                # Checkpoints fall between windows: every rank's window is empty and its scaler
+                # the same (one decision per window), so rank 0's file is every rank's.
+                return
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if os.path.isdir(directory):
                 save_record(trainer.wacc.state_dict(), os.path.join(directory, WINDOW_FILE))

@@ -54,22 +54,26 @@ def _adapter(spec: str) -> Adapter:
     return adapter
 
 
-FP16 = "fp16"  # the dtype argument of a float16 world (:func:`run_fp16_world`)
+# The dtype arguments that run the loop's float16 path (:func:`run_world_fp16`): the overflow
+# window spiked on rank 0 only, or its clean twin on every rank.
+FP16, FP16_CLEAN = "fp16", "fp16-clean"
 
 
 def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
-    """One rank: run the adapter on this rank's window, save what it captured (a float16 world:
-    whether its parameters moved and its scaler's scale around the window)."""
+    """One rank: run the adapter on this rank's window, save what it captured.  With ``FP16``:
+    the loop's float16 path (float32 parameters) on the float16 overflow window, spiked on rank 0
+    only (every other rank its clean twin; ``FP16_CLEAN``: the clean twin everywhere), and whether
+    the parameters moved."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     adapter = _adapter(spec)
     workdir = out / f"rank{rank}"
     workdir.mkdir(parents=True, exist_ok=True)
-    fp16 = dtype_name == FP16
+    fp16 = dtype_name in (FP16, FP16_CLEAN)
+    spiked = dtype_name == FP16 and rank == 0
     task = LoopTask(
         model_spec=MODEL_KINDS[adapter.model],
         dtype=torch.float32 if fp16 else getattr(torch, dtype_name),
-        # float16: the overflow spike on rank 0 only, the same window without it elsewhere
-        window=build_fp16_window(spike=rank == 0) if fp16 else rank_windows(world_size)[rank],
+        window=build_fp16_window(spike=spiked) if fp16 else rank_windows(world_size)[rank],
         workdir=workdir,
         world_size=world_size,
         rank=rank,
@@ -79,17 +83,20 @@ def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
     result = adapter.run(task)
     if torch.distributed.is_initialized():  # the machinery's job at merge (protocol item 4)
         torch.distributed.destroy_process_group()
-    fresh = task.model_spec.build(torch.float32).state_dict()
-    trained = task.models[-1].state_dict()
+    fresh = dict(task.model_spec.build(task.dtype).named_parameters())
+    moved = [
+        not torch.equal(p.detach(), fresh[n].detach())
+        for n, p in task.models[-1].named_parameters()
+    ]
     torch.save(
         {
             "captured": task.captured,
             "counted": result.counted_tokens,
             "steps_seen": task.steps_seen,
             "fetched": sorted(set(task.fetch_log)),
-            "changed": any(not torch.equal(trained[k], v) for k, v in fresh.items()),
-            "loss_scales": result.loss_scales,
-            "spiked": any(probe.spike_overflowed for probe in task.spikes),
+            "changed": any(moved),
+            "loss_scales": list(result.loss_scales) if result.loss_scales else None,
+            "spike_overflowed": any(s.spike_overflowed for s in task.spikes),
         },
         out / f"rank{rank}.pt",
     )
@@ -114,21 +121,31 @@ class RankResult:
 
 @dataclass(frozen=True)
 class Fp16RankResult:
-    """What one rank's float16 run did to its parameters."""
+    """One rank's float16 run: whether its parameters moved, its scaler's scale around the
+    window, whether its own spike overflowed float16."""
 
-    changed: bool  # some parameter differs from a fresh model: the window was applied
-    loss_scales: tuple[float, float] | None  # the loop's scale before, after the window
-    spiked: bool  # this rank's forward overflowed at the spike
+    changed: bool
+    loss_scales: tuple[float, float] | None
+    spike_overflowed: bool
 
 
-def run_fp16_world(spec: str, world_size: int, *, timeout: float = 300) -> list[Fp16RankResult]:
-    """Run adapter ``module:ATTR``'s float16 path as a ``world_size``-rank torchrun world, the
-    overflow spike in rank 0's window only; every rank's outcome."""
-    return [
-        Fp16RankResult(changed=saved["changed"], loss_scales=saved["loss_scales"],
-                       spiked=saved["spiked"])
-        for saved in _launch(spec, world_size, FP16, timeout)
-    ]  # fmt: skip
+def run_world_fp16(
+    spec: str, world_size: int, *, spike: bool = True, timeout: float = 300
+) -> list[Fp16RankResult]:
+    """Run adapter ``module:ATTR``'s float16 path as a ``world_size``-rank torchrun world on the
+    float16 overflow window, spiked on rank 0 only (``spike=False``: nowhere); every rank's
+    outcome."""
+    results = []
+    for saved in _run_ranks(spec, world_size, FP16 if spike else FP16_CLEAN, timeout):
+        scales = saved["loss_scales"]
+        results.append(
+            Fp16RankResult(
+                changed=saved["changed"],
+                loss_scales=None if scales is None else (scales[0], scales[1]),
+                spike_overflowed=saved["spike_overflowed"],
+            )
+        )
+    return results
 
 
 def run_world(
@@ -138,7 +155,7 @@ def run_world(
     adapter = _adapter(spec)
     names = expected(adapter.model, world_size, dtype).truth_names
     results = []
-    for rank, saved in enumerate(_launch(spec, world_size, dtype, timeout)):
+    for rank, saved in enumerate(_run_ranks(spec, world_size, dtype, timeout)):
         if saved["captured"] is None:
             raise AssertionError(f"rank {rank} never called record_gradients")
         results.append(
@@ -152,8 +169,8 @@ def run_world(
     return results
 
 
-def _launch(spec: str, world_size: int, dtype: str, timeout: float) -> list[dict[str, Any]]:
-    """The torchrun world of ``spec`` on ``dtype``: what each rank saved, in rank order."""
+def _run_ranks(spec: str, world_size: int, dtype: str, timeout: float) -> list[dict[str, Any]]:
+    """The torchrun world of :func:`_rank_main`; what every rank saved, read back."""
     with tempfile.TemporaryDirectory(prefix="wacc-ranks-") as tmp:
         out = Path(tmp)
         _run_torchrun(spec, world_size, dtype, out, timeout)
@@ -180,11 +197,18 @@ def _run_torchrun(spec: str, world_size: int, dtype: str, out: Path, timeout: fl
             try:
                 world.communicate(timeout=60)
             except subprocess.TimeoutExpired:
-                world.kill()
-                world.communicate()
-            raise AssertionError(f"world of {spec} still running after {timeout} s") from None
-    if world.returncode != 0:
-        raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
+                # torchrun starts each rank in a session of its own: only its SIGTERM handler
+                # (which stops the workers it started) ends a world that hangs, ranks included.
+                world.terminate()
+                try:
+                    world.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    world.kill()
+                    world.communicate()
+                raise AssertionError(f"world of {spec} still running after {timeout} s") from None
+        if world.returncode != 0:
+            raise AssertionError(f"world exited {world.returncode}:\n{stderr[-6000:]}")
+        return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
 @dataclass(frozen=True)

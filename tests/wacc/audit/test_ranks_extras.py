@@ -1,13 +1,19 @@
-"""Lightning's DDP strategy and DeepSpeed's engine across two data-parallel ranks, each a real
-``torch.distributed.run`` world (gloo, CPU) whose ranks read windows of different token totals
-(211 and 17, one with a zero-token microbatch): what every rank hands its optimizer against the
-float64 gradient of the mean token loss over both ranks' tokens and against what a loop that
-weighs every microbatch alike computes (the `lightning` / `deepspeed` extras, run by
-``tox -e audit-extras``; each test skipped without its extra)."""
+"""Lightning's DDP strategy, DeepSpeed's engine and PEFT LoRA under ``Trainer`` across two
+data-parallel ranks, each a real ``torch.distributed.run`` world (gloo, CPU) whose ranks read
+windows of different token totals (211 and 17, one with a zero-token microbatch): what every rank
+hands its optimizer against the float64 gradient of the mean token loss over both ranks' tokens and
+against what a loop that weighs every microbatch alike computes (the `lightning` / `deepspeed` /
+`hf-extras` extras, run by ``tox -e audit-extras``; each test skipped without its extra)."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +22,8 @@ from tests.wacc.audit.ranks_driver import RankResult, expected, run_world
 from wacc.audit.metrics import relative_l2
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 WORLD = 2
 ROUNDING = 1e-12  # float64 runs: what differs only in the order of float64 additions
@@ -70,3 +78,33 @@ def test_deepspeed_weighs_microbatches_alike(loop: str) -> None:
     results = run_world(f"wacc.audit.adapters.deepspeed:{loop}", WORLD, timeout=900)
     assert [r.counted for r in results] == [None, None]
     assert _equal_microbatches(results, FLOAT32_REDUCE) > 1
+
+
+def test_peft_lora_across_ranks_and_its_fix() -> None:
+    """PEFT LoRA under ``Trainer`` at world size 2 (the CLI, the ``unequal`` rank windows): the
+    GPT-2 row divides every rank by the unshifted count gathered over both ranks (235 for 228
+    targets: a FAIL, the ``trainer-hub`` finding), its ``+wacc`` row by the true 228 on every rank
+    and passes, the Llama row (shifted count) passes; the ranks agree bit for bit in each; the TRL
+    rows say why they have no run across ranks."""
+    _needs("peft")
+    _needs("trl")
+    loops = ["peft-lora-gpt2", "peft-lora-gpt2+wacc", "peft-lora-llama", "trl-sft"]
+    with tempfile.TemporaryDirectory(prefix="wacc-ranks-peft-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # One world at a time (no --jobs): see test_ranks_hf_wacc.py.
+        done = subprocess.run(
+            [sys.executable, "-m", "wacc", "audit", *loops, "--world-size", "2", "--windows",
+             "unequal", "--out", str(Path(tmp) / "out"), "--quiet"],
+            cwd=tmp, env=env, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr[-3000:]  # peft-lora-gpt2 fails
+        with (Path(tmp) / "out" / "audit.csv").open(newline="", encoding="utf-8") as handle:
+            rows = {row["loop"]: row for row in csv.DictReader(handle)}
+    verdicts = {loop: rows[loop]["verdict"] for loop in loops[:3]}
+    assert verdicts == {"peft-lora-gpt2": "FAIL", "peft-lora-gpt2+wacc": "pass",
+                        "peft-lora-llama": "pass"}  # fmt: skip
+    counted = {loop: rows[loop]["rank_tokens_counted"] for loop in loops[:3]}
+    assert counted == {"peft-lora-gpt2": "235.0;235.0", "peft-lora-gpt2+wacc": "228.0;228.0",
+                       "peft-lora-llama": "228.0;228.0"}  # fmt: skip
+    assert all(rows[loop]["ranks_agree"] == "True" for loop in loops[:3])
+    assert "not run at world size 2: SFTTrainer._prepare_dataset drops" in rows["trl-sft"]["status"]

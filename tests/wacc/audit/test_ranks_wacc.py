@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.wacc.audit.ranks_driver import expected, run_fp16_world, run_world
+from tests.wacc.audit.ranks_driver import expected, run_world, run_world_fp16
 from wacc.audit.adapters import ADAPTERS
 from wacc.audit.metrics import relative_l2
 from wacc.audit.runner import run_audit
@@ -66,8 +66,8 @@ def test_wacc_row_skips_a_one_rank_overflow_on_every_rank(loop: str) -> None:
     reduced window overflows on every rank, so no rank applies it (the parameters stay a fresh
     model's) and every rank's scaler backs off alike."""
     _available(loop)
-    results = run_fp16_world(SPECS[loop], WORLD)
-    assert [r.spiked for r in results] == [True, False]  # the overflow is rank 0's alone
+    results = run_world_fp16(SPECS[loop], WORLD)
+    assert [r.spike_overflowed for r in results] == [True, False]  # the overflow is rank 0's alone
     assert [r.changed for r in results] == [False, False]
     scales = {r.loss_scales for r in results}
     assert len(scales) == 1, scales

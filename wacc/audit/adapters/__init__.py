@@ -36,6 +36,7 @@ ADAPTERS: dict[str, Adapter] = {
         trainer.HUB,
         trainer_wacc.HUB,
         trainer.HUB_RANK_TOKENS,
+        trainer_wacc.HUB_RANK_TOKENS,
         trainer.LLAMA,
         trainer.LLAMA_RANK_TOKENS,
         trainer.QWEN2,

@@ -17,10 +17,20 @@ remaining batches. Float16 (``mixed_precision="fp16"``): on CPU accelerate makes
 ``GradScaler`` and no autocast, so ``wacc.autocast()`` is float16 autocast and a
 ``WindowLossScaler`` (started at ``2**12``, as the ``wacc_torch`` rows) skips an overflowing
 window whole.
+
+Across ranks (``task.world_size > 1``, a torchrun world): the loops of
+:mod:`wacc.audit.adapters.accelerate` across ranks (``prepare`` wraps the model in DDP), nothing
+else changed; ``WaccAccumulation`` gives the DDP model a communication hook that sends nothing
+(``wacc_torch.ddp_hook.local_gradients_hook``: the backward on which accelerate syncs no longer
+averages), and its window's last microbatch reduces every rank's scaled sums and token count once
+(``wacc_torch.all_reduce_mean``), then divides by the global count: what decides the weighting
+across ranks is ``wacc_torch/integrations/_token_window.py`` (``TokenWindow.finish``), not
+accelerate's ``backward`` or DDP's mean.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -93,9 +103,12 @@ def run_variable(task: LoopTask) -> LoopRun:
     for index, batch in enumerate(batches):
         if task.checkpoint_after == index:
             accelerator, model, optimizer, wacc = _checkpoint(task, accelerator)
-        with wacc.autocast():
+        # The guide's skeleton: every batch but the window's last under no_sync across ranks.
+        last = index == k - 1
+        sync = accelerator.no_sync if not last else lambda _: nullcontext()
+        with sync(model), wacc.autocast():
             loss = model(**batch).loss
-        wacc.backward(loss, count_tokens(batch["labels"], shift=True), last=index == k - 1)
+        wacc.backward(loss, count_tokens(batch["labels"], shift=True), last=last)
     optimizer.step()
     optimizer.zero_grad()
     return _finished(task, wacc, before)
@@ -106,6 +119,7 @@ def _fix(adapter: Adapter, run: Any, code_path: str) -> Adapter:
         name=f"{adapter.name}+wacc", title=f"{adapter.title} + WaccAccumulation",
         requires=adapter.requires, model=adapter.model, code_path=code_path,
         checked=adapter.checked, loss_scale=False, checkpoint=None, run=run, fp16=None,
+        ranks=True,
     )  # fmt: skip
 
 

@@ -24,6 +24,18 @@ ForCausalLMLoss and ...``:
   while the model's loss (``ForCausalLMLoss``) shifts them: the window's gradient times
   ``N / N_unshifted``, the ``trainer-hub`` finding, unchanged by LoRA.
 
+Across ranks (``task.world_size > 1``, a torchrun world): the Trainer rows' own path
+(:func:`wacc.audit.adapters.trainer.run_with`: ``ddp_backend``, the sharded global dataset), the
+Trainer wrapping the ``PeftModel`` in DDP (only the adapters require grad: DDP reduces those).
+What decides the weighting across ranks is the Trainer's, as for ``trainer-hub`` (transformers
+5.25.0, accelerate 1.16.0): ``trainer.py:2384-2387`` (``_get_num_items_in_batch``: with
+``average_tokens_across_devices``, default True, the count is ``accelerator.gather(...).sum()``
+over every rank), ``trainer.py:2244-2252`` (``compute_loss``: ``loss *= num_processes //
+tp_size``, undoing DDP's mean over ranks), ``trainer.py:1941-1952`` (``no_sync`` on every batch
+but the window's last), the count's labels still decided by the base model's ``loss_type``
+(``trainer.py:543``): ``peft-lora-gpt2`` hands every rank Σ_r Σ_k g_rk / C, C the gathered
+*unshifted* count (one token too many per sequence), ``peft-lora-llama`` the gathered shifted one.
+
 Checked against peft 0.21.2 with transformers 5.24.0 and accelerate 1.16.0 (CPU, the versions run
 here; the ``hf-extras`` extra).
 """
@@ -41,7 +53,7 @@ _PATH = (
 )
 _COMMON = dict(requires=("peft", "transformers", "accelerate"), loss_scale=False,
                checked="peft 0.21.2 with transformers 5.24.0, accelerate 1.16.0",
-               checkpoint=None, run=trainer.run, fp16=None)  # fmt: skip
+               checkpoint=None, run=trainer.run, fp16=None, ranks=True)  # fmt: skip
 LORA_GPT2 = Adapter(
     name="peft-lora-gpt2",
     title="PEFT LoRA on GPT2LMHeadModel + Trainer",

@@ -238,8 +238,8 @@ HUB_RANK_TOKENS = Adapter(
     cause="GPT2LMHeadModel sets no loss_type, so Trainer counts the unshifted labels "
     "(transformers 5.25.0: trainer.py:543), and average_tokens_across_devices=False "
     "(training_args.py:858) divides each rank by its own count while DDP averages the ranks "
-    "alike (trainer.py:2244-2252); no wacc integration across ranks yet: WaccTrainer "
-    "(trainer-hub+wacc) fixes it in one process and refuses several.",
+    "alike (trainer.py:2244-2252).",
+    fixed_by="trainer-hub-ranktok+wacc",
     **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
 )
 LLAMA = Adapter(

@@ -56,6 +56,19 @@ off-GPU accelerate makes no ``GradScaler`` and no float16 autocast.  TRL's, tran
 datasets' log lines, warnings and progress bars are kept out of the caller's output.  Checked
 against trl 1.16.0, transformers 5.24.0, accelerate 1.16.0, datasets 5.2.0 (CPU, run here; the
 ``hf-extras`` extra).
+
+Across ranks: not run (``Adapter.ranks`` says why). ``SFTTrainer`` is a ``Trainer``: accelerate
+shards the one global dataset (rank ``r`` reads rows ``r, r + N, ...``), but
+``_prepare_dataset`` first drops every row whose labels are all ``-100``
+(``trl/trainer/sft_trainer.py:1461-1463``), and the audit's rank windows hold a zero-target
+microbatch: the rows after it move to another rank and the ranks get different batch counts, so no
+global dataset gives each rank its own window (packing mixes all ranks' rows anyway). What would
+decide the weighting across ranks is read from the source (trl 1.16.0, transformers 5.25.0):
+``Trainer._get_num_items_in_batch`` gathers the count over the ranks
+(``transformers/trainer.py:2384-2387``, ``average_tokens_across_devices`` default True), and
+``SFTTrainer.compute_loss`` divides the token sum by it and multiplies by ``num_processes //
+tp_size`` (``trl/trainer/sft_trainer.py:1623-1624``), undoing DDP's mean over ranks: the window's
+token sum over every rank divided by the gathered count, as ``trainer-llama`` across ranks.
 """
 
 from __future__ import annotations
@@ -228,9 +241,17 @@ _BF16 = (
     "is bfloat16 even for a float64 model. Precision, not weighting: the count is right and "
     "bf16=False passes (trl-sft-fp32; packed too), so no wacc integration changes it."
 )
+# Why no rank window can be run (module docstring, "Across ranks").
+_RANKS = (
+    "SFTTrainer._prepare_dataset drops every row whose labels are all -100 (trl 1.16.0: "
+    "trainer/sft_trainer.py:1461-1463) from the one global dataset before accelerate shards it "
+    "(rank r reads rows r, r + N, ...): a rank window's zero-target microbatch moves every later "
+    "row to another rank and leaves the ranks different batch counts, so no global dataset hands "
+    "each rank its window (packing, sft_trainer.py:1466, mixes rows of all ranks too)"
+)
 _COMMON = dict(requires=("trl", "datasets", "transformers", "accelerate"), model="llama",
                loss_scale=False, checked="trl 1.16.0 with transformers 5.24.0, datasets 5.2.0",
-               fp16=None)  # fmt: skip
+               fp16=None, ranks=_RANKS)  # fmt: skip
 PADDING = Adapter(
     name="trl-sft",
     title="TRL SFTTrainer, padding, default precision",
