@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from wacc.audit.metrics import relative_l2
+from wacc.audit.metrics import bound_for, relative_l2
 from wacc.audit.truth import Truth
 from wacc_ref.bounds import gamma
 
@@ -133,3 +133,19 @@ def assert_mean_weighted_error(
     bound = prediction_bound(mean_weighted_terms(truth, factor, microbatches), dtype)
     assert_rel_l2_matches(measured, predicted, bound, truth.gradient)
     return predicted
+
+
+def truth_terms(truth: Truth) -> list[tuple[float, NDArray[np.float64]]]:
+    """The terms ``(1 / N, g_k)`` of the truth itself, ``N = Σ_k n_k`` (every microbatch)."""
+    total = sum(truth.targets)
+    return [(1 / total, g) for g in truth.microbatch_sums]
+
+
+def float64_ratio_limit(truth: Truth, dtype: str) -> float:
+    """The largest ``semantic_ratio`` (``‖F − T‖₂ / ‖bound_for(truth, dtype)‖₂``, the audit's
+    normwise reading) of a float64 run that computes the truth's own weighting: ``‖F − T‖ ≤
+    ‖prediction_bound(truth_terms, float64)‖`` (the run and ``T`` are two float64 evaluations of
+    ``Σ_k g_k / N``)."""
+    reach = float(np.linalg.norm(prediction_bound(truth_terms(truth), "float64")))
+    finite = bound_for(truth, dtype)
+    return reach / float(np.linalg.norm(finite[np.isfinite(finite)]))
