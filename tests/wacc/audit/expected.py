@@ -91,15 +91,25 @@ def assert_close_to_prediction(
 
 
 def rel_l2_tolerance(
-    bound: NDArray[np.float64], truth: NDArray[np.float64], *values: float
+    bound: NDArray[np.float64],
+    truth: NDArray[np.float64],
+    *values: float,
+    truth_bound: NDArray[np.float64] | None = None,
 ) -> float:
     """How far two relative L2 errors against ``truth`` may be apart when the gradients they
     measure are within ``bound`` of each other (normwise): ``|‖O − T‖ − ‖P − T‖| ≤ ‖O − P‖ ≤
-    ‖B‖`` (triangle inequality) gives ``‖B‖ / ‖T‖``; each number in ``values`` adds its own float64
-    evaluation (``n`` squares summed, two norms, a subtraction and a division: relative error at
-    most ``γ_{2n+4}(float64)``)."""
+    ‖B‖`` (triangle inequality) gives ``‖B‖ / ‖T‖``.  With ``truth_bound``, the second number is
+    taken against another evaluation ``T'`` of the truth, ``‖T − T'‖ ≤ δ = ‖truth_bound‖``:
+    ``‖P − T'‖ ∈ ‖P − T‖ ± δ`` and ``‖T'‖ ∈ ‖T‖ ± δ`` move ``r = ‖P − T‖ / ‖T‖`` by at most
+    ``(1 + r) δ / (‖T‖ − δ)``, ``r`` the largest of ``values``.  Each number in ``values`` adds
+    its own float64 evaluation (``n`` squares summed, two norms, a subtraction and a division:
+    relative error at most ``γ_{2n+4}(float64)``)."""
     evaluation = gamma(2 * truth.size + 4, "float64")
-    reach = float(np.linalg.norm(bound)) / float(np.linalg.norm(truth))
+    norm = float(np.linalg.norm(truth))
+    reach = float(np.linalg.norm(bound)) / norm
+    if truth_bound is not None:
+        delta = float(np.linalg.norm(truth_bound))
+        reach += (1 + max(abs(v) for v in values)) * delta / (norm - delta)
     return reach * (1 + evaluation) + evaluation * sum(abs(v) for v in values)
 
 
