@@ -6,12 +6,14 @@ Tolerances (every one derived here, none typed by hand).  A prediction is a weig
 ``P = Σ_k w_k g_k`` of the truth's per-microbatch loss-sum gradients ``g_k`` (float64).  A loop
 that computes it in a dtype ``D`` forms each term with at most three roundings (``g_k``
 converted to ``D``, the weight ``w_k``, the product or the division by ``n_k``), adds the ``K``
-terms in some order (``K − 1`` roundings) and scales the sum once (one rounding): ``K + 3``
-roundings in ``D`` along each term's path, so by Higham's Lemma 3.1 (recursive summation of
-perturbed terms, any order) ``|fl_D(P) − P| ≤ γ_{K+3}(D) Σ_k |w_k g_k|`` per element, γ from
-:func:`wacc_ref.bounds.gamma` (the suite's table).  The float64 prediction computed here carries
-the same with ``D = float64``, so a run in ``D`` and the prediction differ by at most
-:func:`prediction_bound` ``= (γ_{K+3}(D) + γ_{K+3}(float64)) Σ_k |w_k g_k|``.  This is the
+terms in some order (at most ``K − 1`` roundings on any term's path, also when each rank sums its
+own and an all-reduce sums the ranks) and scales at most twice (the loop's ``1 / K``, a
+data-parallel mean's ``1 / R``): ``K + 4`` roundings in ``D`` along each term's path, so by
+Higham's Lemma 3.1 (summation of perturbed terms, any order)
+``|fl_D(P) − P| ≤ γ_{K+4}(D) Σ_k |w_k g_k|`` per element, γ from :func:`wacc_ref.bounds.gamma`
+(the suite's table).  The float64 prediction computed here carries the same with
+``D = float64``, so a run in ``D`` and the prediction differ by at most :func:`prediction_bound`
+``= (γ_{K+4}(D) + γ_{K+4}(float64)) Σ_k |w_k g_k|``.  This is the
 contract the audit's verdict applies to the truth (``‖F − T‖₂ / ‖B‖₂ ≤ 1``, normwise,
 :func:`wacc.audit.metrics.normwise_ratio`) applied to the prediction, with the bound of the
 prediction's own weights (the audit's :func:`wacc.audit.metrics.bound_for` bounds the true
@@ -66,8 +68,8 @@ def mean_weighted_error(
 
 def prediction_bound(terms: Terms, dtype: str) -> NDArray[np.float64]:
     """Per element, how far a run in ``dtype`` may be from the float64 prediction
-    ``Σ_k w_k g_k``: ``(γ_{K+3}(dtype) + γ_{K+3}(float64)) Σ_k |w_k g_k|`` (module docstring)."""
-    count = len(terms) + 3
+    ``Σ_k w_k g_k``: ``(γ_{K+4}(dtype) + γ_{K+4}(float64)) Σ_k |w_k g_k|`` (module docstring)."""
+    count = len(terms) + 4
     spread = np.sum([np.abs(w * g) for w, g in terms], axis=0)
     # Σ|w g| is itself a float64 sum of K non-negative terms: γ_K(float64) more covers it.
     scale = (gamma(count, dtype) + gamma(count, "float64")) * (1 + gamma(len(terms), "float64"))
