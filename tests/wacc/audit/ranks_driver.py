@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from tests.wacc.audit.expected import prediction_bound
 from wacc.audit.metrics import relative_l2
 from wacc.audit.models import MODEL_KINDS
 from wacc.audit.protocol import Adapter, LoopTask
@@ -221,6 +222,7 @@ class Expected:
     equal_microbatches: NDArray[np.float64]  # mean over every (r, k) of g_rk / n_rk
     rank_tokens: tuple[int, ...]
     rank_sums: tuple[NDArray[np.float64], ...]  # Σ_k g_rk per rank
+    truths: tuple[Truth, ...]  # per rank: its window's g_rk and n_rk
 
     def rel(self, measured: NDArray[np.float64]) -> float:
         """Relative L2 error of ``measured`` against the truth."""
@@ -240,6 +242,34 @@ class Expected:
     def predicted_equal_microbatches(self) -> float:
         """The error predicted for a loop weighing every microbatch's mean equally."""
         return self.rel(self.equal_microbatches)
+
+    def equal_microbatches_bound(self, dtype: str) -> NDArray[np.float64]:
+        """How far a run in ``dtype`` may be from :attr:`equal_microbatches`
+        (:func:`tests.wacc.audit.expected.prediction_bound` of its terms ``(1 / (M n_rk), g_rk)``,
+        ``M`` every rank's microbatches)."""
+        count = sum(len(t.targets) for t in self.truths)
+        return prediction_bound(
+            [
+                (1 / (count * n), g)
+                for t in self.truths
+                for g, n in zip(t.microbatch_sums, t.targets, strict=True)
+                if n
+            ],
+            dtype,
+        )
+
+    def divided_by_bound(self, counts: Sequence[float], dtype: str) -> NDArray[np.float64]:
+        """How far a run in ``dtype`` may be from :meth:`divided_by` (terms
+        ``(1 / (R counts[r]), g_rk)``, ``R`` ranks)."""
+        ranks = len(self.truths)
+        return prediction_bound(
+            [
+                (1 / (ranks * c), g)
+                for t, c in zip(self.truths, counts, strict=True)
+                for g in t.microbatch_sums
+            ],
+            dtype,
+        )
 
 
 def expected(model: str, world_size: int, dtype: str = "float64") -> Expected:
@@ -263,6 +293,7 @@ def expected(model: str, world_size: int, dtype: str = "float64") -> Expected:
         equal_microbatches=np.mean(per_microbatch, axis=0),
         rank_tokens=totals,
         rank_sums=tuple(np.sum(t.microbatch_sums, axis=0) for t in truths),
+        truths=tuple(truths),
     )
 
 

@@ -18,18 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.wacc.audit.expected import assert_close_to_prediction
 from tests.wacc.audit.ranks_driver import RankResult, expected, run_world
-from wacc.audit.metrics import relative_l2
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 
 WORLD = 2
-ROUNDING = 1e-12  # float64 runs: what differs only in the order of float64 additions
+# float64 runs: what differs only in the order of float64 additions
+ROUNDING = "float64"
 # DeepSpeed's reduce casts each gradient to its float32 communication_data_type and back (a float64
 # run is float32-accurate there: wacc.audit.adapters.deepspeed).
-FLOAT32_REDUCE = 1e-7
+FLOAT32_REDUCE = "float32"
 
 
 def _needs(module: str) -> None:
@@ -37,15 +38,17 @@ def _needs(module: str) -> None:
         pytest.skip(f"{module} is not installed")
 
 
-def _equal_microbatches(results: list[RankResult], tolerance: float) -> float:
+def _equal_microbatches(results: list[RankResult], dtype: str) -> float:
     """Checks that the ranks agree, read their windows whole and hand the optimizer the
-    equal-microbatch gradient to ``tolerance``; returns the measured error."""
+    equal-microbatch gradient to ``dtype``'s rounding of it
+    (:func:`tests.wacc.audit.expected.prediction_bound`); returns the measured error."""
     assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
     for other in results[1:]:
         np.testing.assert_array_equal(other.gradient, results[0].gradient)
     want = expected("plain", WORLD)
     # Σ_r Σ_k mean_rk / (N K): each microbatch's mean, every rank alike, to rounding.
-    assert relative_l2(results[0].gradient, want.equal_microbatches) < tolerance
+    bound = want.equal_microbatches_bound(dtype)
+    assert_close_to_prediction(results[0].gradient, want.equal_microbatches, bound)
     return want.rel(results[0].gradient)
 
 

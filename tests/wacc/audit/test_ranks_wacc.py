@@ -13,16 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.wacc.audit.expected import assert_close_to_prediction
 from tests.wacc.audit.ranks_driver import expected, run_world, run_world_fp16
 from wacc.audit.adapters import ADAPTERS
-from wacc.audit.metrics import relative_l2
 from wacc.audit.runner import run_audit
 from wacc.audit.windows import build_window
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-ROUNDING = 1e-12  # float64 runs: what differs only in the order of float64 additions
 TORCH_ONLY = ["nanogpt+wacc", "pixparse+wacc"]
 EXTRAS = ["lightning+wacc", "lightning-manual+wacc", "deepspeed+wacc"]
 # The module each row's ``run`` lives in, for the float16 worlds (module:ATTR).
@@ -86,7 +85,8 @@ def test_pixparse_ddp_weighs_every_microbatch_alike() -> None:
     assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
     np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
     want = expected("plain", WORLD)
-    assert relative_l2(results[0].gradient, want.equal_microbatches) < ROUNDING
+    bound = want.equal_microbatches_bound("float64")  # a float64 run: float64 rounding only
+    assert_close_to_prediction(results[0].gradient, want.equal_microbatches, bound)
     assert want.rel(results[0].gradient) > 1
 
 
