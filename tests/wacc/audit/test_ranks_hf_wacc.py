@@ -2,7 +2,8 @@
 ``WaccTrainer`` and ``WaccAccumulation`` under DDP (real torchrun worlds, gloo, CPU; the
 `frameworks` extra, skipped without it).
 
-One CLI run (a subprocess, as a user runs it) of every such row at ``--world-size 2`` on the
+One CLI run (a subprocess, as a user runs it) of every such row (in CI one per integration; all
+under tox -e audit-extras) at ``--world-size 2`` on the
 ``unequal`` rank windows (211 and 17 tokens, one rank with a zero-target microbatch): each passes,
 divides by the global count on every rank and hands every rank's optimizer the same bits.  The
 float16 path across ranks runs on the overflow window spiked on rank 0 only: every rank skips it
@@ -12,6 +13,7 @@ float16 path across ranks runs on the overflow window spiked on rank 0 only: eve
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from wacc.audit.adapters import ADAPTERS  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-ROWS = (
+ALL_ROWS = (
     "trainer-hub+wacc",
     "trainer-hub-ranktok+wacc",
     "trainer-bert+wacc",
@@ -37,6 +39,16 @@ ROWS = (
     "accelerate+wacc",
     "accelerate-variable+wacc",
 )
+# CI (the frameworks extra, 2 cores, a 25-minute budget) runs one row of each integration; tox -e
+# audit-extras (which installs lightning with the other extras) runs them all: every world here
+# is two processes run three times, minutes each on GPT-2.
+EVERY_ROW = importlib.util.find_spec("lightning") is not None
+ROWS = ALL_ROWS if EVERY_ROW else ("trainer-plain+wacc", "accelerate+wacc")
+FP16_LOOPS = (
+    ["trainer_wacc:HUB", "accelerate_wacc:ACCUMULATE"]
+    if EVERY_ROW
+    else ["accelerate_wacc:ACCUMULATE"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +56,6 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
     """``wacc audit <ROWS> --world-size 2 --windows unequal``: audit.csv's rows by loop."""
     tmp = tmp_path_factory.mktemp("ranks-wacc")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # One world at a time (no --jobs): two worlds of the same model at once were seen to hand
-    # GPT-2 rows a wrong gradient (trainer-hub: rel L2 1.3 for 0.0298 alone).
     done = subprocess.run(
         [sys.executable, "-m", "wacc", "audit", *ROWS, "--world-size", "2", "--windows",
          "unequal", "--out", str(tmp / "out"), "--quiet"],
@@ -69,7 +79,7 @@ def test_the_fix_passes_across_ranks(loop: str, rows: dict[str, dict[str, str]])
     assert float(row["f64_err_over_bound"]) <= 1.0
 
 
-@pytest.mark.parametrize("loop", ["trainer_wacc:HUB", "accelerate_wacc:ACCUMULATE"])
+@pytest.mark.parametrize("loop", FP16_LOOPS)
 def test_an_overflow_on_one_rank_skips_the_window_on_every_rank(loop: str) -> None:
     """The float16 path (float16 autocast, a WindowLossScaler at 2**12) with the overflow spike
     on rank 0 only: both ranks leave their parameters unchanged and halve the scale (the scaler
