@@ -34,6 +34,7 @@ _BUILTIN = (
     "trainer-hub-ranktok+wacc",
     "trainer-llama",
     "trainer-llama-ranktok",
+    "trainer-llama-ranktok+wacc",
     "trainer-qwen2",
     "trainer-gpt_neox",
     "trainer-opt",

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[3]
 ALL_ROWS = (
     "trainer-hub+wacc",
     "trainer-hub-ranktok+wacc",
+    "trainer-llama-ranktok+wacc",
     "trainer-bert+wacc",
     "trainer-t5+wacc",
     "trainer-plain+wacc",

@@ -39,6 +39,7 @@ ADAPTERS: dict[str, Adapter] = {
         trainer_wacc.HUB_RANK_TOKENS,
         trainer.LLAMA,
         trainer.LLAMA_RANK_TOKENS,
+        trainer_wacc.LLAMA_RANK_TOKENS,
         trainer.QWEN2,
         trainer.GPT_NEOX,
         trainer.OPT,

@@ -262,7 +262,8 @@ LLAMA_RANK_TOKENS = Adapter(
     cause="average_tokens_across_devices=False (transformers 5.25.0: training_args.py:858) divides "
     "each rank's loss sum by its own num_items_in_batch (trainer.py:2384-2387 skips the gather) "
     "while DDP averages the ranks (trainer.py:2244-2252 no longer multiplies by num_processes): "
-    "every rank weighs 1/N whatever its token count; no wacc integration across ranks yet.",
+    "every rank weighs 1/N whatever its token count.",
+    fixed_by="trainer-llama-ranktok+wacc",
     **{**_COMMON, "run": run_rank_tokens},  # type: ignore[arg-type]
 )
 QWEN2 = Adapter(

@@ -34,7 +34,7 @@ from wacc.audit.adapters import peft_lora, trainer
 from wacc.audit.adapters.wacc_torch import FP16_INIT_SCALE
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["BERT", "HUB", "HUB_RANK_TOKENS", "LORA_GPT2", "PLAIN", "T5", "fix"]
+__all__ = ["BERT", "HUB", "HUB_RANK_TOKENS", "LLAMA_RANK_TOKENS", "LORA_GPT2", "PLAIN", "T5", "fix"]
 
 
 def _run(task: LoopTask, *, average: bool | None = None, **options: Any) -> LoopRun:
@@ -79,6 +79,7 @@ def fix(adapter: Adapter, **changes: Any) -> Adapter:
 
 HUB = fix(trainer.HUB)
 HUB_RANK_TOKENS = fix(trainer.HUB_RANK_TOKENS, run=run_rank_tokens)
+LLAMA_RANK_TOKENS = fix(trainer.LLAMA_RANK_TOKENS, run=run_rank_tokens)
 BERT = fix(trainer.BERT)
 T5 = fix(trainer.T5)
 PLAIN = fix(trainer.PLAIN, run=run_plain, code_path=_PATH + " (shift_labels=True)")
