@@ -2,8 +2,8 @@
 ``WaccTrainer`` and ``WaccAccumulation`` under DDP (real torchrun worlds, gloo, CPU; the
 `frameworks` extra, skipped without it).
 
-One CLI run (a subprocess, as a user runs it) of every such row (in CI one per integration; all
-under tox -e audit-extras) at ``--world-size 2`` on the
+One CLI run (a subprocess, as a user runs it) of every such row (in CI one; all, and the float16
+worlds, under tox -e audit-extras) at ``--world-size 2`` on the
 ``unequal`` rank windows (211 and 17 tokens, one rank with a zero-target microbatch): each passes,
 divides by the global count on every rank and hands every rank's optimizer the same bits.  The
 float16 path across ranks runs on the overflow window spiked on rank 0 only: every rank skips it
@@ -40,16 +40,13 @@ ALL_ROWS = (
     "accelerate+wacc",
     "accelerate-variable+wacc",
 )
-# CI (the frameworks extra, 2 cores, a 25-minute budget) runs one row of each integration; tox -e
-# audit-extras (which installs lightning with the other extras) runs them all: every world here
-# is two processes run three times, minutes each on GPT-2.
+# CI (the frameworks extra, 2 cores, a 25-minute budget) runs one row through the audit (the
+# integrations' own worlds are tests/wacc_torch/integrations/test_ranks.py); tox -e audit-extras
+# (which installs lightning with the other extras) runs them all: every world here is two
+# processes run three times, minutes each on GPT-2.
 EVERY_ROW = importlib.util.find_spec("lightning") is not None
-ROWS = ALL_ROWS if EVERY_ROW else ("trainer-plain+wacc", "accelerate+wacc")
-FP16_LOOPS = (
-    ["trainer_wacc:HUB", "accelerate_wacc:ACCUMULATE"]
-    if EVERY_ROW
-    else ["accelerate_wacc:ACCUMULATE"]
-)
+ROWS = ALL_ROWS if EVERY_ROW else ("accelerate+wacc",)
+FP16_LOOPS = ["trainer_wacc:HUB", "accelerate_wacc:ACCUMULATE"] if EVERY_ROW else []
 
 
 @pytest.fixture(scope="module")
