@@ -358,7 +358,7 @@ _BASES: dict[str, nn.Module] = {}
 # The factories draw their init from torch's global generator, which every thread shares: two
 # threads building at once (``wacc audit --world-size 2 --jobs 2`` computes truths in threads)
 # interleaved their draws and cached a model no process builds, so the truth was another model's.
-_BUILDING = threading.Lock()
+_BUILDING = threading.RLock()  # reentrant: a LoRA factory builds its base inside
 
 
 def _base(name: str) -> nn.Module:

@@ -58,3 +58,27 @@ def test_two_threads_building_at_once_get_the_seeded_weights(racing_kinds: list[
         state = built[name].state_dict()
         for key, value in alone.items():
             assert torch.equal(state[key], value), (name, key)
+
+
+def test_a_factory_that_builds_another_kind_inside_does_not_wait_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A factory that builds another model kind inside its own build (a LoRA model builds its
+    base) gets it: the build lock is reentrant (a plain lock once hung every LoRA row)."""
+    monkeypatch.setitem(MODEL_KINDS, "race-base", ModelSpec("race-base", _slow_factory))
+
+    def wrapped() -> nn.Module:
+        return nn.Sequential(models._base("race-base"), nn.Linear(4, 4))
+
+    monkeypatch.setitem(MODEL_KINDS, "race-wrapped", ModelSpec("race-wrapped", wrapped))
+    done: list[nn.Module] = []
+    thread = threading.Thread(
+        target=lambda: done.append(MODEL_KINDS["race-wrapped"].build(torch.float32)), daemon=True
+    )
+    try:
+        thread.start()
+        thread.join(timeout=30)
+        assert done, "the nested build never returned"
+    finally:
+        models._BASES.pop("race-base", None)
+        models._BASES.pop("race-wrapped", None)
