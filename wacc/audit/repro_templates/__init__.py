@@ -22,11 +22,11 @@ and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate``
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
 ``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
 global dataset Trainer shards), the two ``accelerate`` loops, the two ``lightning`` paths
-(``DDPStrategy``) and ``deepspeed`` / ``deepspeed-zero1``.  A row across ranks needs only its
-``ranks`` text (importing ``ranks_imports``, by default ``imports``):
-:func:`wacc.audit.repro._rank_script` adds the common part (``torch.distributed`` imported and
-its gloo group up, each rank's window, the exact gradient over every rank's tokens, rank 0's
-result).
+(``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1`` and ``pixparse`` (its task's DDP
+idiom).  A row across ranks needs only its ``ranks`` text (importing ``ranks_imports``, by
+default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common part
+(``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
+over every rank's tokens, rank 0's result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -185,6 +185,8 @@ LOOPS: dict[str, LoopTemplate] = {
         pixparse.BODY,
         pixparse.RESUME,
         pixparse.RESUME_IMPORTS,
+        ranks=pixparse.RANKS,
+        ranks_imports=pixparse.RANKS_IMPORTS,
     ),
     "plain": LoopTemplate(
         "plain PyTorch",
