@@ -29,7 +29,7 @@ from wacc.audit.adapters import ADAPTERS  # noqa: E402
 LOOPS = [
     "trainer-hub", "trainer-hub-ranktok", "trainer-llama-ranktok", "trainer-bert", "trainer-t5",
     "trainer-plain", "accelerate-variable", "lightning", "lightning-manual", "deepspeed",
-    "deepspeed-zero1", "pixparse",
+    "deepspeed-zero1", "pixparse", "peft-lora-gpt2",
 ]  # fmt: skip
 
 

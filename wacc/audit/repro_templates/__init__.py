@@ -21,7 +21,7 @@ and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deeps
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
 ``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
-global dataset Trainer shards), the two ``accelerate`` loops, the two ``lightning`` paths
+global dataset Trainer shards; the two ``peft-lora-*`` rows too), the two ``accelerate`` loops, the two ``lightning`` paths
 (``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1`` and ``pixparse`` (its task's DDP
 idiom).  A row across ranks needs only its ``ranks`` text (importing ``ranks_imports``, by
 default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common part
@@ -90,6 +90,7 @@ _LORA = LoopTemplate(
     ("transformers", "accelerate", "peft"),
     trainer.IMPORTS,
     trainer.BODY,
+    ranks=trainer.RANKS,
 )
 _LIGHTNING = ("lightning",)
 _TRL = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
