@@ -21,11 +21,11 @@ and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deeps
 and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
 ``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
-global dataset Trainer shards; the two ``peft-lora-*`` rows too), the two ``accelerate`` loops, the two ``lightning`` paths
-(``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1`` and ``pixparse`` (its task's DDP
-idiom).  A row across ranks needs only its ``ranks`` text (importing ``ranks_imports``, by
-default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common part
-(``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
+global dataset Trainer shards; the two ``peft-lora-*`` rows too), the two ``accelerate`` loops, the
+two ``lightning`` paths (``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1`` and ``pixparse``
+(its task's DDP idiom). A row across ranks needs only its ``ranks`` text (importing
+``ranks_imports``, by default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common
+part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
 over every rank's tokens, rank 0's result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
