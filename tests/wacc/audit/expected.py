@@ -24,7 +24,9 @@ inside one backward; it is read normwise for the same reason (metrics' docstring
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
@@ -122,6 +124,18 @@ def assert_rel_l2_matches(
     within ``bound`` of each other agree to :func:`rel_l2_tolerance`."""
     tolerance = rel_l2_tolerance(bound, truth, measured, predicted)
     assert abs(measured - predicted) <= tolerance, (measured, predicted, tolerance)
+
+
+# The reproducers print their number as ``{error:.<digits>g}`` (repro_templates/common.py).
+(PRINTED_DIGITS,) = {
+    int(d)
+    for d in re.findall(
+        r"\{error:\.(\d+)g\}",
+        (Path(__file__).resolve().parents[3] / "wacc/audit/repro_templates/common.py").read_text(
+            encoding="utf-8"
+        ),
+    )
+}
 
 
 def printed_precision(value: float, significant: int) -> float:

@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 from torch.nn import functional
 
 from tests.wacc.audit.expected import (
+    PRINTED_DIGITS,
     prediction_bound,
     printed_precision,
     rel_l2_tolerance,
@@ -41,14 +42,6 @@ from wacc.audit.windows import build_window, rank_windows
 ROOT = Path(__file__).resolve().parents[3]
 WACC = {"wacc", "wacc_torch", "wacc_ref"}
 NUMBER = re.compile(r"^rel L2 error of .* accumulation vs exact: (\S+)$", re.M)
-# The reproducers print their number as ``{error:.<digits>g}`` (repro_templates/common.py).
-(PRINTED_DIGITS,) = {
-    int(d)
-    for d in re.findall(
-        r"\{error:\.(\d+)g\}",
-        (ROOT / "wacc/audit/repro_templates/common.py").read_text(encoding="utf-8"),
-    )
-}
 # Runs the script with every wacc import refused: it must not need one, even indirectly.
 NO_WACC = f"""
 import runpy, sys

@@ -29,6 +29,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tests.wacc.audit.expected import PRINTED_DIGITS, printed_precision  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.protocol import Adapter  # noqa: E402
@@ -154,7 +155,7 @@ def _tolerance(reproducer: Reproducer) -> float:
     """How far the printed r = ‖F − T‖/‖T‖ may be from the row's: the exact sides differ only in
     the float64 order of the window's K additions, ‖ΔT‖ <= γ_K(float64) ‖Σ_k |g_k|‖ / N, which
     moves r by at most (1 + r) ‖ΔT‖ / (‖T‖ − ‖ΔT‖); the printed 15 significant digits add half a
-    unit of the 15th (5e-15 r)."""
+    unit of the last printed digit (`printed_precision`)."""
     return tolerance(reproducer.loop, build_window(reproducer.window), reproducer.expected)
 
 
@@ -166,7 +167,7 @@ def tolerance(loop: str, window: Window, r: float) -> float:
     spread = np.linalg.norm(sum(np.abs(g) for g in truth.microbatch_sums)) / sum(truth.targets)
     moved = gamma(k, "float64") * spread
     exact = float(np.linalg.norm(truth.gradient))
-    return (1 + r) * moved / (exact - moved) + 5e-15 * r
+    return (1 + r) * moved / (exact - moved) + printed_precision(r, PRINTED_DIGITS)
 
 
 @pytest.mark.slow
