@@ -19,7 +19,8 @@ bugs, whose records carry no integrity check, nothing for the others):
   ``--results``, so the exit status is the run's hard failures (oracle violations), not a
   comparison of another implementation's metrics with wacc_torch's committed baseline; the
   gate's profile (ci) and corpus (default size) are fixed;
-- ``wacc report --quick --quiet --impl SPEC FLAGS --out DIR``; its verdict is the rows of SPEC
+- ``wacc report --quick --quiet --impl SPEC FLAGS --out DIR`` (``--report-size default``: without
+  ``--quick``, the gate's corpus scenarios); its verdict is the rows of SPEC
   in ``divergence.csv`` (``pass`` / a failing oracle / ``not judged``). Where the judge refuses
   a flag (exit 2, "unrecognized arguments": an older report has no ``--allow-missing``), that
   is recorded and the command is run again without the flags.
@@ -262,9 +263,15 @@ def judge_gate(verdicts: Verdicts, scratch: Path, baseline: Path, **kwargs: Any)
     }
 
 
-def judge_report(verdicts: Verdicts, scratch: Path, **kwargs: Any) -> None:
+def _report_argv(out: Path, size: str) -> list[str]:
+    """``wacc report`` of the corpus ``size`` (``--quick``: the first scenario of each cell of
+    the default corpus, so a failure it finds a default-size report finds too)."""
+    return ["report", *(["--quick"] if size == "quick" else []), "--quiet", "--out", str(out)]
+
+
+def judge_report(verdicts: Verdicts, scratch: Path, size: str = "quick", **kwargs: Any) -> None:
     out = scratch / "report"
-    argv = ["report", "--quick", "--quiet", "--out", str(out)]
+    argv = _report_argv(out, size)
     if verdicts.spec:
         argv += ["--impl", verdicts.spec, *verdicts.flags]
     result = with_fallback(argv, verdicts.flags if verdicts.spec else (), **kwargs)
@@ -277,18 +284,22 @@ def judge_report(verdicts: Verdicts, scratch: Path, **kwargs: Any) -> None:
                 if row.get("implementation") == name:
                     key = _row_verdict(row["verdict"])
                     tally[key] = tally.get(key, 0) + 1
-    verdicts.report = {**_outcome(result), "rows": tally, "csv": table.exists()}
+    verdicts.report = {**_outcome(result), "rows": tally, "csv": table.exists(), "size": size}
 
 
 def judge_report_batch(
-    batch: Sequence[Verdicts], scratch: Path, flags: Sequence[str], **kwargs: Any
+    batch: Sequence[Verdicts],
+    scratch: Path,
+    flags: Sequence[str],
+    size: str = "quick",
+    **kwargs: Any,
 ) -> None:
-    """One ``wacc report --quick`` over every implementation of ``batch`` (``--impl`` is
-    repeatable; all take the same ``flags``): each is judged on the same corpus on its own, so
-    its rows are those of a report of it alone, and wacc_torch's rows are computed once instead
-    of once per implementation."""
+    """One ``wacc report`` (``--quick`` unless ``size`` is default) over every implementation of
+    ``batch`` (``--impl`` is repeatable; all take the same ``flags``): each is judged on the same
+    corpus on its own, so its rows are those of a report of it alone, and wacc_torch's rows are
+    computed once instead of once per implementation."""
     out = scratch / "report"
-    argv = ["report", "--quick", "--quiet", "--out", str(out)]
+    argv = _report_argv(out, size)
     for verdicts in batch:
         argv += ["--impl", str(verdicts.spec)]
     argv += list(flags)
@@ -308,6 +319,7 @@ def judge_report_batch(
             "rows": tallies[str(verdicts.spec)],
             "csv": table.exists(),
             "batch": len(batch),
+            "size": size,
         }
 
 
@@ -358,7 +370,8 @@ def cells(verdicts: Verdicts) -> list[str]:
             gate_text += ", unsupported"
     rows = report.get("rows") or {}
     report_text = (
-        _exit_text(report)
+        ("default size, " if report.get("size") == "default" else "")
+        + _exit_text(report)
         + ": "
         + (
             ", ".join(f"{key} {rows[key]}" for key in ("pass", "FAIL", "not judged") if key in rows)
@@ -390,7 +403,7 @@ HEADER = [
     "implementation",
     "check: exit, verdict",
     "gate: exit, groups",
-    "report --quick: exit, rows of the implementation",
+    "report --quick (unless marked default size): exit, rows of the implementation",
     "agree?",
 ]
 
@@ -463,6 +476,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="judge the planted bugs in one `wacc report --quick` (--impl repeated) before the "
         "per-implementation check and gate runs; the others still one report each",
     )
+    parser.add_argument(
+        "--report-size",
+        choices=("quick", "default"),
+        default="quick",
+        help="the report's corpus: quick (--quick, one scenario per cell) or default (six per "
+        "cell: the scenarios of the gate's corpus keys)",
+    )
     args = parser.parse_args(argv)
 
     out = args.out.resolve()
@@ -501,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scratch = out / "runs" / f"planted-batch-{first // BATCH}"
             scratch.mkdir(parents=True, exist_ok=True)
             kwargs = {"cwd": scratch, "env": env, "timeout": args.timeout * 4}
-            judge_report_batch(chunk, scratch, PLANTED_FLAGS, **kwargs)
+            judge_report_batch(chunk, scratch, PLANTED_FLAGS, args.report_size, **kwargs)
             for verdicts in chunk:
                 results[verdicts.name] = verdicts
             _save(results_path, results, meta)
@@ -522,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 baseline = args.judge.resolve() / "reports" / "baseline.json"
                 judge_gate(verdicts, scratch, baseline, **kwargs)
             if "report" in commands and not verdicts.report:
-                judge_report(verdicts, scratch, **kwargs)
+                judge_report(verdicts, scratch, args.report_size, **kwargs)
             results[name] = verdicts
             _save(results_path, results, meta)
             print(f"{name}: {' | '.join(cells(verdicts)[1:])}", file=sys.stderr, flush=True)

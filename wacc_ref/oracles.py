@@ -153,7 +153,7 @@ def _found_inf_violation(outcome: StepOutcome, *, what: str) -> list[str]:
     if result.found_inf == held:
         return []
     return [
-        f"{what}: found_inf is {result.found_inf} but the finished gradients "
+        f"{what}: found_inf is {result.found_inf}, but the finished gradients "
         f"{'hold' if held else 'hold no'} NaN or ±inf"
     ]
 

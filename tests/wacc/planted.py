@@ -26,10 +26,13 @@ from wacc_torch import (
 
 
 class EqualWeightMean(SpecAccumulator):
-    """Every mean microbatch weighs 1 (its gradient added as is, W counts microbatches)."""
+    """Every mean microbatch weighs 1 (its gradient added as is, W counts microbatches). The
+    weight is still validated (one fault: a weight that does not survive D is refused as the
+    semantics say, then counted as 1)."""
 
     def counted_weight(self, weight: float, *, mean: bool) -> float:
-        return 1.0 if mean else weight
+        counted = super().counted_weight(weight, mean=mean)
+        return 1.0 if mean else counted
 
 
 class ZeroWeightNotCounted(SpecAccumulator):

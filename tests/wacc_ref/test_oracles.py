@@ -368,7 +368,7 @@ def test_a_found_inf_that_misdescribes_its_gradients_is_a_violation() -> None:
             op = "finish_sums" if index == 2 else "finish_mean"
             held = "hold" if index == 2 else "hold no"
             assert lines == [
-                f"step {index} ({op}): found_inf is {wrong} but the finished gradients "
+                f"step {index} ({op}): found_inf is {wrong}, but the finished gradients "
                 f"{held} NaN or ±inf"
             ]
 

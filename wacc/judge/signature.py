@@ -6,11 +6,13 @@ wording. The signature keeps what diverged, not how the line reads: at the first
 fails, the oracle that saw it, the kind of step (``accumulate``, ``finish``, ``checkpoint``,
 ``restore``, ...: a sum and a mean are one kind) and the quantity compared there (a counter of
 the state, the pending buffers, the finished gradients, the error class expected and raised,
-the error bound). Where one step fails several oracles, the semantics' (an error class or a
-counter) is what diverged, the values (emulation) and their error bound (bound) follow from it;
-where no step fails, the scenario's own finding (resume). ``wacc check`` prints one block per
-signature, ``wacc gate`` one group per signature (with counts and one replay command): both
-call :func:`signature`.
+the error bound). An error the semantics demand is one quantity whatever came instead (``None``,
+another class, a crash of the implementation: the refusal is what is missing); an error raised
+where none was due is one per class raised (which check misfired). Where one step fails several
+oracles, the semantics' (an error class or a counter) is what diverged, the values (emulation)
+and their error bound (bound) follow from it; where no step fails, the scenario's own finding
+(resume). ``wacc check`` prints one block per signature, ``wacc gate`` one group per signature
+(with counts and one replay command): both call :func:`signature`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ if TYPE_CHECKING:  # the judge is imported by the commands when they run (a fast
 
 __all__ = ["divergence", "line_signature", "signature"]
 
-# Quoted names first (parameters differ from one family to the next), then hex floats, inf/nan
-# and decimal numbers (a leading sign included: -0.0 and +0.0 are one shape).
+# Quoted names first (parameters differ from one family to the next), then hex floats, inf/nan,
+# booleans and decimal numbers (a leading sign included: -0.0 and +0.0 are one shape).
 # (inf and nan as words: "found_inf" is a name)
 _VALUE = re.compile(
-    r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|\b(?:inf|nan)\b|\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
+    r"'[^']*'|-?(?:0x[0-9a-f.]+p[+-]?\d+|\b(?:inf|nan|True|False)\b|\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
 )
 # A step's failure line: "step N (op[, weight W])", then " quantity: ..." or ": what ...".
 _STEP = re.compile(r"^step \d+ \((?P<op>[a-z_]+)[^)]*\)(?P<rest>.*)$", re.DOTALL)
@@ -54,9 +56,10 @@ def divergence(oracle: str, line: str) -> str:
     error = _ERROR.match(rest)
     if oracle == "bound":  # its one quantity, however the line shows the worst element
         quantity = "error within the bound"
-    elif error is not None:  # the classes are what diverged (an exception's text is not)
-        expected, actual = error["expected"], error["actual"].split(":", 1)[0]
-        quantity = f"error expected {expected}, got {actual}"
+    elif error is not None and error["expected"] != "None":  # a refusal that did not come
+        quantity = f"error expected {error['expected']}"
+    elif error is not None:  # a refusal where none was due: the class raised says which check
+        quantity = f"error expected None, got {error['actual'].split(':', 1)[0]}"
     else:
         head = _END_OF_QUANTITY.split(line_signature(rest), maxsplit=1)[0]
         quantity = _SUBSCRIPT.sub("", head).strip() or line_signature(rest)

@@ -22,7 +22,15 @@ from wacc.audit.windows import build_window
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-TORCH_ONLY = ["nanogpt+wacc", "pixparse+wacc"]
+# The torch-only rows need no extra, but each is two 2-process worlds (a minute on 2 cores): CI
+# (a 25-minute budget) leaves them to tox -e audit-extras, which installs lightning with the other
+# extras; CI's own across-ranks worlds are the pixparse DDP test below, test_ranks.py and
+# tests/wacc_torch/integrations/test_ranks.py.
+_EXTRAS_ONLY = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="two 2-process worlds per row: tox -e audit-extras runs them (CI's time budget)",
+)
+TORCH_ONLY = [pytest.param(loop, marks=_EXTRAS_ONLY) for loop in ("nanogpt+wacc", "pixparse+wacc")]
 EXTRAS = ["lightning+wacc", "lightning-manual+wacc", "deepspeed+wacc"]
 # The module each row's ``run`` lives in, for the float16 worlds (module:ATTR).
 SPECS = {

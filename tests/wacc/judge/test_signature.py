@@ -50,12 +50,35 @@ def test_a_signature_is_what_diverged_not_the_lines_wording_or_numbers() -> None
     assert len({divergence(oracle, line) for oracle, line in sum_and_mean}) == 1
     lines = [SAME_DIVERGENCE[0], *OTHER_DIVERGENCES]
     assert len({divergence(oracle, line) for oracle, line in lines}) == len(lines)
-    # a name that holds "inf" is a name, not a value
-    found_inf = "step 3 (finish_mean): found_inf is False but the gradients hold NaN or ±inf"
-    assert (
-        divergence("semantics", found_inf)
-        == "[semantics] finish: found_inf is False but the gradients hold NaN or ±#"
-    )
+    # a name that holds "inf" is a name, not a value; found_inf wrong either way is one quantity
+    found_inf = [
+        "step 3 (finish_mean): found_inf is False, but the finished gradients hold NaN or ±inf",
+        "step 5 (finish_sums): found_inf is True, but the finished gradients hold no NaN or ±inf",
+    ]
+    assert {divergence("semantics", line) for line in found_inf} == {
+        "[semantics] finish: found_inf is #"
+    }
+
+
+def test_a_missing_refusal_is_one_signature_whatever_came_instead() -> None:
+    """Where the semantics demand an error class, what the implementation did instead (nothing,
+    another class, a crash of its own) is one divergence: the refusal is missing. Where none was
+    due, each class raised is its own (another check misfired)."""
+    missing = [
+        "step 2 (accumulate_sum): error expected ParameterMismatchError, got None",
+        "step 4 (accumulate_mean): error expected ParameterMismatchError, got InvalidWeightError",
+        "step 1 (accumulate_sum): error expected ParameterMismatchError, got unexpected "
+        "RuntimeError: The size of tensor a (2) must match the size of tensor b (3)",
+    ]
+    assert {divergence("semantics", line) for line in missing} == {
+        "[semantics] accumulate: error expected ParameterMismatchError"
+    }
+    misfired = [
+        "step 2 (accumulate_sum): error expected None, got InvalidWeightError",
+        "step 2 (accumulate_sum): error expected None, got ParameterMismatchError",
+        "step 2 (accumulate_sum): error expected None, got unexpected RuntimeError: boom",
+    ]
+    assert len({divergence("semantics", line) for line in misfired}) == len(misfired)
 
 
 def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
