@@ -44,6 +44,7 @@ dtype, as the audit's resumed run did, and prints the ``resumed rel L2``.
 
 from __future__ import annotations
 
+import ast
 import platform
 import sys
 import textwrap
@@ -71,6 +72,7 @@ from wacc.audit.repro_templates.common import (
     FAMILIES,
     GRADIENT,
     PLAIN_MODEL,
+    RANK_END,
     RANK_EXACT,
     RANK_GRADIENT,
     RANK_RESULT,
@@ -259,7 +261,7 @@ def _rank_script(
     )
     parts = [
         header,
-        _imports(["import torch.distributed as dist", *ranks_imports, *imports]),
+        _imports(["import gc", "import torch.distributed as dist", *ranks_imports, *imports]),
         constants,
         model,
         FAMILIES[spec.family].format(pad=PAD_TOKEN, mask=MASK_TOKEN),
@@ -267,8 +269,41 @@ def _rank_script(
         RANK_EXACT,
         template.ranks,
         RANK_RESULT.format(framework=template.framework),
+        RANK_END.format(delete=_delete(template.ranks)),
     ]
     return _join(parts)
+
+
+# What RANK_RESULT and RANK_END read: the loop's names they must not lose.
+_READ_AFTER_LOOP = frozenset(
+    node.id
+    for part in (RANK_RESULT.format(framework=""), RANK_END.format(delete=""))
+    for node in ast.walk(ast.parse(part))
+    if isinstance(node, ast.Name)
+)
+
+
+def _delete(loop: str) -> str:
+    """``del NAMES\n`` of the names ``loop``'s top-level statements always assign (so each is
+    bound when the line runs), but those read after it; empty when there are none."""
+    names: list[str] = []
+    for statement in ast.parse(loop).body:
+        if isinstance(statement, ast.Assign):
+            targets = statement.targets
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            targets = [statement.target]
+        else:
+            continue
+        for target in targets:
+            for node in ast.walk(target):
+                if (
+                    isinstance(node, ast.Name)
+                    and isinstance(node.ctx, ast.Store)
+                    and node.id not in _READ_AFTER_LOOP
+                    and node.id not in names
+                ):
+                    names.append(node.id)
+    return f"del {', '.join(names)}\n" if names else ""
 
 
 def _join(parts: Sequence[str]) -> str:

@@ -20,6 +20,7 @@ stragglers are killed and say so.  What the ranks print goes to a log per rank.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -225,6 +226,10 @@ def _run_task(adapter: Adapter, task: LoopTask) -> dict[str, Any]:
             "error: "
         )
     finally:
+        # The loop's objects go before the process group: one a framework object still holds
+        # (DDP's reducer) would be freed at interpreter exit, where gloo can abort the process.
+        task.models.clear()
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return outcome

@@ -12,6 +12,7 @@ tokens together plus the two predictions a loop that weighs ranks (or microbatch
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import socket
@@ -82,13 +83,17 @@ def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
         fp16=fp16,
     )
     result = adapter.run(task)
-    if torch.distributed.is_initialized():  # the machinery's job at merge (protocol item 4)
-        torch.distributed.destroy_process_group()
     fresh = dict(task.model_spec.build(task.dtype).named_parameters())
     moved = [
         not torch.equal(p.detach(), fresh[n].detach())
         for n, p in task.models[-1].named_parameters()
     ]
+    # The loop's objects go before the process group (as wacc.audit.world does): one that DDP
+    # still holds would be freed at interpreter exit, where gloo can abort the process.
+    task.models.clear()
+    gc.collect()
+    if torch.distributed.is_initialized():  # the machinery's job at merge (protocol item 4)
+        torch.distributed.destroy_process_group()
     torch.save(
         {
             "captured": task.captured,

@@ -102,7 +102,17 @@ def _corpus_of(family: str, per_cell: int) -> list[CorpusEntry]:
 
 @pytest.mark.slow  # a gate over one family's corpus and checks, and `wacc check`, per bug
 @pytest.mark.parametrize(
-    "name", ["ScaleTimesWeight", "ZeroWeightNotCounted", "DoubleUnscale", "ReciprocalDivision"]
+    "name",
+    [
+        "ScaleTimesWeight",
+        "ZeroWeightNotCounted",
+        "DoubleUnscale",
+        "ReciprocalDivision",
+        "EqualWeightMean",
+        "BroadcastAccepted",
+        "BoolAccepted",
+        "AnyFloatingAccepted",
+    ],
 )
 def test_one_planted_bug_is_one_group_in_the_gate_and_one_block_in_check(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -116,7 +126,8 @@ def test_one_planted_bug_is_one_group_in_the_gate_and_one_block_in_check(
         planted.implementation, corpus=_corpus_of(planted.family, per_cell=2)
     )
     groups = group_findings(metrics)
-    assert sum(group.count for group in groups) > 10, groups  # many scenarios fail
+    # scenarios of several keys fail (work dtypes; corpus and check units): other values, steps
+    assert len({key for group in groups for key in group.keys}) >= 4, groups
     assert [group.signature for group in groups] == [groups[0].signature], groups
     config = CheckConfig(families=(planted.family,), shrink_seconds=5.0)
     blocks = _grouped(run_check(planted.implementation, config).findings)

@@ -12,6 +12,7 @@ shards), ``empty`` (``WaccAccumulation`` on a window without a single target on 
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -152,6 +153,7 @@ def _main(mode: str, out: Path) -> None:
         saved = _accelerate(
             rank, empty=mode == "empty", resume_after=2 if mode == "resume" else None
         )
+    gc.collect()  # the loop's cycles (DDP's) go now: at interpreter exit gloo can abort
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     torch.save(saved, out / f"rank{rank}.pt")
