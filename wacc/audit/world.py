@@ -3,11 +3,14 @@
 
 :func:`run_world` starts N Python processes as ``torchrun`` starts its workers: each with
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``,
-``ROLE_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR=127.0.0.1`` and a free
-``MASTER_PORT`` set (rank 0 hosts the store, as a worker does without torchrun's agent), running
-``python -m wacc.audit.world REQUEST RESULTS``.  Per run (a dtype; the audit asks for three, run
-one after the other in the same processes, each on a ``MASTER_PORT`` of its own), rank ``r``
-builds its own
+``ROLE_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR=127.0.0.1`` and
+``TORCHELASTIC_USE_AGENT_STORE=True`` set, running ``python -m wacc.audit.world REQUEST RESULTS``:
+as under torchrun's agent, this process hosts each run's ``TCPStore`` (on a port the system picks
+when it is created, held until the world ends) and every rank is its client, so no other process
+(another world of a ``--jobs`` audit, a gloo connection) can take the port between its choice and
+its use, and no rank can join another world's store.  Per run (a dtype; the audit asks for
+three, run one after the other in the same processes, each with a store and ``MASTER_PORT`` of
+its own), rank ``r`` builds its own
 :class:`~wacc.audit.protocol.LoopTask` (rank ``r``'s window, ``task.rank``/``task.world_size``/
 ``task.backend``, a workdir of its own), calls ``adapter.run(task)`` — which brings the process
 group up and syncs gradients the framework's own way — destroys the process group if it is still
@@ -23,7 +26,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,10 +59,11 @@ class RankOutcome:
     error: str  # "" when the rank ran to the end
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _store(world_size: int) -> torch.distributed.TCPStore:
+    """A run's store, hosted here on a port the system picks (module docstring)."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+    )
 
 
 def _environment(rank: int, world_size: int, threads: int | None) -> dict[str, str]:
@@ -71,6 +74,7 @@ def _environment(rank: int, world_size: int, threads: int | None) -> dict[str, s
         ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size), ROLE_NAME="default",
         TORCHELASTIC_RUN_ID="wacc-audit", TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0", MASTER_ADDR="127.0.0.1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )  # MASTER_PORT: per run (run_world)  # fmt: skip
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -92,13 +96,14 @@ def run_world(
     one outcome per rank in rank order; never an exception for a rank that failed (its
     ``error`` says why, and a rank that never reported one run reports none after it)."""
     world_size = len(windows)
+    stores = [_store(world_size) for _ in dtypes]  # held (their ports too) until the world ends
     with tempfile.TemporaryDirectory(prefix="wacc-audit-world-") as tmp:
         folder = Path(tmp)
         request = folder / "request.pickle"
         with request.open("wb") as stream:
             pickle.dump(
                 {"adapter": adapter.name, "windows": list(windows), "dtypes": list(dtypes),
-                 "ports": [_free_port() for _ in dtypes], "weights_dtype": weights_dtype,
+                 "ports": [store.port for store in stores], "weights_dtype": weights_dtype,
                  "backend": backend, "threads": threads},
                 stream,
             )  # fmt: skip
@@ -122,6 +127,7 @@ def run_world(
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+            del stores  # every rank is done with them
         return [
             [_outcome(folder, r, i, processes[r].returncode, logs[r], r in killed)
              for r in range(world_size)]

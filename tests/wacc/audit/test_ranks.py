@@ -242,6 +242,41 @@ def test_ddp_hook_and_fsdp2_pass_across_ranks() -> None:
         assert cell.semantic_rel_l2 <= rel_l2_tolerance(bound, truth.gradient, cell.semantic_rel_l2)
 
 
+def store_probe_loop(task: LoopTask) -> LoopRun:
+    """A user loop across ranks that looks at its store before it runs the plain DDP loop: the
+    audit hosts it (every rank a client) and holds its port while the world runs."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    assert agent_store == "True", f"TORCHELASTIC_USE_AGENT_STORE is {agent_store!r}: rank 0 hosts"
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            pass
+        else:
+            raise AssertionError(f"MASTER_PORT {port} is free: another process could take it")
+    return ADAPTERS["plain"].run(task)
+
+
+store_probe_loop.ranks = True  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_the_audit_hosts_each_worlds_store_and_holds_its_port() -> None:
+    """Every rank of a world is a client of a store the audit hosts on a port it holds until the
+    world ends (as torchrun's agent does): no other process (another world of a --jobs audit)
+    can take the port between its choice and its use, and no rank can join another world's
+    store. The loop then runs as usual across the two ranks."""
+    from wacc.audit.protocol import user_adapter
+
+    adapter = user_adapter(f"{Path(__file__)}:store_probe_loop")
+    result = run_audit([adapter], [build_window("unequal")], world_size=2)
+    (cell,) = result.cells
+    assert cell.status == "ok", cell.status
+    assert cell.verdict == "FAIL" and cell.ranks_agree is True  # the plain loop's, as in the CLI
+    assert cell.rank_counted == (211.0, 17.0)
+
+
 def single_rank_loop(task: LoopTask) -> LoopRun:
     """A user loop that declares no multi-rank path (never run here)."""
     raise AssertionError("a loop without ranks = True must not run at world size 2")
