@@ -116,16 +116,22 @@ def test_a_baseline_write_that_fails_half_way_leaves_the_old_one_intact(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One unsharded baseline and two shard results of wacc_torch, made by the real command.
+    """Of wacc_torch, by the real command: a whole unsharded baseline (``baseline.json``), and
+    the gate's last four units unsharded (``small.json``) and in two shards (``shards/``).
 
-    The unsharded run is also the suite's proof that the default implementation holds every
-    oracle on every check family and the machine under the ci profile, on every work dtype
-    (``--update-baseline`` exits 1 on any failing scenario); test_engine.py does not repeat it."""
+    The whole run is also the suite's proof that the default implementation holds every oracle
+    on every check family and the machine under the ci profile, on every work dtype
+    (``--update-baseline`` exits 1 on any failing scenario); test_engine.py does not repeat it.
+    The shards' rules (a key split between them, the merge, its verdict) are the same on four
+    units as on all of them: two whole shards more would double the fixture's five minutes on
+    2 cores, and ``.ci/run`` merges two whole shards against the committed baseline anyway."""
     folder = tmp_path_factory.mktemp("gate")
     made = gate("--update-baseline", "--baseline", str(folder / "baseline.json"))
     assert made.returncode == 0, made.stdout + made.stderr
+    small = small_gate("--update-baseline", "--baseline", str(folder / "small.json"))
+    assert small.returncode == 0, small.stdout + small.stderr
     for index in (1, 2):
-        shard = gate(
+        shard = small_gate(
             "--shard", f"{index}/2", "--results", str(folder / "shards" / f"s{index}.json")
         )
         assert shard.returncode == 0, shard.stdout + shard.stderr
@@ -141,23 +147,23 @@ def _measured(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {key: {k: v for k, v in e.items() if k != "milliseconds"} for key, e in entries.items()}
 
 
-@pytest.mark.slow  # one whole gate run and two shards (~2 x 40 s on 2 cores)
+@pytest.mark.slow  # one whole gate run (~100 s on 2 cores), and four units three times
 def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
     """Merging the two shards gives exactly the unsharded run's entries, and passes against it."""
-    merged = gate(
+    merged = small_gate(
         "--merge", str(runs / "shards"), "--update-baseline", "--baseline", str(runs / "m.json")
     )
     assert merged.returncode == 0, merged.stdout + merged.stderr
     merged_entries = _entries(runs / "m.json")
-    assert _measured(merged_entries) == _measured(_entries(runs / "baseline.json"))
+    assert _measured(merged_entries) == _measured(_entries(runs / "small.json"))
     # A key's scenarios are split between the shards: the merge records the sum of their times.
     shard_times: dict[str, int] = {}
     for shard in sorted((runs / "shards").glob("*.json")):
         for key, entry in _entries(shard).items():
             shard_times[key] = shard_times.get(key, 0) + entry["milliseconds"]
     assert {key: e["milliseconds"] for key, e in merged_entries.items()} == shard_times
-    verdict = gate(
-        "--merge", str(runs / "shards"), "--baseline", str(runs / "baseline.json"),
+    verdict = small_gate(
+        "--merge", str(runs / "shards"), "--baseline", str(runs / "small.json"),
         "--junit-xml", str(runs / "gate.xml"), "--summary-md", str(runs / "gate.md"),
     )  # fmt: skip
     assert verdict.returncode == 0, verdict.stdout + verdict.stderr
@@ -170,7 +176,7 @@ def test_sharded_and_merged_equals_unsharded(runs: Path) -> None:
 @pytest.mark.slow
 def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) -> None:
     """Lowering one recorded max error/bound below what the run measures is exit 1, REGRESSION."""
-    document = json.loads((runs / "baseline.json").read_text(encoding="utf-8"))
+    document = json.loads((runs / "small.json").read_text(encoding="utf-8"))
     key = next(
         k
         for k, e in document["entries"].items()
@@ -181,7 +187,7 @@ def test_a_baseline_stricter_than_reality_fails_with_a_regression(runs: Path) ->
     ).hex()
     stricter = runs / "stricter.json"
     stricter.write_text(json.dumps(document), encoding="utf-8")
-    result = gate(
+    result = small_gate(
         "--merge",
         str(runs / "shards"),
         "--baseline",

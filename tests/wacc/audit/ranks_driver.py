@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,13 +107,6 @@ def _rank_main(spec: str, out: Path, dtype_name: str) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @dataclass(frozen=True)
 class RankResult:
     """What one rank handed its optimizer, and what it said it divided by."""
@@ -188,7 +180,7 @@ def _run_torchrun(spec: str, world_size: int, dtype: str, out: Path, timeout: fl
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        "--standalone",  # the agent binds its store's port itself
         __file__, spec, str(out), dtype,
     ]  # fmt: skip
     with subprocess.Popen(

@@ -209,12 +209,11 @@ def test_reproducer_runs_under_torchrun_without_wacc(cli: CliRun, tmp_path: Path
     runner = tmp_path / "no_wacc.py"
     runner.write_text(NO_WACC, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with socket.socket() as probe:  # torchrun's --master-port 0 hangs its workers: a free one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # --standalone: the agent hosts the store on a port it binds itself (a port probed here and
+    # passed on could be taken by another test's process before the agent binds it).
     done = subprocess.run(
-        [sys.executable, "-I", "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(runner), str(script)],
+        [sys.executable, "-I", "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", "2", str(runner), str(script)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -53,12 +52,11 @@ def _torchrun(path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     runner = cwd / f"{path.stem}-no-wacc.py"
     runner.write_text(RUNNER, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with socket.socket() as probe:  # torchrun's --master-port 0 hangs its workers: a free one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # --standalone: the agent hosts the store on a port it binds itself (a port probed here and
+    # passed on could be taken by another test's process before the agent binds it).
     return subprocess.run(
-        [sys.executable, "-I", "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-         "--master-port", str(port), str(runner), str(path)],
+        [sys.executable, "-I", "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", str(WORLD), str(runner), str(path)],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 

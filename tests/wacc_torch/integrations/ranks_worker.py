@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -159,20 +158,13 @@ def _main(mode: str, out: Path) -> None:
     torch.save(saved, out / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def run_ranks(mode: str, *, timeout: float = 300) -> list[dict[str, Any]]:
     """Every rank's saved result of a two-rank torchrun world in ``mode`` (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="wacc-integration-ranks-") as tmp:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         command = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, mode, tmp,
+            "--standalone", __file__, mode, tmp,  # the agent binds its store's port itself
         ]  # fmt: skip
         done = subprocess.run(
             command, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout
