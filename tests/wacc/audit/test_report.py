@@ -359,9 +359,9 @@ def test_audit_csv_holds_each_cells_values_in_full(
                                            str(cell.deterministic))  # fmt: skip
 
 
-@pytest.mark.parametrize("report", ["audit", "audit-2-ranks"])
+@pytest.mark.parametrize("report", ["audit", "audit-2-ranks", "audit-4-ranks"])
 def test_every_loop_failing_a_committed_audit_has_a_cause(report: str) -> None:
-    """Every loop that fails a window in a committed audit (one process, and two ranks) has its
+    """Every loop that fails a window in a committed audit (one process, two and four ranks) has its
     cause recorded (``Adapter.cause``): its "Causes and fixes" line never reads "cause not
     recorded"."""
     from wacc.audit.adapters import ADAPTERS
