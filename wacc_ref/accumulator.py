@@ -42,10 +42,10 @@ batch with weight > 0, so a first contribution of -0.0 gives ``round(+0 + -0) = 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 import mpmath
 import mpmath.libmp
@@ -63,6 +63,7 @@ from wacc_ref.errors import (
     ParameterMismatchError,
     RecordError,
     UnsupportedEnvironmentError,
+    WeightedAccumulationError,
     ZeroTotalWeightError,
 )
 from wacc_ref.formats import FLOAT64, Format, op_format, round_to
@@ -102,6 +103,7 @@ Mode = Literal["emulated", "exact"]
 FUSED_VARIANTS: tuple[str, ...] = ("fma", "op_rounded", "two_step")
 MODES: tuple[str, ...] = ("emulated", "exact")
 _MIN_PRECISION = 2  # mpmath needs at least 1 bit; 2 keeps round-to-nearest meaningful
+_T = TypeVar("_T")  # what a check returns (refusals_due)
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,43 @@ class ReferenceAccumulator:
         not finite raises :class:`InvalidWeightError`; state is unchanged after any raise.
         """
         self._accumulate(params, weight, grads, mean=True)
+
+    def refusals_due(
+        self,
+        params: Mapping[str, tuple[int, ...]],
+        weight: float,
+        *,
+        grads: Mapping[str, npt.ArrayLike | None],
+        mean: bool,
+    ) -> tuple[str, ...]:
+        """Every §11 class an accumulate step with these inputs calls for, in §5's order of the
+        checks (the weight's own validity, the parameters and the gradients' structure, then, for
+        a weight > 0, whether a mean's ``w_D`` survives ``D`` and whether ``W`` overflows), each
+        check judged on its own: what ``accumulate_sum``/``accumulate_mean`` raises is the first.
+        A check that needs an earlier one's value (the gradients need the binding, ``w_D`` a valid
+        weight) is judged only when that value exists.  Changes nothing.  The judge reads it to
+        tell a refusal raised early (its class is due here too) from one raised where none of its
+        class is due (semantics §12 Reading: one bug, one finding).
+        """
+        due: list[str] = []
+
+        def judged(check: Callable[[], _T]) -> _T | None:
+            try:
+                return check()
+            except WeightedAccumulationError as exc:
+                if type(exc).__name__ not in due:
+                    due.append(type(exc).__name__)
+                return None
+
+        w = judged(lambda: validate_weight(weight))
+        binding = judged(lambda: validate_binding(params, self._binding, rebind=self._issued == 0))
+        if binding is not None:
+            judged(lambda: validate_gradients(grads, binding))
+        if w is not None and w != 0:
+            counted = judged(lambda: converted_mean_weight(w, self._dtype)) if mean else w
+            if counted is not None:
+                judged(lambda: total_after(self._total_weight, w, counted))
+        return tuple(due)
 
     # -- finishing -----------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from wacc_ref import formats
+from wacc_ref import errors, formats
 from wacc_ref.accumulator import ReferenceAccumulator
 from wacc_ref.arith import fused_mean_step_accepts, fused_mean_step_candidates
 from wacc_ref.corruption import applicable_corruptions, corrupt_record
@@ -219,13 +219,18 @@ def _run_step(scenario: Scenario, index: int, run: _ReferenceRun) -> StepOutcome
     result: FinishOutcome | None = None
     record: RecordSnapshot | None = None
     scaler: ScalerSnapshot | None = None
+    due: tuple[str, ...] | None = None
     try:
         if isinstance(step, Accumulate):
             accumulator = run.accumulator
             method = (
                 accumulator.accumulate_sum if step.kind == "sum" else accumulator.accumulate_mean
             )
-            method(params, step.weight, grads=scenario.reference_grads(step))
+            grads = scenario.reference_grads(step)
+            due = accumulator.refusals_due(
+                params, step.weight, grads=grads, mean=step.kind == "mean"
+            )
+            method(params, step.weight, grads=grads)
         elif isinstance(step, Finish):
             finished = (
                 run.accumulator.finish_sums()
@@ -261,6 +266,8 @@ def _run_step(scenario: Scenario, index: int, run: _ReferenceRun) -> StepOutcome
                 skipped = True
     except WeightedAccumulationError as exc:
         error = type(exc).__name__
+    if due is not None and due[:1] != ((error,) if error is not None else ()):
+        due = None  # raised by a check refusals_due does not judge (exact mode, environment)
     return StepOutcome(
         index=index,
         op=step.op,
@@ -270,6 +277,7 @@ def _run_step(scenario: Scenario, index: int, run: _ReferenceRun) -> StepOutcome
         result=result,
         record=record,
         scaler=scaler,
+        due=due,
     )
 
 
@@ -304,10 +312,28 @@ def run_reference(
     )
 
 
+_SEMANTIC_CLASSES = frozenset(errors.__all__)  # the §11 classes, as a trace names them
+
+
+def _not_due(expected: StepOutcome, raised: str | None) -> bool:
+    """Whether ``raised``, a §11 class, came where the reference's step refuses with another
+    class and none of ``raised``'s is due at all (its ``due`` known): a check that misfired,
+    not a refusal that came early."""
+    return (
+        expected.error is not None
+        and expected.due is not None
+        and raised in _SEMANTIC_CLASSES
+        and raised not in expected.due
+    )
+
+
 def _outcome_differences(expected: StepOutcome, actual: StepOutcome, *, what: str) -> list[str]:
     lines: list[str] = []
     if expected.error != actual.error:
-        lines.append(f"{what}: error expected {expected.error}, got {actual.error}")
+        line = f"{what}: error expected {expected.error}, got {actual.error}"
+        if _not_due(expected, actual.error):
+            line += f" (no {actual.error} is due at this step)"
+        lines.append(line)
     if expected.skipped != actual.skipped:
         lines.append(f"{what}: skipped expected {expected.skipped}, got {actual.skipped}")
     lines += expected.state.differences(actual.state, what=f"{what} state")

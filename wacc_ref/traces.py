@@ -13,7 +13,11 @@ returns a :class:`ScenarioTrace`: one :class:`StepOutcome` per step, holding
   loss scale, the counters and ``normalized``);
 * ``record``: for checkpoint steps, the snapshot of the record that the step produced;
 * ``scaler``: for ``update_scaler`` steps and for restores in a scenario with a scaler, a
-  :class:`ScalerSnapshot` (what ``update`` returned, and the scaler's next scale).
+  :class:`ScalerSnapshot` (what ``update`` returned, and the scaler's next scale);
+* ``due``: the reference's accumulate steps only: every §11 class the step's inputs call for, in
+  §5's order of the checks (``error`` is the first; empty when none is due); None where not known
+  (other steps, and every step of an implementation's trace).  Not part of :meth:`StepOutcome.key`:
+  it says what else was due, not what happened.
 
 The production side (a harness driving ``wacc_torch``) builds the same structure with
 :func:`snapshot_record` and :func:`finish_outcome`, which accept torch tensors by duck typing
@@ -311,6 +315,7 @@ class StepOutcome:
     result: FinishOutcome | None = None
     record: RecordSnapshot | None = None
     scaler: ScalerSnapshot | None = None
+    due: tuple[str, ...] | None = None
 
     def key(self) -> tuple[object, ...]:
         """A hashable form: equal keys <=> identical outcomes."""

@@ -82,3 +82,42 @@ def test_the_strategy_draws_every_fault_kind(kind: str) -> None:
     grads = tuple(FAULT_VALUES.items())
     drawn = find(faults(tuple(FAULT_SHAPES.items()), grads), lambda fault: fault.kind == kind)
     assert fault_problem(drawn, FAULT_SHAPES) is None
+
+
+def test_the_refusals_due_list_every_failing_check_in_the_order_of_s5() -> None:
+    """The reference's accumulate steps know every §11 class their inputs call for, in §5's
+    order, the first being the one raised: a negative weight with an int64 gradient is due both
+    (weight first); a float16 mean of 10**6 with a bool gradient is due both (structure first);
+    a transposed (non-contiguous) gradient with a negative weight is due the weight's only (§5
+    accepts the layout); a clean step none. Other steps say None (not known)."""
+    cases = [
+        (fault_scenario("int64", -1.0, "sum"), ("InvalidWeightError", "ParameterMismatchError")),
+        (
+            fault_scenario("bool", 1e6, "mean", work="float16"),
+            ("ParameterMismatchError", "InvalidWeightError"),
+        ),
+        (fault_scenario("transposed", -1.0, "mean"), ("InvalidWeightError",)),
+        (fault_scenario("transposed", 1.0, "mean"), ()),
+    ]
+    for scenario, due in cases:
+        outcomes = run_reference(scenario).outcomes
+        assert outcomes[1].due == due, (scenario, outcomes[1])
+        assert outcomes[1].error == (due[0] if due else None)
+        assert outcomes[0].due == () and outcomes[-1].due is None
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("weight", [-1.0, 0.0, 1.0, 1e6, float("inf")])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_the_first_refusal_due_is_the_one_the_step_raises(
+    kind: str, weight: float, op: str
+) -> None:
+    """For every fault kind, weight and entry point (in float16, where 10**6 does not survive
+    D), refusals_due judged before the step starts with the class the step raises (nothing due
+    when it raises nothing). (That judging it changes nothing, the tests above show: the traces
+    they compare were run with it.)"""
+    scenario = fault_scenario(kind, weight, op, work="float16")
+    outcome = run_reference(scenario).outcomes[1]
+    assert outcome.due is not None and outcome.due[:1] == (
+        (outcome.error,) if outcome.error is not None else ()
+    ), outcome

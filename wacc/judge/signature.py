@@ -7,12 +7,15 @@ fails, the oracle that saw it, the kind of step (``accumulate``, ``finish``, ``c
 ``restore``, ...: a sum and a mean are one kind) and the quantity compared there (a counter of
 the state, the pending buffers, the finished gradients, the error class expected and raised,
 the error bound). An error the semantics demand is one quantity whatever came instead (``None``,
-another class, a crash of the implementation: the refusal is what is missing); an error raised
-where none was due is one per class raised (which check misfired). Where one step fails several
-oracles, the semantics' (an error class or a counter) is what diverged, the values (emulation)
-and their error bound (bound) follow from it; where no step fails, the scenario's own finding
-(resume). ``wacc check`` prints one block per signature, ``wacc gate`` one group per signature
-(with counts and one replay command): both call :func:`signature`.
+another class due at that step too, a crash of the implementation: the refusal is what is
+missing); an error raised where none was due is one per class raised (which check misfired), and
+so is a §11 class raised where the semantics demand another and none of its class is due at all
+(the reference's ``due`` refusals: a check that misfired before the one that should refuse).
+Where one step fails several oracles, the semantics' (an error class or a counter) is what
+diverged, the values (emulation) and their error bound (bound) follow from it; where no step
+fails, the scenario's own finding (resume). ``wacc check`` prints one block per signature,
+``wacc gate`` one group per signature (with counts and one replay command): both call
+:func:`signature`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _VALUE = re.compile(
 _STEP = re.compile(r"^step \d+ \((?P<op>[a-z_]+)[^)]*\)(?P<rest>.*)$", re.DOTALL)
 _SUM_OR_MEAN = re.compile(r"_(?:sum|sums|mean)$")
 _ERROR = re.compile(r"^(?:error )?expected (?P<expected>.+?), got (?P<actual>.+)$", re.DOTALL)
+_NOT_DUE = re.compile(r" \(no \w+ is due at this step\)$")  # wacc_ref.oracles' annotation
 _SUBSCRIPT = re.compile(r"\[[^\]]*\]")  # [flat 3], ['w'], [#]: which element, not what
 _END_OF_QUANTITY = re.compile(r":| =| >| expected|,|;")
 _PREFERENCE = ("semantics", "emulation", "bound")  # what diverged first at a failing step
@@ -56,6 +60,10 @@ def divergence(oracle: str, line: str) -> str:
     error = _ERROR.match(rest)
     if oracle == "bound":  # its one quantity, however the line shows the worst element
         quantity = "error within the bound"
+    elif error is not None and error["expected"] != "None" and _NOT_DUE.search(error["actual"]):
+        # A refusal whose class is due nowhere in the step's checks (the reference's order
+        # demands another first): the check that misfired is the fault, as where none was due.
+        quantity = f"error expected None, got {_NOT_DUE.sub('', error['actual'])}"
     elif error is not None and error["expected"] != "None":  # a refusal that did not come
         quantity = f"error expected {error['expected']}"
     elif error is not None:  # a refusal where none was due: the class raised says which check
