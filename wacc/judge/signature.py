@@ -13,9 +13,10 @@ so is a §11 class raised where the semantics demand another and none of its cla
 (the reference's ``due`` refusals: a check that misfired before the one that should refuse).
 Where one step fails several oracles, the semantics' (an error class or a counter) is what
 diverged, the values (emulation) and their error bound (bound) follow from it; where no step
-fails, the scenario's own finding (resume). ``wacc check`` prints one block per signature,
-``wacc gate`` one group per signature (with counts and one replay command): both call
-:func:`signature`.
+fails, the scenario's own finding (resume), or, when the scenario without its checkpoints and
+restores fails on its own, that run's (the restore hid what the whole window shows). ``wacc
+check`` prints one block per signature, ``wacc gate`` one group per signature (with counts and
+one replay command): both call :func:`signature`.
 """
 
 from __future__ import annotations
@@ -81,5 +82,7 @@ def signature(verdict: ScenarioVerdict) -> str:
         for oracle in _PREFERENCE:
             if oracle in firsts:
                 return divergence(oracle, firsts[oracle])
+    if verdict.uninterrupted is not None:  # a restore hid what the whole window shows
+        return signature(verdict.uninterrupted)
     lines = verdict.describe(limit=1)
     return divergence("semantics", lines[0]) if lines else "(no divergence)"

@@ -108,6 +108,10 @@ class ScenarioVerdict:
     scenario_lines: tuple[str, ...] = field(default=())  # resume findings (oracle 3)
     messages: dict[int, str] = field(default_factory=dict)
     tracebacks: dict[int, str] = field(default_factory=dict)  # step -> the exception's traceback
+    # The scenario without its checkpoints and restores, judged on its own, when the resume is
+    # not bit-identical and that run breaks the semantics itself: the restore hid a divergence
+    # the uninterrupted window shows, which is then the finding (its signature is this one's).
+    uninterrupted: ScenarioVerdict | None = None
 
     @property
     def failed(self) -> bool:
@@ -524,6 +528,7 @@ def judge(
         fused_lines = _by_step(stepwise_differences(scenario, actual, limit=10**6), count)
 
     scenario_lines: list[str] = []
+    uninterrupted: ScenarioVerdict | None = None
     if (
         "semantics" in applied
         and any(isinstance(step, Restore) for step in scenario.steps)
@@ -533,10 +538,17 @@ def judge(
             implementation, without_interruptions(scenario), device=device
         )
         if _finish_keys(straight) != _finish_keys(_strip_interruptions(scenario, actual)):
-            scenario_lines.append(
+            line = (
                 "resume is not bit-identical: the finished results differ from the same "
                 "scenario run without its checkpoints and restores"
             )
+            alone = judge(
+                implementation, without_interruptions(scenario), device=device, oracles=oracles
+            )
+            if alone.failed:
+                uninterrupted = alone
+                line += f", which fails on its own: {alone.describe(limit=1)[0]}"
+            scenario_lines.append(line)
 
     windows = _windows(scenario, expected)
     verdicts: list[StepVerdict] = []
@@ -637,6 +649,7 @@ def judge(
         scenario_lines=tuple(scenario_lines),
         messages=dict(run.messages),
         tracebacks=dict(run.tracebacks),
+        uninterrupted=uninterrupted,
     )
 
 

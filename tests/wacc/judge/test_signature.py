@@ -19,7 +19,15 @@ from wacc.judge.implementation import load_implementation
 from wacc.judge.signature import divergence, signature
 from wacc.judge.verdict import judge
 from wacc.report.corpus import CorpusEntry, build_corpus
-from wacc_ref.scenario import from_json
+from wacc_ref.scenario import (
+    Accumulate,
+    Checkpoint,
+    Finish,
+    Restore,
+    Scenario,
+    from_json,
+    without_interruptions,
+)
 
 SAME_DIVERGENCE = [
     # one quantity at one kind of step, whatever the values, names, positions and wording
@@ -83,6 +91,32 @@ def test_a_missing_refusal_is_one_signature_whatever_came_instead() -> None:
     early = "step 3 (accumulate_mean): error expected InvalidWeightError, got " \
         "ParameterMismatchError (no ParameterMismatchError is due at this step)"  # fmt: skip
     assert divergence("semantics", early) == divergence("semantics", misfired[1])
+
+
+def test_a_divergence_a_restore_hides_is_the_uninterrupted_windows() -> None:
+    """A planted bug (found_inf from the inputs converted to float32, a flag kept outside the
+    record) that a restore happens to hide: the window with its checkpoint and restore passes
+    every step, the same window without them reports found_inf True with finite gradients. The
+    resume finding names that run's failure and has its signature, the same as where the bug
+    shows at a step (one bug, one group), not a signature of its own."""
+    huge = float.fromhex("0x1p+508")  # finite in float64, inf once converted to float32
+    steps = (Accumulate("mean", 1.0, (("w", (huge,)),)), Checkpoint(), Restore(), Finish("sums"))
+    scenario = Scenario(work_dtype="float64", grad_dtype="float64", loss_scale=1.0, fused=False,
+                        parameters=(("w", (1,)),), steps=steps)  # fmt: skip
+    implementation = PLANTED["FoundInfFromInputs"].implementation
+    verdict = judge(implementation, scenario)
+    assert verdict.failed and not any(step.failed for step in verdict.steps), verdict.describe()
+    assert verdict.uninterrupted is not None
+    assert (
+        "which fails on its own: [semantics] step 1 (finish_sums): found_inf is True"
+        in (verdict.scenario_lines[0])
+    )
+    seen_at_a_step = judge(implementation, without_interruptions(scenario))
+    assert signature(verdict) == signature(seen_at_a_step) == "[semantics] finish: found_inf is #"
+    # wacc_torch's window and its resume agree: no uninterrupted verdict is made
+    assert not judge(
+        load_implementation("wacc.implementation:wacc_torch_reproducible"), scenario
+    ).failed
 
 
 def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
