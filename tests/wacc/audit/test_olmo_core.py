@@ -4,8 +4,10 @@ runs where ``olmo_core`` imports, skips cleanly elsewhere."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +19,23 @@ import torch
 pytest.importorskip("olmo_core.train.train_module", reason="ai2-olmo-core is not installed")
 
 from tests.wacc.audit.expected import (  # noqa: E402
+    PRINTED_DIGITS,
     assert_close_to_prediction,
     assert_rel_l2_matches,
+    prediction_bound,
+    printed_precision,
+    rel_l2_tolerance,
+    truth_terms,
 )
 from tests.wacc.audit.ranks_driver import expected, run_world  # noqa: E402
+from tests.wacc.audit.test_ranks import NO_WACC, NUMBER, ROOT  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.adapters.olmo_core import _Transformer  # noqa: E402
 from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.protocol import LoopTask  # noqa: E402
 from wacc.audit.runner import run_audit  # noqa: E402
-from wacc.audit.windows import build_window, rank_windows  # noqa: E402
+from wacc.audit.truth import compute_truth  # noqa: E402
+from wacc.audit.windows import build_window, rank_windows, world_window  # noqa: E402
 
 
 def test_train_batch_divides_every_micro_batch_by_the_batch_count() -> None:
@@ -61,7 +70,6 @@ def test_each_micro_batch_gets_the_same_divide_factor(
     assert wrapped.divisors == [float(window.total_targets)] * len(window.microbatches)
 
 
-ROOT = Path(__file__).resolve().parents[3]
 WORLD = 2
 # A float64 run through OLMo-core's own loss (``cross_entropy_loss``: ``logits.float()``, a cast
 # down to float32) is float32-accurate only.
@@ -90,15 +98,19 @@ def test_fsdp_averages_rank_local_token_means() -> None:
 
 
 @pytest.mark.slow
-def test_audit_row_across_two_ranks_shows_prediction_beside_measurement(tmp_path: Path) -> None:
-    """``wacc audit olmo-core --world-size 2`` (the CLI as a subprocess, the ``unequal`` rank
-    windows): the row FAILs (exit 1), counts 211 and 17 on the ranks, the ranks agree, and its
+def test_audit_row_across_two_ranks_and_its_reproducer(tmp_path: Path) -> None:
+    """``wacc audit olmo-core --world-size 2 --repro`` (the CLI as a subprocess, the ``unequal``
+    rank windows): the row FAILs (exit 1), counts 211 and 17 on the ranks, the ranks agree, and its
     float64 error equals the ``predicted_rel_l2`` printed beside it, to the float32 rounding of
-    OLMo-core's loss."""
+    OLMo-core's loss.  Its reproducer imports no wacc, frees the FSDP model before the process
+    group goes, runs under ``python -m torch.distributed.run --nproc-per-node 2`` (gloo) with
+    every wacc import refused, and rank 0 prints the row's float64 error: the same float64 run,
+    its exact side another float64 summation order, printed to PRINTED_DIGITS digits."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    repro = tmp_path / "repro"
     done = subprocess.run(
         [sys.executable, "-m", "wacc", "audit", "olmo-core", "--world-size", "2", "--windows",
-         "unequal", "--out", str(tmp_path / "out"), "--quiet"],
+         "unequal", "--out", str(tmp_path / "out"), "--repro", str(repro), "--quiet"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
@@ -108,10 +120,40 @@ def test_audit_row_across_two_ranks_shows_prediction_beside_measurement(tmp_path
     assert (row["rank_tokens"], row["rank_tokens_counted"]) == ("211;17", "211.0;17.0")
     assert row["ranks_agree"] == "True"
     # The audit's own rank windows: the row's truth and prediction computed here from them.
-    want = expected("plain", WORLD, windows=rank_windows("unequal", WORLD))
+    windows = rank_windows("unequal", WORLD)
+    want = expected("plain", WORLD, windows=windows)
     assert want.rank_tokens == (211, 17)
     bound = want.divided_by_bound(want.rank_tokens, FLOAT32_LOSS)
     measured = float(row["f64_rel_l2"])
     assert_rel_l2_matches(measured, float(row["predicted_rel_l2"]), bound, want.truth)
     assert_rel_l2_matches(measured, want.predicted_equal_ranks, bound, want.truth)
     assert want.predicted_equal_ranks > 1
+
+    (script,) = sorted(repro.glob("*.py"))
+    assert script.name == "olmo-core-unequal-ranks2.py"
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    roots = {
+        (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+        for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }  # fmt: skip
+    assert not roots & {"wacc", "wacc_torch", "wacc_ref"} and "olmo_core" in roots, roots
+    end = [ast.unparse(statement) for statement in tree.body[-3:]]
+    assert end[0].startswith("del ") and "wrapped" in re.findall(r"\w+", end[0]), end
+    assert end[1:] == ["gc.collect()", "dist.destroy_process_group()"], end
+    runner = tmp_path / "no_wacc.py"
+    runner.write_text(NO_WACC, encoding="utf-8")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run(
+        [sys.executable, "-I", "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", str(WORLD), str(runner), str(script)],
+        cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (printed,) = NUMBER.findall(ran.stdout)
+    assert "ranks agree: True" in ran.stdout
+    truth = compute_truth(MODEL_KINDS["plain"], torch.float32, world_window("unequal", windows))
+    summed = prediction_bound(truth_terms(truth), "float64")
+    tolerance = rel_l2_tolerance(summed, truth.gradient, measured, truth_bound=summed)
+    tolerance += printed_precision(measured, PRINTED_DIGITS)
+    assert abs(float(printed) - measured) <= tolerance, (printed, measured, tolerance)
