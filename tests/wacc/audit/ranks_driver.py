@@ -269,11 +269,14 @@ class Expected:
         )
 
 
-def expected(model: str, world_size: int, dtype: str = "float64") -> Expected:
-    """:class:`Expected` on ``model`` (converted to ``dtype``) for :func:`rank_windows`."""
+def expected(
+    model: str, world_size: int, dtype: str = "float64", windows: Sequence[Window] | None = None
+) -> Expected:
+    """:class:`Expected` on ``model`` (converted to ``dtype``) for :func:`rank_windows` (or the
+    given per-rank ``windows``: the audit's own, for a row of ``wacc audit --world-size``)."""
     truths: list[Truth] = [
         compute_truth(MODEL_KINDS[model], getattr(torch, dtype), window)
-        for window in rank_windows(world_size)
+        for window in (rank_windows(world_size) if windows is None else windows)
     ]
     totals = tuple(sum(t.targets) for t in truths)
     summed = np.sum([np.sum(t.microbatch_sums, axis=0) for t in truths], axis=0)

@@ -22,8 +22,9 @@ and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate``
 ``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
 ``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
 global dataset Trainer shards; the two ``peft-lora-*`` rows too), the two ``accelerate`` loops, the
-two ``lightning`` paths (``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1`` and ``pixparse``
-(its task's DDP idiom). A row across ranks needs only its ``ranks`` text (importing
+two ``lightning`` paths (``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1``, ``pixparse``
+(its task's DDP idiom) and ``olmo-core`` (:mod:`.olmo_core`, one process too; across ranks its
+FSDP, ``Transformer.apply_fsdp``). A row across ranks needs only its ``ranks`` text (importing
 ``ranks_imports``, by default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common
 part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
 over every rank's tokens, rank 0's result).
@@ -42,6 +43,7 @@ from wacc.audit.repro_templates import (
     keras,
     lightning,
     nanogpt,
+    olmo_core,
     pixparse,
     plain,
     trainer,
@@ -170,6 +172,14 @@ LOOPS: dict[str, LoopTemplate] = {
         window_note="Packing puts the window's sequences into fewer rows, and the loop "
         "accumulates over those rows (gradient_accumulation_steps = the row count: see the "
         "printed count).",
+    ),
+    "olmo-core": LoopTemplate(
+        "OLMo-core TransformerTrainModule.train_batch",
+        ("ai2-olmo-core",),
+        olmo_core.IMPORTS,
+        olmo_core.BODY,
+        ranks=olmo_core.RANKS,
+        ranks_imports=olmo_core.RANKS_IMPORTS,
     ),
     "nanogpt": LoopTemplate(
         "nanoGPT train.py",
