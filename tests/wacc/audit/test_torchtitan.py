@@ -60,7 +60,8 @@ def test_train_step_across_two_ranks_weighs_every_token_alike(tmp_path: Path) ->
     (divide factor 1) and ``train_step`` count the world's tokens on every rank
     (``dist_sum_tensor`` over the batch mesh: 228 on both), so the summed reduce-scatter is the
     gradient of the mean over both ranks' tokens: the row passes (the worst rank's float64 run
-    within its bound), the ranks agree bit for bit, two runs hash the same, exit 0."""
+    within its bound), the ranks agree bit for bit, two runs hash the same, exit 0; and the whole
+    window is read before the first backward, as at world size 1."""
     done = subprocess.run(
         [sys.executable, "-m", "wacc", "audit", "torchtitan", "--world-size", "2", "--windows",
          "unequal", "--out", str(tmp_path / "out"), "--quiet"],
@@ -76,3 +77,5 @@ def test_train_step_across_two_ranks_weighs_every_token_alike(tmp_path: Path) ->
     assert [float(c) for c in row["rank_tokens_counted"].split(";")] == [sum(totals)] * 2
     assert float(row["f64_err_over_bound"]) <= 1
     assert row["ranks_agree"] == "True" and row["deterministic"] == "True"
+    # train_step collects the whole window before its first forward (it counts the tokens first).
+    assert row["reads_window_first"] == "yes", row["reads_window_first"]

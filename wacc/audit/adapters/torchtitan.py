@@ -60,7 +60,9 @@ Across ranks (``task.world_size > 1``), torchtitan's own data-parallel path, on 
   same arithmetic (a product by 1.0 is exact).  The float64 run takes FSDP's SUM path anyway;
 * then the same ``train_step`` as above, with the real ``parallel_dims`` (``dp_enabled`` true:
   two ranks); the audit reads, in SGD's step pre-hook, every sharded gradient gathered whole
-  (``DTensor.full_tensor()``, the same calls on every rank) into an unsharded twin of the model.
+  (``DTensor.full_tensor()``, the same calls on every rank) into an unsharded twin of the model;
+  ``fully_shard`` replaces the parameters that ``task.build_model``'s read-first hook is on, so a
+  hook on the logits notes how much of the window was read at the first backward.
 
 What decides the weighting across ranks: ``train_step`` (``trainer.py`` L884-904:
 ``local_valid_tokens`` summed over the window's labels, then ``global_valid_tokens =
@@ -274,6 +276,17 @@ def _run_ranks(task: LoopTask) -> LoopRun:
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
     optimizer = torch.optim.SGD(part.parameters(), lr=task.learning_rate)
+
+    def note(grad: torch.Tensor) -> None:
+        # fully_shard replaced the parameters that task.build_model's hook is on: the logits'
+        # gradient is the first of each backward, noted the same way.
+        if task.fetched_at_first_backward is None:
+            task.fetched_at_first_backward = len(set(task.fetch_log))
+
+    def on_logits(module: nn.Module, args: Any, logits: torch.Tensor) -> None:
+        logits.register_hook(note)  # returns None: the output is unchanged
+
+    part.register_forward_hook(on_logits)
 
     def record(*_: Any) -> None:
         # Each rank holds a shard of every gradient: full_tensor() all-gathers it (the same calls
