@@ -87,6 +87,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from wacc.audit.adapters.wacc_torch import record_sharded_gradients
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
 __all__ = ["ADAPTER"]
@@ -288,17 +289,7 @@ def _run_ranks(task: LoopTask) -> LoopRun:
 
     part.register_forward_hook(on_logits)
 
-    def record(*_: Any) -> None:
-        # Each rank holds a shard of every gradient: full_tensor() all-gathers it (the same calls
-        # on every rank) into an unsharded twin whose gradients the audit reads.
-        whole = task.model_spec.build(task.weights_dtype or task.dtype).to(task.dtype)
-        sharded = dict(model.named_parameters())
-        for name, parameter in whole.named_parameters():
-            grad = sharded[name].grad
-            parameter.grad = None if grad is None else grad.full_tensor()  # type: ignore[attr-defined]
-        task.record_gradients(whole)
-
-    optimizer.register_step_pre_hook(record)
+    optimizer.register_step_pre_hook(lambda *_: record_sharded_gradients(task, model))
     return _train_step(task, trainer, part, optimizer, parallel_dims=parallel_dims)
 
 
