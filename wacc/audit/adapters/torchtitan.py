@@ -34,7 +34,8 @@ or autocast on the accelerator).
 Across ranks (``task.world_size > 1``), torchtitan's own data-parallel path, on the CPU with gloo:
 
 * the group and the meshes: ``Trainer.init_distributed`` (``trainer.py``: torchtitan's
-  ``dist_utils.init_distributed(config.comm, ...)``, which calls ``init_process_group`` from the
+  ``dist_utils.init_distributed(config.comm, ...)``, which turns autograd's multithreading off,
+  sets its ``TORCH_NCCL_*``/``TORCH_FR_*`` variables and calls ``init_process_group`` from the
   torchrun environment, then ``ParallelDims.from_config(config.parallelism, world_size)``: the
   default ``data_parallel_shard_degree = -1``, i.e. pure FSDP over every rank), then
   ``ParallelDims.build_mesh`` (a real ``DeviceMesh`` whose ``batch`` and ``fsdp`` axes hold both
@@ -44,7 +45,8 @@ Across ranks (``task.world_size > 1``), torchtitan's own data-parallel path, on 
   accelerator is found) is ``"cpu"`` in ``distributed/utils.py`` and
   ``distributed/parallel_dims.py`` while the group and the meshes are built, so that
   ``init_distributed`` picks gloo (the CPU's default backend) and ``build_mesh`` a CPU mesh; put
-  back after;
+  back after (the world is gloo on the CPU whatever ``task.backend``: the audit's model is on
+  the CPU);
 * the FSDP wrapping: torchtitan's ``apply_fsdp_to_decoder`` (``distributed/fsdp.py``, the one
   every decoder's ``parallelize`` calls) over the ``fsdp`` mesh, on the audit's model seen as a
   ``Decoder``: ``tok_embeddings`` = its token embedding, ``layers`` = ``{"0": hidden layer}``,
@@ -53,7 +55,7 @@ Across ranks (``task.world_size > 1``), torchtitan's own data-parallel path, on 
   (torchtitan's ``mixed_precision_param`` default is bfloat16; the audit measures one dtype),
   default reshard policy; it ends with ``disable_fsdp_gradient_division`` (every FSDP module's
   ``set_gradient_divide_factor(1.0)``);
-* patched: on gloo every FSDP module also gets ``set_force_sum_reduction_for_comms(True)`` (the
+* patched: every FSDP module also gets ``set_force_sum_reduction_for_comms(True)`` (the
   first call of torchtitan's own ``enable_fsdp_symm_mem``): with a divide factor and a float32
   gradient FSDP reduce-scatters with NCCL's ``ReduceOp.PREMUL_SUM(1/1.0)``, which gloo lacks
   ("Cannot use ReduceOp.PREMUL_SUM with Gloo", measured); a SUM that divides by nothing is the
@@ -69,10 +71,9 @@ What decides the weighting across ranks: ``train_step`` (``trainer.py`` L884-904
 dist_utils.dist_sum_tensor(local_valid_tokens, batch_mesh)``), the loss's ``/
 global_valid_tokens`` (``components/loss.py`` L327-332, ``BaseLoss.__call__``), and
 ``disable_fsdp_gradient_division`` (``distributed/fsdp.py`` L27-41, called at the end of
-``apply_fsdp_to_decoder``): FSDP's
-reduce-scatter sums the ranks' gradients of their loss sums over the global count.  Every token
-of every rank weighs the same: the audit must find a pass on every rank, every rank counting the
-world's total, the ranks agreeing.
+``apply_fsdp_to_decoder``): FSDP's reduce-scatter sums the ranks' gradients of their loss sums
+over the global count.  Every token of every rank weighs the same: the audit must find a pass on
+every rank, every rank counting the world's total, the ranks agreeing.
 """
 
 from __future__ import annotations
@@ -269,13 +270,12 @@ def _run_ranks(task: LoopTask) -> LoopRun:
         reduce_dtype=task.dtype,
         pp_enabled=False,
     )
-    if task.backend == "gloo":
-        # Gloo has no PREMUL_SUM, the reduce-scatter op FSDP picks for a float32 gradient with a
-        # divide factor (here torchtitan's 1.0); a SUM multiplied by nothing is the same
-        # arithmetic (x * 1.0 is exact).  torchtitan's own enable_fsdp_symm_mem makes this call.
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
+    # Gloo has no PREMUL_SUM, the reduce-scatter op FSDP picks for a float32 gradient with a
+    # divide factor (here torchtitan's 1.0); a SUM multiplied by nothing is the same arithmetic
+    # (x * 1.0 is exact).  torchtitan's own enable_fsdp_symm_mem makes this call.
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
     optimizer = torch.optim.SGD(part.parameters(), lr=task.learning_rate)
 
     def note(grad: torch.Tensor) -> None:
@@ -300,7 +300,9 @@ ADAPTER = Adapter(
     model="plain",
     code_path="torchtitan/trainer.py Trainer.train_step (L871-948: local_valid_tokens, "
     "dist_utils.dist_sum_tensor over the batch mesh, loss_fn(pred, labels, "
-    "global_valid_tokens)), on a Trainer object set up with the audit's model and window",
+    "global_valid_tokens)), on a Trainer object set up with the audit's model and window; "
+    "across ranks after Trainer.init_distributed, ParallelDims.build_mesh and "
+    "distributed/fsdp.py apply_fsdp_to_decoder (disable_fsdp_gradient_division: divide factor 1)",
     checked="torchtitan 0.3.0 (CPU, gloo, one and two ranks, run here)",
     loss_scale=False,
     checkpoint="the Trainer checkpoints between steps (checkpointer.save), never inside one",
