@@ -53,6 +53,7 @@ def test_train_step_divides_by_the_global_token_count(monkeypatch: pytest.Monkey
     assert fact.version == "0.3.0" and fact.needs_total == "yes"
 
 
+@pytest.mark.slow
 def test_train_step_across_two_ranks_weighs_every_token_alike(tmp_path: Path) -> None:
     """``wacc audit torchtitan --world-size 2`` (the CLI as a subprocess; each rank a real process
     on gloo) on the unequal rank windows (211 and 17 tokens, one rank with a zero-token
