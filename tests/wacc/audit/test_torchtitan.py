@@ -1,9 +1,15 @@
 """torchtitan's ``Trainer.train_step`` driven on the CPU at world size 1 (its own step, loss and
-``dist_sum_tensor`` over a one-rank gloo mesh): runs where ``torchtitan.trainer`` imports
-(torchtitan 0.3.0 with triton installed: its MoE kernels import it), skips cleanly elsewhere."""
+``dist_sum_tensor`` over a one-rank gloo mesh) and across two ranks (its ``init_distributed``,
+meshes and FSDP wrapping over gloo): runs where ``torchtitan.trainer`` imports (torchtitan 0.3.0
+with triton installed: its MoE kernels import it), skips cleanly elsewhere."""
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +22,9 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.runner import run_audit  # noqa: E402
-from wacc.audit.windows import build_window  # noqa: E402
+from wacc.audit.windows import build_window, rank_windows  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_train_step_divides_by_the_global_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,3 +51,32 @@ def test_train_step_divides_by_the_global_token_count(monkeypatch: pytest.Monkey
     assert not dist.is_initialized()
     (fact,) = result.facts
     assert fact.version == "0.3.0" and fact.needs_total == "yes"
+
+
+@pytest.mark.slow
+def test_train_step_across_two_ranks_weighs_every_token_alike(tmp_path: Path) -> None:
+    """``wacc audit torchtitan --world-size 2`` (the CLI as a subprocess; each rank a real process
+    on gloo) on the unequal rank windows (211 and 17 tokens, one rank with a zero-token
+    microbatch): torchtitan's ``init_distributed``, ``build_mesh``, ``apply_fsdp_to_decoder``
+    (divide factor 1) and ``train_step`` count the world's tokens on every rank
+    (``dist_sum_tensor`` over the batch mesh: 228 on both), so the summed reduce-scatter is the
+    gradient of the mean over both ranks' tokens: the row passes (the worst rank's float64 run
+    within its bound), the ranks agree bit for bit, two runs hash the same, exit 0; and the whole
+    window is read before the first backward, as at world size 1."""
+    done = subprocess.run(
+        [sys.executable, "-m", "wacc", "audit", "torchtitan", "--world-size", "2", "--windows",
+         "unequal", "--out", str(tmp_path / "out"), "--quiet"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    with (tmp_path / "out" / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        (row,) = csv.DictReader(handle)
+    totals = [sum(w.targets) for w in rank_windows("unequal", 2)]
+    assert row["world_size"] == "2" and row["rank_tokens"] == ";".join(map(str, totals))
+    assert row["verdict"] == "pass", row
+    assert [float(c) for c in row["rank_tokens_counted"].split(";")] == [sum(totals)] * 2
+    assert float(row["f64_err_over_bound"]) <= 1
+    assert row["ranks_agree"] == "True" and row["deterministic"] == "True"
+    # train_step collects the whole window before its first forward (it counts the tokens first).
+    assert row["reads_window_first"] == "yes", row["reads_window_first"]

@@ -58,7 +58,7 @@ from wacc.audit.models import causal_lm_loss_sum, logits_of
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
-__all__ = ["FP16_INIT_SCALE", "FSDP", "MEAN", "SUM"]
+__all__ = ["FP16_INIT_SCALE", "FSDP", "MEAN", "SUM", "record_sharded_gradients"]
 
 FP16_INIT_SCALE = 2.0**12  # the float16 run's first scale (module docstring)
 
@@ -191,6 +191,18 @@ def _run_fp16(
     return LoopRun(counted_tokens=counted, loss_scales=(before, scaler.scale))
 
 
+def record_sharded_gradients(task: LoopTask, model: torch.nn.Module) -> None:
+    """``task.record_gradients`` of an FSDP2-sharded ``model``: each rank holds a shard of every
+    gradient; the audit reads the whole gradient, which ``full_tensor()`` all-gathers (the same
+    calls on every rank), into an unsharded twin of the model."""
+    whole = task.model_spec.build(task.weights_dtype or task.dtype).to(task.dtype)
+    sharded = dict(model.named_parameters())
+    for name, parameter in whole.named_parameters():
+        grad = sharded[name].grad
+        parameter.grad = None if grad is None else grad.full_tensor()  # type: ignore[attr-defined]
+    task.record_gradients(whole)
+
+
 def run_fsdp(task: LoopTask) -> LoopRun:
     """The FSDP2 loop (``wacc_torch-fsdp``): ``fully_shard`` on every linear layer and the root
     over a CPU mesh of every rank, :class:`wacc_torch.fsdp.FSDPWeightedWindow` around loss-sum
@@ -226,14 +238,7 @@ def run_fsdp(task: LoopTask) -> LoopRun:
             (loss_sum * task.loss_scale).backward()
             window.add_weight(target_count(batch["labels"]))
         result = window.finish_mean()
-        # Each rank holds a shard of every gradient: the audit reads the whole gradient, which
-        # full_tensor() all-gathers (the same call on every rank), into an unsharded twin.
-        whole = task.model_spec.build(task.weights_dtype or task.dtype).to(task.dtype)
-        sharded = dict(model.named_parameters())
-        for name, parameter in whole.named_parameters():
-            grad = sharded[name].grad
-            parameter.grad = None if grad is None else grad.full_tensor()  # type: ignore[attr-defined]
-        task.record_gradients(whole)
+        record_sharded_gradients(task, model)
         optimizer.step()
         return LoopRun(counted_tokens=result.weight)
     finally:
