@@ -23,10 +23,20 @@ from tests.wacc.audit.expected import (  # noqa: E402
     prediction_bound,
     rel_l2_tolerance,
 )
+from tests.wacc.audit.repro_check import (  # noqa: E402
+    NUMBER,
+    RUNNER,
+    WACC,
+    check_prints_its_rows_number,
+    imports,
+    rank_runs,
+    tolerance,
+)
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.metrics import relative_l2  # noqa: E402
 from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.protocol import LoopTask  # noqa: E402
+from wacc.audit.repro import write_reproducers  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
 from wacc.audit.truth import Truth, compute_truth  # noqa: E402
 from wacc.audit.windows import build_window  # noqa: E402
@@ -158,3 +168,44 @@ def test_the_audit_across_two_ranks(tmp_path: Path) -> None:
     assert (row["status"], row["verdict"]) == ("ok", "FAIL")
     assert row["rank_tokens_counted"] == "235.0;235.0" and row["ranks_agree"] == "True"
     assert row["predicted_rel_l2"] == ""
+
+
+@pytest.mark.slow
+def test_a_failing_rows_script_prints_its_number(result: AuditResult, tmp_path: Path) -> None:
+    """``--repro`` on the failing rows (``unequal``, ``zero``): each gets
+    ``torchtune-<window>.py``, which imports no wacc, loads the single-device recipe from
+    torchtune's ``recipes`` folder, runs its ``train()`` outside wacc (isolated interpreter,
+    PYTHONPATH cleared, every wacc import refused) and prints the row's float64 error within
+    :func:`tests.wacc.audit.repro_check.tolerance` and the count the audit saw."""
+    (tmp_path / "repro").mkdir()
+    written, notes = write_reproducers(result, tmp_path / "repro")
+    assert not [n for n in notes if n.startswith("torchtune")], notes
+    scripts = {r.window: r for r in written}
+    assert sorted(scripts) == ["unequal", "zero"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for window, reproducer in scripts.items():
+        assert not any(n.split(".")[0] in WACC for names in imports(reproducer.path) for n in names)
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", RUNNER, str(reproducer.path)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        (printed,) = NUMBER.findall(done.stdout)
+        want = reproducer.expected
+        assert abs(float(printed) - want) <= tolerance("torchtune", build_window(window), want)
+        (cell,) = [c for c in result.cells if c.window == window]
+        assert f"num_tokens {int(cell.counted or 0)} " in done.stdout
+
+
+@pytest.mark.slow
+def test_the_script_across_ranks_prints_its_number(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--world-size 2 --repro``: the ``unequal`` row's ``torchtune-unequal-ranks2.py`` drives
+    the distributed recipe's ``train()`` (FSDP2 through ``training.shard_model``, its sampler over
+    every rank's microbatches) under ``torch.distributed.run`` outside wacc, and rank 0 prints the
+    row's float64 error, the ranks agreeing
+    (:func:`tests.wacc.audit.repro_check.check_prints_its_rows_number`)."""
+    runs = rank_runs(["torchtune"], tmp_path_factory)
+    check_prints_its_rows_number(runs, "torchtune")
+    assert "all-reduced num_tokens 235 " in runs.done["torchtune"].stdout

@@ -386,7 +386,9 @@ ADAPTER = Adapter(
     fp16="no float16 path: its dtype setting puts the parameters in bf16 (no autocast, no scaler)",
     cause="recipes/full_finetune_single_device.py:692-706 (torchtune 0.6.1) counts "
     "current_num_tokens over the unshifted labels while _loss_step averages over the shifted ones, "
-    "so a text-completion sequence weighs one token too many (215 counted for 211); no wacc "
+    "so a text-completion sequence weighs one token too many (215 counted for 211; "
+    "recipes/full_finetune_distributed.py:778-781 counts the same way and all-reduces it, so "
+    "every rank's tokens weigh alike but 235 are counted for 228 at world size 2); no wacc "
     "integration yet: the recipe weighs by tokens already and needs only its count shifted "
     "(labels[..., 1:]).",
 )
