@@ -261,7 +261,13 @@ def _config_dataset(tokenizer: _Tokenizer) -> _GlobalView:
     return view
 
 
-_DTYPES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16"}
+# The recipe's ``dtype`` settings (it refuses fp16 itself: "full fp16 training is not supported").
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
 
 
 def _run_distributed(task: LoopTask) -> LoopRun:
