@@ -1,6 +1,8 @@
-"""torchtune's full-finetune recipe (``FullFinetuneRecipeSingleDevice.train``) driven on the CPU:
-runs where torchtune imports (torchtune 0.6.1 needs a torchao that has
-``torchao.dtypes.nf4tensor`` and ``int4_weight_only``: 0.15.0 at most), skips cleanly elsewhere."""
+"""torchtune's full-finetune recipe (``FullFinetuneRecipeSingleDevice.train``) driven on the CPU,
+and across two ranks its distributed recipe (``FullFinetuneRecipeDistributed.train``, FSDP2 on
+gloo), with the reproducers ``--repro`` writes for both: runs where torchtune imports (torchtune
+0.6.1 needs a torchao that has ``torchao.dtypes.nf4tensor`` and ``int4_weight_only``: 0.15.0 at
+most), skips cleanly elsewhere."""
 
 from __future__ import annotations
 
