@@ -12,32 +12,31 @@ run concurrently (each spends most of its time importing torch and its framework
 
 from __future__ import annotations
 
-import ast
 import csv
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.wacc.audit.expected import PRINTED_DIGITS, printed_precision  # noqa: E402
+from tests.wacc.audit.repro_check import (  # noqa: E402
+    NUMBER,
+    RUNNER,
+    WACC,
+    imports,
+    tolerance,
+)
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
-from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.protocol import Adapter  # noqa: E402
 from wacc.audit.repro import LOST, Reproducer, write_reproducers  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
-from wacc.audit.truth import compute_truth  # noqa: E402
-from wacc.audit.windows import Window, build_window  # noqa: E402
-from wacc_ref.bounds import gamma  # noqa: E402
+from wacc.audit.windows import build_window  # noqa: E402
 
 LOOPS = [
     "trainer-bert", "trainer-t5", "accelerate", "accelerate-variable", "nanogpt", "pixparse",
@@ -54,20 +53,6 @@ RESUMED = {"plain", "pixparse", "accelerate-variable", "lightning-manual"}  # re
 COVERED = {"accelerate-variable-unequal.py", "lightning-manual-unequal.py"}
 ROOT = Path(__file__).resolve().parents[3]
 FRAMEWORKS = {"torch", "transformers", "accelerate", "lightning"}
-WACC = {"wacc", "wacc_torch", "wacc_ref"}
-# Runs the script with every wacc import refused: it must not need one, even indirectly.
-RUNNER = f"""
-import runpy, sys
-
-class NoWacc:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {sorted(WACC)}:
-            raise ImportError("the reproducer imported " + name)
-
-sys.meta_path.insert(0, NoWacc())
-runpy.run_path(sys.argv[1], run_name="__main__")
-"""
-NUMBER = re.compile(r"^rel L2 error of .* accumulation vs exact: (\S+)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -140,34 +125,12 @@ def test_scripts_import_only_torch_the_framework_and_the_stdlib(runs: Runs) -> N
             assert {n.split(".")[0] for n in names} <= allowed, (reproducer.path.name, names)
 
 
-def imports(path: Path) -> list[list[str]]:
-    """The modules each import statement of the script at ``path`` names."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.append([alias.name for alias in node.names])
-        elif isinstance(node, ast.ImportFrom):
-            found.append([node.module or ""])
-    return found
-
-
 def _tolerance(reproducer: Reproducer) -> float:
     """How far the printed r = ‖F − T‖/‖T‖ may be from the row's: the exact sides differ only in
     the float64 order of the window's K additions, ‖ΔT‖ <= γ_K(float64) ‖Σ_k |g_k|‖ / N, which
     moves r by at most (1 + r) ‖ΔT‖ / (‖T‖ − ‖ΔT‖); the printed 15 significant digits add half a
     unit of the last printed digit (`printed_precision`)."""
     return tolerance(reproducer.loop, build_window(reproducer.window), reproducer.expected)
-
-
-def tolerance(loop: str, window: Window, r: float) -> float:
-    """:func:`_tolerance` of the row of ``loop`` on ``window`` (across ranks: every rank's
-    microbatches joined, the truth's window) whose number is ``r``."""
-    truth = compute_truth(MODEL_KINDS[ADAPTERS[loop].model], torch.float32, window)
-    k = len(truth.microbatch_sums)
-    spread = np.linalg.norm(sum(np.abs(g) for g in truth.microbatch_sums)) / sum(truth.targets)
-    moved = gamma(k, "float64") * spread
-    exact = float(np.linalg.norm(truth.gradient))
-    return (1 + r) * moved / (exact - moved) + printed_precision(r, PRINTED_DIGITS)
 
 
 @pytest.mark.slow

@@ -13,89 +13,20 @@ audit-extras).  The audit runs the loops across two ranks on the ``unequal`` win
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.wacc.audit.test_repro import NUMBER, RUNNER, imports, tolerance  # noqa: E402
-from wacc.audit.adapters import ADAPTERS  # noqa: E402
-from wacc.audit.repro import Reproducer, write_reproducers  # noqa: E402
+from tests.wacc.audit.repro_check import (  # noqa: E402
+    RankRuns,
+    check_prints_its_rows_number,
+    rank_runs,
+)
 from wacc.audit.repro_templates import LOOPS as TEMPLATES  # noqa: E402
-from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
-from wacc.audit.windows import build_window  # noqa: E402
 
 LOOPS = ["accelerate"]
-WORLD = 2
-
-
-@dataclass(frozen=True)
-class RankRuns:
-    """The audit across ranks, the reproducers it wrote (by loop), its notes, their runs."""
-
-    result: AuditResult
-    written: dict[str, Reproducer]
-    notes: list[str]
-    done: dict[str, subprocess.CompletedProcess[str]]
-
-
-def _torchrun(path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``python -I -m torch.distributed.run --nproc-per-node 2 <script>``, every wacc import
-    refused, PYTHONPATH cleared, in ``cwd`` (where wacc is not importable)."""
-    runner = cwd / f"{path.stem}-no-wacc.py"
-    runner.write_text(RUNNER, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # --standalone: the agent hosts the store on a port it binds itself (a port probed here and
-    # passed on could be taken by another test's process before the agent binds it).
-    return subprocess.run(
-        [sys.executable, "-I", "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(WORLD), str(runner), str(path)],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-
-
-def rank_runs(loops: list[str], tmp_path_factory: pytest.TempPathFactory) -> RankRuns:
-    """Audit ``loops`` across two ranks on ``unequal``, write their reproducers and run each
-    under ``torch.distributed.run`` (two scripts at a time).  One world at a time (``jobs=1``):
-    with two at once the GPT-2 rows were seen off (wacc audit --jobs 2, reported)."""
-    result = run_audit(
-        [ADAPTERS[n] for n in loops], [build_window("unequal")], isolate=True, jobs=1,
-        world_size=WORLD,
-    )  # fmt: skip
-    written, notes = write_reproducers(result, tmp_path_factory.mktemp("repro"))
-    cwd = tmp_path_factory.mktemp("cwd")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {r.loop: pool.submit(_torchrun, r.path, cwd) for r in written}
-        done = {loop: future.result() for loop, future in futures.items()}
-    return RankRuns(result, {r.loop: r for r in written}, notes, done)
-
-
-def check_prints_its_rows_number(runs: RankRuns, loop: str) -> None:
-    """The row FAILs across ranks, its script is ``<loop>-unequal-ranks2.py`` (no note), imports
-    no wacc, runs under torchrun, and rank 0 prints the row's f64 rel L2 within the float64
-    summation-order tolerance (:func:`tests.wacc.audit.test_repro.tolerance` over every rank's
-    microbatches), every rank holding the same gradient."""
-    (cell,) = [c for c in runs.result.cells if c.adapter == loop]
-    assert cell.verdict == "FAIL", cell.status
-    assert not [n for n in runs.notes if n.startswith(f"{loop} /")], runs.notes
-    reproducer = runs.written[loop]
-    assert reproducer.path.name == f"{loop}-unequal-ranks{WORLD}.py"
-    assert not any(n.split(".")[0] in {"wacc", "wacc_torch", "wacc_ref"}
-                   for names in imports(reproducer.path) for n in names)  # fmt: skip
-    done = runs.done[loop]
-    assert done.returncode == 0, done.stderr[-3000:]
-    (printed,) = NUMBER.findall(done.stdout)
-    (joined,) = runs.result.windows  # every rank's microbatches: the truth's window
-    expected = cell.semantic_rel_l2
-    assert abs(float(printed) - expected) <= tolerance(loop, joined, expected), (printed, expected)
-    assert "ranks agree: True" in done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,27 +1,50 @@
-"""torchtune's full-finetune recipe (``FullFinetuneRecipeSingleDevice.train``) driven on the CPU:
-runs where torchtune imports (torchtune 0.6.1 needs a torchao that has
-``torchao.dtypes.nf4tensor`` and ``int4_weight_only``: 0.15.0 at most), skips cleanly elsewhere."""
+"""torchtune's full-finetune recipe (``FullFinetuneRecipeSingleDevice.train``) driven on the CPU,
+and across two ranks its distributed recipe (``FullFinetuneRecipeDistributed.train``, FSDP2 on
+gloo), with the reproducers ``--repro`` writes for both: runs where torchtune imports (torchtune
+0.6.1 needs a torchao that has ``torchao.dtypes.nf4tensor`` and ``int4_weight_only``: 0.15.0 at
+most), skips cleanly elsewhere."""
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from numpy.typing import NDArray
 
 pytest.importorskip("torchtune", reason="torchtune (with a torchao <= 0.15) is not installed")
 
-from tests.wacc.audit.expected import prediction_bound, rel_l2_tolerance  # noqa: E402
+from tests.wacc.audit.expected import (  # noqa: E402
+    assert_close_to_prediction,
+    prediction_bound,
+    rel_l2_tolerance,
+)
+from tests.wacc.audit.repro_check import (  # noqa: E402
+    NUMBER,
+    RUNNER,
+    WACC,
+    check_prints_its_rows_number,
+    imports,
+    rank_runs,
+    tolerance,
+)
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
 from wacc.audit.metrics import relative_l2  # noqa: E402
 from wacc.audit.models import MODEL_KINDS  # noqa: E402
 from wacc.audit.protocol import LoopTask  # noqa: E402
+from wacc.audit.repro import write_reproducers  # noqa: E402
 from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
-from wacc.audit.truth import compute_truth  # noqa: E402
+from wacc.audit.truth import Truth, compute_truth  # noqa: E402
 from wacc.audit.windows import build_window  # noqa: E402
 from wacc_ref.bounds import TOLERANCES  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[3]
 WINDOWS = ("unequal", "equal", "zero")
 
 
@@ -85,3 +108,106 @@ def test_bfloat16_accumulates_in_bfloat16(tmp_path: Path) -> None:
     assert task.captured is not None
     seen = sorted({str(g.dtype) for g in task.captured.values()})
     assert seen == ["torch.bfloat16"]
+
+
+def _first_label_prediction(
+    truths: Sequence[Truth],
+) -> tuple[NDArray[np.float64], list[tuple[float, NDArray[np.float64]]], int]:
+    """What the recipe computes over every rank's microbatches together: microbatch ``(r, k)``'s
+    mean loss weighted by its unshifted label count ``n_rk + 1`` (0 for a zero-target one),
+    divided by the all-reduced ``Σ_r Σ_k (n_rk + 1)``; its terms ``(w, g)`` and that count."""
+    weights = [(n + 1 if n else 0, g, n) for t in truths
+               for g, n in zip(t.microbatch_sums, t.targets, strict=True)]  # fmt: skip
+    total = sum(w for w, _, _ in weights)
+    terms = [(w / (n * total), g) for w, g, n in weights if n]
+    return sum((w * g for w, g in terms), np.zeros_like(truths[0].gradient)), terms, total
+
+
+@pytest.mark.slow
+def test_the_distributed_recipe_counts_every_ranks_tokens() -> None:
+    """``FullFinetuneRecipeDistributed`` in a real 2-rank torchrun world (gloo, CPU; FSDP2 through
+    ``training.shard_model``), ranks holding 211 and 17 tokens (one zero-target microbatch): the
+    recipe all-reduces ``num_tokens`` and scales the FSDP-averaged gradient by ``world_size /
+    num_tokens``, so every rank hands its optimizer the same gradient, weighted over both ranks'
+    tokens together, not rank by rank: the truth but for the recipe's first-label count (each
+    sequence weighs ``n + 1``: 235 counted for 228), to rounding. Bound: the float64 sums'
+    :func:`tests.wacc.audit.expected.prediction_bound`, plus the factor ``world_size /
+    num_tokens``, a float32 tensor even in the float64 run (relative 2**-24 of every element,
+    float32's unit roundoff). A loop that weighed the ranks alike would be ~2.3 off the truth."""
+    from tests.wacc.audit.ranks_driver import expected, run_world
+
+    assert ADAPTERS["torchtune"].ranks is True
+    results = run_world("wacc.audit.adapters.torchtune:ADAPTER", 2)
+    want = expected("plain", 2)
+    prediction, terms, total = _first_label_prediction(want.truths)
+    assert total == sum(want.rank_tokens) + 7  # one per labelled sequence: 4 + 3
+    assert [r.counted for r in results] == [total, total]
+    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
+    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
+    bound = prediction_bound(terms, "float64")
+    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
+    assert_close_to_prediction(results[0].gradient, prediction, bound)
+    # Not the rank-equal weighting: its error is an order of magnitude above this one's.
+    assert want.rel(results[0].gradient) < want.predicted_equal_ranks / 10
+
+
+@pytest.mark.slow
+def test_the_audit_across_two_ranks(tmp_path: Path) -> None:
+    """``wacc audit torchtune --world-size 2`` (the CLI, as a user runs it): the rank windows'
+    row is a FAIL (the first-label count, 235 counted for 228 targets), the same count on both
+    ranks, the ranks agreeing, and no rank-equal prediction (the recipe weighs every token of
+    every rank alike)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "wacc", "audit", "torchtune", "--world-size", "2", "--windows",
+         "unequal", "--out", str(tmp_path / "out"), "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    with (tmp_path / "out" / "audit.csv").open(newline="", encoding="utf-8") as handle:
+        (row,) = [r for r in csv.DictReader(handle) if r["loop"] == "torchtune"]
+    assert (row["world_size"], row["rank_tokens"]) == ("2", "211;17")
+    assert (row["status"], row["verdict"]) == ("ok", "FAIL")
+    assert row["rank_tokens_counted"] == "235.0;235.0" and row["ranks_agree"] == "True"
+    assert row["predicted_rel_l2"] == ""
+
+
+@pytest.mark.slow
+def test_a_failing_rows_script_prints_its_number(result: AuditResult, tmp_path: Path) -> None:
+    """``--repro`` on the failing rows (``unequal``, ``zero``): each gets
+    ``torchtune-<window>.py``, which imports no wacc, loads the single-device recipe from
+    torchtune's ``recipes`` folder, runs its ``train()`` outside wacc (isolated interpreter,
+    PYTHONPATH cleared, every wacc import refused) and prints the row's float64 error within
+    :func:`tests.wacc.audit.repro_check.tolerance` and the count the audit saw."""
+    (tmp_path / "repro").mkdir()
+    written, notes = write_reproducers(result, tmp_path / "repro")
+    assert not [n for n in notes if n.startswith("torchtune")], notes
+    scripts = {r.window: r for r in written}
+    assert sorted(scripts) == ["unequal", "zero"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for window, reproducer in scripts.items():
+        assert not any(n.split(".")[0] in WACC for names in imports(reproducer.path) for n in names)
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", RUNNER, str(reproducer.path)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        (printed,) = NUMBER.findall(done.stdout)
+        want = reproducer.expected
+        assert abs(float(printed) - want) <= tolerance("torchtune", build_window(window), want)
+        (cell,) = [c for c in result.cells if c.window == window]
+        assert f"num_tokens {int(cell.counted or 0)} " in done.stdout
+
+
+@pytest.mark.slow
+def test_the_script_across_ranks_prints_its_number(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--world-size 2 --repro``: the ``unequal`` row's ``torchtune-unequal-ranks2.py`` drives
+    the distributed recipe's ``train()`` (FSDP2 through ``training.shard_model``, its sampler over
+    every rank's microbatches) under ``torch.distributed.run`` outside wacc, and rank 0 prints the
+    row's float64 error, the ranks agreeing
+    (:func:`tests.wacc.audit.repro_check.check_prints_its_rows_number`)."""
+    runs = rank_runs(["torchtune"], tmp_path_factory)
+    check_prints_its_rows_number(runs, "torchtune")
+    assert "all-reduced num_tokens 235 " in runs.done["torchtune"].stdout

@@ -17,19 +17,20 @@ The loops with a template (:data:`LOOPS`): ``transformers.Trainer`` (:mod:`.trai
 ``trainer-*`` model family, and ``peft-lora-gpt2`` / ``peft-lora-llama``, whose LoRA model the
 common part builds), ``accelerate`` and ``accelerate-variable`` (:mod:`.accelerate`), ``lightning``
 and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deepspeed``
-(:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``nanogpt``, ``pixparse``
-and ``plain``; resume bodies for ``plain``, ``pixparse``, the two ``accelerate`` and the two
-``lightning`` loops; across ranks (``ranks``: run by ``torchrun``, gloo) for ``plain`` (DDP +
-``no_sync()``), ``nanogpt`` (its DDP path), every ``trainer-*`` row (``ddp_backend="gloo"``, the
-global dataset Trainer shards; the two ``peft-lora-*`` rows too), the two ``accelerate`` loops, the
-two ``lightning`` paths (``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1``, ``pixparse``
-(its task's DDP idiom) and ``olmo-core`` (:mod:`.olmo_core`, one process too; across ranks its
-FSDP, ``Transformer.apply_fsdp``). A row across ranks needs only its ``ranks`` text (importing
-``ranks_imports``, by default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common
-part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
-over every rank's tokens, rank 0's result).
+(:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``torchtune``
+(:mod:`.torchtune`), ``nanogpt``, ``pixparse`` and ``plain``; resume bodies for ``plain``,
+``pixparse``, the two ``accelerate`` and the two ``lightning`` loops; across ranks (``ranks``: run
+by ``torchrun``, gloo) for ``plain`` (DDP + ``no_sync()``), ``nanogpt`` (its DDP path), every
+``trainer-*`` row (``ddp_backend="gloo"``, the global dataset Trainer shards; the two
+``peft-lora-*`` rows too), the two ``accelerate`` loops, the two ``lightning`` paths
+(``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1``, ``pixparse`` (its task's DDP idiom),
+``torchtune`` (its distributed recipe, FSDP2) and ``olmo-core`` (:mod:`.olmo_core`, one process
+too; across ranks its FSDP, ``Transformer.apply_fsdp``). A row across ranks needs only its
+``ranks`` text (importing ``ranks_imports``, by default ``imports``):
+:func:`wacc.audit.repro._rank_script` adds the common part (``torch.distributed`` imported and its
+gloo group up, each rank's window, the exact gradient over every rank's tokens, rank 0's result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
-torchvision), ``torchtune``, ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
+torchvision), ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
 """
 
@@ -46,6 +47,7 @@ from wacc.audit.repro_templates import (
     olmo_core,
     pixparse,
     plain,
+    torchtune,
     trainer,
     trl,
 )
@@ -163,6 +165,14 @@ LOOPS: dict[str, LoopTemplate] = {
         ranks=deepspeed.ZERO1_RANKS,
     ),
     **{name: _LORA for name in ("peft-lora-gpt2", "peft-lora-llama")},
+    "torchtune": LoopTemplate(
+        "torchtune full_finetune recipe",
+        ("torchtune", "torchao", "torchdata"),
+        torchtune.IMPORTS,
+        torchtune.BODY,
+        ranks=torchtune.RANKS,
+        ranks_imports=torchtune.RANKS_IMPORTS,
+    ),
     "trl-sft": LoopTemplate("TRL SFTTrainer", _TRL, trl.IMPORTS, trl.PADDING),
     "trl-sft-packing": LoopTemplate(
         "TRL SFTTrainer (packing)",
