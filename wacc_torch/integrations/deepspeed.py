@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from wacc_torch.accumulator import WeightedGradientsAccumulator
-from wacc_torch.distributed import _exchange, _local_report, _membership
+from wacc_torch.distributed import _agreed_layout
 from wacc_torch.integrations._framework import require
 from wacc_torch.integrations._token_window import finish_window
 from wacc_torch.normalize import divide_sums
@@ -206,15 +206,7 @@ def _share_of_mean(sums: AccumulatedGradients, *, group: Any) -> AccumulatedGrad
     :class:`~wacc_torch.ZeroTotalWeightError` on every rank).  A parameter with a buffer on some
     rank but not here is zeros here (every rank hands DeepSpeed the same parameters); one with
     a buffer nowhere stays None on every rank.  ``found_inf`` is this rank's share's."""
-    caller = "TokenWeightedEngine.step"
-    world_size = _membership(group, caller=caller)
-    layout = _exchange(
-        _local_report(sums, caller=caller),
-        group=group,
-        world_size=world_size,
-        caller=caller,
-        normalize=True,
-    )
+    layout = _agreed_layout(sums, group=group, caller="TokenWeightedEngine.step", normalize=True)
     local = {name: grad for name, grad in sums.grads.items() if grad is not None}
     shares, check = divide_sums(
         local, loss_scale=layout.loss_scale, total_weight=layout.weight, in_place=True,
