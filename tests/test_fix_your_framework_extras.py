@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.fix_your_framework import run_page
+from tests.fix_your_framework import PAGES, blocks, run_page
 
 
 # Lightning 2.6.6's own use of a torch pytree API that torch 2.13 deprecates.
@@ -32,21 +33,28 @@ def test_deepspeed_engine_runs_and_checkpoints(
 ) -> None:
     """On a one-process CPU world (what the `deepspeed` launcher would set up), the wrapped
     engine steps once per window, each mean divided by the window's 27 tokens, and its
-    mid-window checkpoint carries a record of the 2 pending microbatches."""
+    mid-window checkpoint carries a record of the 2 pending microbatches; the ZeRO 1 block does
+    the same on a ZeRO 1 engine, its checkpoint next to ZeRO's partitioned optimizer state."""
     pytest.importorskip("deepspeed")
     from wacc.audit.adapters.deepspeed import _world
 
     monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "__fix_your_framework__"}
+    page = str(PAGES / "deepspeed.md")
     with _world(torch.float32):
-        namespace = run_page("deepspeed.md", tmp_path)
-        engine = namespace["engine"]
-        assert engine.global_steps == 2 and namespace["result"].weight == 27.0
         from wacc_torch.integrations.deepspeed import RECORD_KEY, TokenWeightedEngine
 
-        fresh = TokenWeightedEngine(engine)
-        _, client_state = fresh.load_checkpoint("checkpoints")
-        assert RECORD_KEY not in client_state
-        assert fresh.accumulator.state.issued == 2 and fresh.accumulator.state.total_weight == 8
+        stages = {0: "checkpoints", 1: "checkpoints-zero1"}
+        for block, (stage, directory) in zip(blocks("deepspeed.md"), stages.items(), strict=True):
+            exec(compile(block, page, "exec"), namespace)
+            engine = namespace["engine"]
+            assert engine.zero_optimization_stage() == stage
+            assert engine.global_steps == 2 and namespace["result"].weight == 27.0
+            fresh = TokenWeightedEngine(engine)
+            _, client_state = fresh.load_checkpoint(directory)
+            assert RECORD_KEY not in client_state
+            assert fresh.accumulator.state.issued == 2
+            assert fresh.accumulator.state.total_weight == 8
 
 
 def test_keras_train_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,14 +151,7 @@ def _all_reduce(
     caller: str,
     normalize: bool,
 ) -> AccumulatedGradients:
-    world_size = _membership(group, caller=caller)
-    layout = _exchange(
-        _local_report(sums, caller=caller),
-        group=group,
-        world_size=world_size,
-        caller=caller,
-        normalize=normalize,
-    )
+    layout = _agreed_layout(sums, group=group, caller=caller, normalize=normalize)
     # From here on the input is known to be a valid AccumulatedGradients on every rank.
     reduced = _reduce_buffers(sums.grads, layout=layout, group=group)
     grads: dict[str, torch.Tensor | None] = {name: reduced.get(name) for name in sums.grads}
@@ -182,6 +175,21 @@ def _all_reduce(
         zero_weight=layout.zero_weight,
         normalized=normalize,
         found_inf=overflowed,
+    )
+
+
+def _agreed_layout(
+    sums: object, *, group: ProcessGroup | None, caller: str, normalize: bool
+) -> _GlobalLayout:
+    """The group's membership checked, then the one metadata exchange of every rank's report on
+    ``sums``: the layout every rank agrees on, or the same exception on every rank."""
+    world_size = _membership(group, caller=caller)
+    return _exchange(
+        _local_report(sums, caller=caller),
+        group=group,
+        world_size=world_size,
+        caller=caller,
+        normalize=normalize,
     )
 
 

@@ -57,6 +57,7 @@ _BUILTIN = (
     "deepspeed",
     "deepspeed+wacc",
     "deepspeed-zero1",
+    "deepspeed-zero1+wacc",
     "peft-lora-gpt2",
     "peft-lora-gpt2+wacc",
     "peft-lora-llama",

@@ -5,12 +5,13 @@ audit shows a "not installed" row)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ class Audited(NamedTuple):
     printed: str  # its stdout and stderr
     changed_env: list[str]  # environment variables it changed
     hook_kept: bool  # sys.excepthook is the one from before
+    autocast: tuple[Any, Any]  # DeepSpeed's torch_autocast globals: (before, after) the audit
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,12 @@ def audit() -> Audited:
     """The audit, run from an empty working directory with its output captured."""
     out = io.StringIO()
     env, hook = dict(os.environ), sys.excepthook
+    autocast = importlib.import_module("deepspeed.runtime.torch_autocast")
+
+    def flags() -> tuple[bool, Any]:
+        return autocast.TORCH_AUTOCAST_INITIALIZED, autocast.TORCH_AUTOCAST_DTYPE
+
+    before_flags = flags()
     with tempfile.TemporaryDirectory(prefix="wacc-deepspeed-cwd-") as cwd:
         before = Path.cwd()
         os.chdir(cwd)
@@ -65,7 +73,8 @@ def audit() -> Audited:
             os.chdir(before)
         left = sorted(os.listdir(cwd))
     changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
-    return Audited(result, left, out.getvalue(), changed, sys.excepthook is hook)
+    kept = sys.excepthook is hook
+    return Audited(result, left, out.getvalue(), changed, kept, (before_flags, flags()))
 
 
 def _cell(result: AuditResult, window: str) -> Cell:
@@ -205,9 +214,13 @@ def test_fp16_config_is_refused_without_cpu_float16() -> None:
 
 @pytest.mark.slow
 def test_global_state_is_put_back(audit: Audited) -> None:
-    """After the audit: no process group, the environment variables and sys.excepthook as they
-    were, nothing left in the working directory, nothing printed (DeepSpeed logs to stdout)."""
+    """After the audit: no process group, the environment variables, sys.excepthook and
+    DeepSpeed's torch_autocast globals (set for good by the float16 engine, read by every later
+    ZeRO optimizer) as they were, nothing left in the working directory, nothing printed
+    (DeepSpeed logs to stdout)."""
     assert not torch.distributed.is_initialized()
     assert audit.changed_env == [] and audit.hook_kept
+    before, after = audit.autocast
+    assert after == before
     assert audit.left == []
     assert audit.printed == ""

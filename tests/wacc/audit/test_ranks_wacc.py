@@ -48,7 +48,7 @@ def _available(loop: str) -> None:
         pytest.skip(f"{loop}: {missing}")
 
 
-@pytest.mark.parametrize("loop", TORCH_ONLY + EXTRAS)
+@pytest.mark.parametrize("loop", [*TORCH_ONLY, *EXTRAS, "deepspeed-zero1+wacc"])
 def test_wacc_row_passes_every_window_across_ranks(loop: str) -> None:
     """At world size 2 the row runs (``ranks=True``) and passes on the unequal rank windows
     (211 and 17 tokens, one zero-token microbatch; the equal window is the committed audit's):
@@ -67,7 +67,7 @@ def test_wacc_row_passes_every_window_across_ranks(loop: str) -> None:
         assert cell.verdict == "pass", (cell.window, cell.semantic_ratio)
 
 
-@pytest.mark.parametrize("loop", TORCH_ONLY + EXTRAS)
+@pytest.mark.parametrize("loop", [*TORCH_ONLY, *EXTRAS])
 def test_wacc_row_skips_a_one_rank_overflow_on_every_rank(loop: str) -> None:
     """The float16 path across two ranks, the overflow spike in rank 0's window only: the
     reduced window overflows on every rank, so no rank applies it (the parameters stay a fresh

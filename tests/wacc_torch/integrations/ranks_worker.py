@@ -7,7 +7,9 @@ Run as ``python -m torch.distributed.run --nproc-per-node=2 ranks_worker.py MODE
 ``accumulate()`` loop), ``trainer`` (``WaccTrainer.train()`` on the global dataset the Trainer
 shards), ``empty`` (``WaccAccumulation`` on a window without a single target on any rank),
 ``resume`` (``accelerate``, with ``save_state`` after two microbatches, everything rebuilt and
-``load_state``).
+``load_state``), ``zero1`` (``TokenWeightedEngine`` on DeepSpeed's ZeRO 1 engine with
+``"gradient_allreduce_op": "sum"``; the gradient read right before the ZeRO optimizer's step with
+``safe_get_full_grad``), ``zero1-idle`` (the same, rank 1's window without a single target).
 """
 
 from __future__ import annotations
@@ -143,11 +145,44 @@ def _trainer(rank: int) -> dict[str, Any]:
     return {"grads": seen, "steps": [], "window_tokens": trainer.window_tokens}
 
 
+def _zero1(rank: int, *, idle: bool) -> dict[str, Any]:
+    from wacc.audit.adapters.deepspeed import _world
+    from wacc_torch.integrations.deepspeed import TokenWeightedEngine
+
+    with _world(torch.float32, WORLD) as deepspeed:
+        model = build_model()
+        config = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False, "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+            "gradient_allreduce_op": "sum",
+        }  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        seen: dict[str, Any] = {}
+        zero_step = engine.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:  # after ZeRO 1's reduce, before its step
+            full = deepspeed.utils.safe_get_full_grad
+            seen.update({n: full(p).detach().clone() for n, p in model.named_parameters()})
+            return zero_step(*args, **kwargs)
+
+        engine.optimizer.step = step
+        weighted = TokenWeightedEngine(engine)
+        for inputs, labels in rank_data(rank, empty=idle and rank == 1):
+            loss = F.cross_entropy(engine(inputs), labels, ignore_index=-100)
+            weighted.backward(loss, tokens=int((labels != -100).sum()))
+        result = weighted.step()
+    return {"grads": seen, "steps": [], "window_tokens": result.weight}
+
+
 def _main(mode: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     os.environ["WORKER_OUT"] = str(out)
     if mode == "trainer":
         saved = _trainer(rank)
+    elif mode.startswith("zero1"):
+        saved = _zero1(rank, idle=mode == "zero1-idle")
     else:
         saved = _accelerate(
             rank, empty=mode == "empty", resume_after=2 if mode == "resume" else None

@@ -114,3 +114,31 @@ def test_a_mid_window_save_state_keeps_every_ranks_window() -> None:
         assert again["window_tokens"] == once["window_tokens"] == TOTAL
         for name, grad in once["grads"].items():
             assert torch.equal(again["grads"][name], grad), name
+
+
+def test_deepspeed_zero1_window_is_the_token_mean_over_both_ranks() -> None:
+    """``TokenWeightedEngine`` on a ZeRO 1 engine with ``"gradient_allreduce_op": "sum"``: each
+    rank's sums over both ranks' 228 tokens, added by ZeRO 1's own reduce, give the partitioned
+    optimizer the token mean over both ranks, the same bits on every rank."""
+    pytest.importorskip("deepspeed")
+    _check(run_ranks("zero1", timeout=600))
+
+
+def test_deepspeed_zero1_rank_without_targets_sends_zeros() -> None:
+    """Rank 1's window holds no target (no buffer at all): it hands ZeRO 1's reduce zeros for
+    every parameter rank 0 has a buffer for, so both ranks reduce the same buckets and get rank
+    0's token mean over its 211 tokens, within the bound of its float64 truth."""
+    pytest.importorskip("deepspeed")
+    results = run_ranks("zero1-idle", timeout=600)
+    data = rank_data(0)
+    inputs, labels = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    slices, start = [], 0
+    for batch, _ in data:
+        slices.append(slice(start, start + len(batch)))
+        start += len(batch)
+    assert [r["window_tokens"] for r in results] == [211, 211]
+    truth = _truth(inputs, labels)
+    for name in truth:
+        np.testing.assert_array_equal(results[1]["grads"][name], results[0]["grads"][name])
+    ratio = _ratio(results[0]["grads"], truth, _bound(inputs, labels, slices))
+    assert ratio <= 1.0, f"error/bound = {ratio}"

@@ -62,6 +62,7 @@ ADAPTERS: dict[str, Adapter] = {
         deepspeed.ADAPTER,
         deepspeed_wacc.ADAPTER,
         deepspeed.ZERO1,
+        deepspeed_wacc.ZERO1,
         peft_lora.LORA_GPT2,
         trainer_wacc.LORA_GPT2,
         peft_lora.LORA_LLAMA,

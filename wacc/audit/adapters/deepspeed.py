@@ -191,6 +191,11 @@ def _world(dtype: torch.dtype, world_size: int = 1) -> Iterator[Any]:
         deepspeed: Any = importlib.import_module("deepspeed")
         accelerators: Any = importlib.import_module("deepspeed.accelerator")
         before = accelerators.get_accelerator()
+        # A torch_autocast engine sets these module globals for good, and every later ZeRO
+        # optimizer in the process reads them (stage_1_and_2.py:608-612: a GradScaler of its own
+        # even without torch_autocast): put back too.
+        autocast: Any = importlib.import_module("deepspeed.runtime.torch_autocast")
+        autocast_state = (autocast.TORCH_AUTOCAST_INITIALIZED, autocast.TORCH_AUTOCAST_DTYPE)
         created = not torch.distributed.is_initialized()
         port = str(_free_port())
         alone = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
@@ -203,6 +208,7 @@ def _world(dtype: torch.dtype, world_size: int = 1) -> Iterator[Any]:
             if created and torch.distributed.is_initialized():
                 deepspeed.comm.destroy_process_group()
             accelerators.set_accelerator(before)
+            autocast.TORCH_AUTOCAST_INITIALIZED, autocast.TORCH_AUTOCAST_DTYPE = autocast_state
             sys.excepthook = hook
 
 
@@ -343,7 +349,9 @@ ZERO1 = DeepSpeedAdapter(
     run=run_zero1,
     fp16="ZeRO 1 audited across ranks only",
     ranks=True,
+    fixed_by="deepspeed-zero1+wacc",
     cause="deepspeed/runtime/engine.py:3413 (deepspeed 0.19.8, DeepSpeedEngine.backward) divides "
-    "each microbatch's loss by gradient_accumulation_steps, as at ZeRO 0; no wacc integration "
-    "yet: TokenWeightedEngine takes ZeRO 0 only (ZeRO 1 partitions the gradient it writes).",
+    "each microbatch's loss by gradient_accumulation_steps, as at ZeRO 0, and ZeRO 1's reduce "
+    "(runtime/zero/stage_1_and_2.py:1485-1508, gradient_reduction_w_predivide) averages the "
+    "ranks: every microbatch of every rank weighs 1/(N K).",
 )

@@ -32,30 +32,84 @@ self.enable_backward_allreduce``), and its ``step()`` reduces the window once:
 :func:`wacc_torch.all_reduce_mean` of every rank's ``finish_sums()`` (semantics §7).  Every
 rank's ``.grad`` holds the same mean over every rank's tokens, so the ``torch_autocast``
 ``GradScaler`` finds the same overflow on every rank.
+
+``deepspeed-zero1+wacc``: the same loop on the ``deepspeed-zero1`` row's ZeRO 1 engine, built with
+``"gradient_allreduce_op": "sum"`` as well.  ZeRO 1's reduce in ``engine.step()``
+(``reduce_gradients``, ``runtime/zero/stage_1_and_2.py:958``) is the only way its partitioned
+optimizer gets a gradient, so it stays on; with ``"sum"`` its ``gradient_reduction_w_predivide``
+(``stage_1_and_2.py:1485-1508``) all-reduces without ``div_(dp_world_size)``, and
+``TokenWeightedEngine.step()`` writes each rank's sums divided by every rank's tokens into
+``.grad``: the reduce's sum is the token mean.  The gradient is read right before the ZeRO
+optimizer's ``step`` (after that reduce: ``safe_get_full_grad``, as the ``deepspeed-zero1`` row
+reads it).  The float64 copy runs ZeRO 1's "mode 2": DeepSpeed takes float64 parameters for
+float32 ones (``engine.py`` ``get_data_types``: ``model_dtype`` float32 unless fp16/bf16) and
+accumulates in float32 (``use_grad_accum_attribute``, ``stage_1_and_2.py:397-404``), so each
+microbatch's gradient reaches the accumulator through ``.grad_accum``, rounded to float32 once;
+its err/bound is that rounding (about 0.1), not float64 noise.  Float16 is not audited, as for
+the ``deepspeed-zero1`` row: ZeRO 1's ``torch_autocast`` path (the ZeRO optimizer's own
+``GradScaler``) skips an overflowing window whole, its norm check finding the inf
+(``stage_1_and_2.py:3043-3050``), but returns before ``_optimizer_step`` reaches the scaler's
+``update()`` (``:2978``): the scale never backs off (run here on the overflow window, with and
+without the wrapper: 65536 -> 65536).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from wacc.audit.adapters.deepspeed import DeepSpeedAdapter, _engine, _scale, _world
+import torch
+
+from wacc.audit.adapters.deepspeed import (
+    DeepSpeedAdapter,
+    _engine,
+    _FullGradients,
+    _scale,
+    _world,
+)
 from wacc.audit.protocol import LoopRun, LoopTask
 from wacc.audit.windows import target_count
 
-__all__ = ["ADAPTER"]
+__all__ = ["ADAPTER", "ZERO1"]
 
 
 def run(task: LoopTask) -> LoopRun:
     """The loop of the module docstring."""
+    return _run(task, stage=0)
+
+
+def run_zero1(task: LoopTask) -> LoopRun:
+    """The same loop at ZeRO 1, with ``"gradient_allreduce_op": "sum"`` (module docstring)."""
+    return _run(task, stage=1)
+
+
+def _record_before_step(task: LoopTask, engine: Any, model: torch.nn.Module) -> None:
+    """ZeRO 1 steps the client ``SGD`` on its flat partition: the gradient is read right before
+    the ZeRO optimizer's ``step`` (after ``engine.step()``'s reduce), every parameter's full
+    gradient through ``safe_get_full_grad`` (an observation: the step itself is unchanged)."""
+    zero = engine.optimizer
+    step = zero.step
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        task.record_gradients(_FullGradients(model))
+        return step(*args, **kwargs)
+
+    zero.step = recorded
+
+
+def _run(task: LoopTask, *, stage: int) -> LoopRun:
     from wacc_torch.integrations.deepspeed import TokenWeightedEngine
 
     data = task.dataset
+    options: dict[str, Any] = {"managed_gradient_accumulation": False,
+                               "gradient_accumulation_steps": 1}  # fmt: skip
+    if stage == 1:  # ZeRO 1's reduce is the window's one SUM of the ranks' shares
+        options["gradient_allreduce_op"] = "sum"
     with _world(task.dtype, task.world_size) as deepspeed:
 
         def fresh() -> tuple[Any, TokenWeightedEngine]:
-            engine, _ = _engine(
-                task, deepspeed, managed_gradient_accumulation=False, gradient_accumulation_steps=1
-            )
+            engine, model = _engine(task, deepspeed, stage, **options)
+            if stage == 1:
+                _record_before_step(task, engine, model)
             return engine, TokenWeightedEngine(engine)
 
         engine, weighted = fresh()
@@ -92,5 +146,22 @@ ADAPTER = DeepSpeedAdapter(
     checkpoint=None,
     run=run,
     fp16=None,
+    ranks=True,
+)
+ZERO1 = DeepSpeedAdapter(
+    name="deepspeed-zero1+wacc",
+    title="DeepSpeed engine, ZeRO 1, with TokenWeightedEngine",
+    requires=("deepspeed",),
+    model="plain",
+    code_path="deepspeed.initialize(ZeRO 1, managed_gradient_accumulation=False, "
+    "gradient_allreduce_op=sum); TokenWeightedEngine(engine): backward(loss, tokens) = "
+    "engine.backward(loss, scale_wrt_gas=False) + accumulate_mean; step() = this rank's sums / "
+    "global tokens into .grad + engine.step() (ZeRO 1's SUM reduce)",
+    checked="deepspeed 0.19.8 (CPU, gloo, run here)",
+    loss_scale=False,
+    checkpoint=None,
+    run=run_zero1,
+    fp16="ZeRO 1's torch_autocast step never backs off its GradScaler "
+    "(stage_1_and_2.py:3043-3050 return before :2978's update)",
     ranks=True,
 )
