@@ -1,8 +1,9 @@
 """litgpt's full fine-tuning loop (``finetune/full.py`` ``fit``'s accumulation on a real
 ``lightning.Fabric``), at precision ``32-true`` and ``bf16-mixed``: at world size 1, across two
 data-parallel ranks (Fabric's ``DDPStrategy`` in a real ``torch.distributed.run`` world, gloo,
-CPU), and the reproducers ``--repro`` writes for both; runs where litgpt imports, skips cleanly
-elsewhere."""
+CPU), the reproducers ``--repro`` writes for both, and their ``+wacc`` rows (``fit`` with
+``WeightedGradientsAccumulator``) and the docs page that shows them; runs where litgpt imports,
+skips cleanly elsewhere."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 pytest.importorskip("litgpt", reason="litgpt is not installed")
 
+from tests.fix_your_framework import run_page  # noqa: E402
 from tests.wacc.audit.expected import (  # noqa: E402
     PRINTED_DIGITS,
     assert_close_to_prediction,
@@ -33,6 +35,8 @@ from tests.wacc.audit.expected import (  # noqa: E402
     rel_l2_tolerance,
     truth_terms,
 )
+from tests.wacc.audit.fixed import WINDOWS as ALL_WINDOWS  # noqa: E402
+from tests.wacc.audit.fixed import assert_every_window_passes, assert_points_to  # noqa: E402
 from tests.wacc.audit.ranks_driver import expected, run_world  # noqa: E402
 from tests.wacc.audit.test_ranks import NO_WACC, NUMBER, ROOT  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
@@ -45,6 +49,7 @@ from wacc.audit.windows import Window, build_window, rank_windows, world_window 
 
 WINDOWS = ("unequal", "equal")
 LOOPS = ("litgpt", "litgpt-bf16-mixed")
+FIXES = {loop: f"{loop}+wacc" for loop in LOOPS}
 WORLD = 2
 # The rounding of each row's float64 run: a float64 Fabric run for 32-true; for bf16-mixed,
 # Fabric's MixedPrecision.convert_output rounds the logits to float32 (the adapter's docstring).
@@ -133,8 +138,9 @@ def test_fabric_ddp_hands_every_rank_the_equal_microbatch_gradient() -> None:
 
 @dataclass(frozen=True)
 class RankAudit:
-    """``wacc audit litgpt litgpt-bf16-mixed --world-size 2 --repro``: its rows by loop, the
-    reproducers it wrote, and what each printed under torchrun."""
+    """``wacc audit`` of the two litgpt rows and their ``+wacc`` rows with ``--world-size 2
+    --repro``: its rows by loop, the reproducers it wrote, and what each printed under
+    torchrun."""
 
     done: subprocess.CompletedProcess[str]
     rows: dict[str, dict[str, str]]
@@ -161,7 +167,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> RankAudit:
     reproducer it wrote under torchrun outside wacc."""
     tmp = tmp_path_factory.mktemp("litgpt-ranks")
     done = subprocess.run(
-        [sys.executable, "-m", "wacc", "audit", *LOOPS, "--world-size", str(WORLD), "--windows",
+        [sys.executable, "-m", "wacc", "audit", *LOOPS, *FIXES.values(), "--world-size", str(WORLD),
+         "--windows",
          "unequal", "--out", str(tmp / "out"), "--repro", str(tmp / "repro"), "--quiet"],
         cwd=tmp, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=900,
@@ -250,3 +257,63 @@ def test_reproducer_at_world_size_1_prints_the_rows_error(
         rounding = ROUNDING[reproducer.loop]
         _assert_equal_microbatch_error(float(printed), truth, rounding, printed=True)
         _assert_equal_microbatch_error(reproducer.expected, truth, rounding)
+
+
+@pytest.fixture(scope="module")
+def fixed() -> AuditResult:
+    """The ``+wacc`` rows on every window the audit knows, at world size 1."""
+    return run_audit(
+        [ADAPTERS[fix] for fix in FIXES.values()], [build_window(w) for w in ALL_WINDOWS]
+    )
+
+
+def test_fit_with_the_accumulator_passes_every_window(fixed: AuditResult) -> None:
+    """``litgpt+wacc`` (``fabric.backward(loss)``, ``accumulate_mean`` with the count
+    ``chunked_cross_entropy`` averaged over, ``finish_window(acc).apply_to(model)``): a pass on
+    every window, dividing by the window's true count, its float64 run float64-exact."""
+    assert_every_window_passes(fixed, "litgpt+wacc")
+
+
+def test_bf16_mixed_fit_with_the_accumulator_passes_every_window(fixed: AuditResult) -> None:
+    """``litgpt-bf16-mixed+wacc``: the verdict (the float64 run, its logits rounded to float32 by
+    Fabric) passes on every window with the window's true count; the float32 run carries the
+    bfloat16 forward's rounding (no bound covers it), so only the verdict is asserted."""
+    cells = [c for c in fixed.cells if c.adapter == "litgpt-bf16-mixed+wacc"]
+    assert [c.window for c in cells] == list(ALL_WINDOWS)
+    for cell in cells:
+        assert (cell.status, cell.verdict) == ("ok", "pass"), (cell.window, cell.semantic_ratio)
+        assert cell.counted == cell.true_count and cell.finite and cell.deterministic
+
+
+@pytest.mark.parametrize(("loop", "fix"), FIXES.items())
+def test_the_failing_loop_points_to_its_fix(loop: str, fix: str) -> None:
+    """Each litgpt row names its ``+wacc`` row (registered right after it) and its cause."""
+    assert_points_to(loop, fix)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fix", FIXES.values())
+def test_fix_across_two_ranks_divides_by_every_ranks_tokens(ranks: RankAudit, fix: str) -> None:
+    """``wacc audit --world-size 2``: each ``+wacc`` row (``no_backward_sync`` on every
+    microbatch, ``finish_window`` = one ``all_reduce_mean`` of the ranks' sums and counts)
+    passes, each rank dividing by both ranks' 228 tokens, the ranks agreeing bit for bit; the
+    ``32-true`` row's float64 run is the truth to float64 rounding."""
+    row = ranks.rows[fix]
+    assert (row["verdict"], row["ranks_agree"], row["rank_tokens"]) == ("pass", "True", "211;17")
+    assert row["rank_tokens_counted"] == "228.0;228.0"
+    if fix == "litgpt+wacc":
+        truth = _joined(rank_windows("unequal", WORLD))
+        bound = prediction_bound(truth_terms(truth), "float64")
+        measured = float(row["f64_rel_l2"])
+        assert measured <= rel_l2_tolerance(bound, truth.gradient, measured)
+
+
+def test_fix_your_framework_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/fix-your-framework/litgpt.md's block runs as written on a litgpt ``GPT``: two
+    optimizer steps, the last window's weight the targets ``chunked_cross_entropy`` averaged over
+    (a sample without targets counting 0)."""
+    monkeypatch.chdir(tmp_path)
+    namespace = run_page("litgpt.md", tmp_path)
+    assert namespace["state"]["step_count"] == 2
+    targets = sum(int((d["labels"][1:] != -100).sum()) for d in namespace["data"])
+    assert namespace["result"].weight == targets and targets > 0

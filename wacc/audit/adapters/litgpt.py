@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ from torch import nn
 
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["BF16_MIXED", "TRUE_32"]
+__all__ = ["BF16_MIXED", "TRUE_32", "fit", "setup"]
 
 
 class _Logits(nn.Module):
@@ -94,9 +95,14 @@ def _strategy(task: LoopTask, lightning: Any) -> Any:
     return lightning.fabric.strategies.DDPStrategy(process_group_backend=task.backend)
 
 
-def _fit(task: LoopTask, precision: str) -> LoopRun:
-    """``setup``/``main``/``fit`` over the window on a Fabric at ``precision`` (module
-    docstring)."""
+# ``main``'s part under ``fabric.launch``: (fabric, task, train, devices, num_nodes) -> the
+# count the loop divided by (None: it never divides by one).
+Main = Callable[[Any, LoopTask, Any, int, int], "float | None"]
+
+
+def fit(task: LoopTask, precision: str, main: Main) -> LoopRun:
+    """``setup``: a Fabric at ``precision`` on ``task.world_size`` CPU devices, ``TrainArgs``,
+    then ``fabric.launch(main, ...)`` (module docstring)."""
     lightning: Any = importlib.import_module("lightning")  # typed only where it is installed
     from litgpt.args import TrainArgs
 
@@ -113,19 +119,19 @@ def _fit(task: LoopTask, precision: str) -> LoopRun:
         global_batch_size=task.num_microbatches * devices * num_nodes, micro_batch_size=1, epochs=1
     )
     try:
-        fabric.launch(_main, task, train, devices, num_nodes)
+        counted = fabric.launch(main, task, train, devices, num_nodes)
     finally:
         # Fabric's strategy holds the DDP module and the process group: gone before the audit
         # destroys the group (a DDP reducer freed at exit can abort gloo).
         del fabric
         gc.collect()
-    return LoopRun(counted_tokens=None)
+    return LoopRun(counted_tokens=counted)
 
 
-def _main(fabric: Any, task: LoopTask, train: Any, devices: int, num_nodes: int) -> None:
-    """``main``'s setup and ``fit``'s loop (L272-294) up to its first optimizer step."""
-    from litgpt.utils import CycleIterator, chunked_cross_entropy
-
+def setup(fabric: Any, task: LoopTask) -> tuple[Any, Any, Any]:
+    """``main``'s setup: the model behind ``fabric.setup``, SGD (read in its step pre-hook)
+    behind ``fabric.setup_optimizers``, the window behind ``fabric.setup_dataloaders``; returns
+    them."""
     model = task.build_model()
     model.train()
     wrapped = fabric.setup(_Logits(model))
@@ -137,6 +143,14 @@ def _main(fabric: Any, task: LoopTask, train: Any, devices: int, num_nodes: int)
         torch.utils.data.DataLoader(task.dataset, batch_size=1, shuffle=False),
         use_distributed_sampler=False,
     )
+    return wrapped, optimizer, loader
+
+
+def _main(fabric: Any, task: LoopTask, train: Any, devices: int, num_nodes: int) -> None:
+    """``main``'s setup and ``fit``'s loop (L272-294) up to its first optimizer step."""
+    from litgpt.utils import CycleIterator, chunked_cross_entropy
+
+    model, optimizer, loader = setup(fabric, task)
     state: dict[str, Any] = {"iter_num": 0, "step_count": 0}
     train_iterator = CycleIterator(loader)
     while state["step_count"] < 1:  # fit's loop (L272-294), up to its first optimizer step
@@ -146,8 +160,8 @@ def _main(fabric: Any, task: LoopTask, train: Any, devices: int, num_nodes: int)
         is_accumulating = (
             state["iter_num"] % train.gradient_accumulation_iters(devices, num_nodes) != 0
         )
-        with fabric.no_backward_sync(wrapped, enabled=is_accumulating):
-            logits = wrapped(input_ids)
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            logits = model(input_ids)
             loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])
             fabric.backward(loss / train.gradient_accumulation_iters(devices, num_nodes))
         if not is_accumulating:
@@ -168,13 +182,13 @@ def _adapter(name: str, precision: str, title: str) -> Adapter:
         checked="litgpt 0.5.13 with lightning 2.6.6 (CPU, run here)",
         loss_scale=False,
         checkpoint="fit saves at save_interval optimizer steps, never inside a window",
-        run=lambda task: _fit(task, precision),
+        run=lambda task: fit(task, precision, _main),
         fp16="no float16 path on the CPU: litgpt's 16-mixed is Fabric's GPU precision",
         ranks=True,
-        cause="litgpt/finetune/full.py:272-294 (litgpt 0.5.13, fit) divides each microbatch's mean "
-        "loss by gradient_accumulation_iters, so every microbatch weighs the same; no wacc "
-        "integration yet: fit's loop is nanoGPT's under Fabric, and nanogpt+wacc shows it written "
-        "with WeightedGradientsAccumulator.",
+        fixed_by=f"{name}+wacc",
+        cause="litgpt/finetune/full.py:285 (litgpt 0.5.13, fit) divides each microbatch's mean "
+        "loss by gradient_accumulation_iters, so every microbatch weighs the same (and across "
+        "ranks Fabric's DDP averages the ranks).",
     )
 
 
