@@ -53,10 +53,12 @@ a ``DistributedSampler`` over one shared dataset). What decides the weighting ac
 (it divides by the world size): every microbatch of every rank weighs 1 / (N K), whatever its
 tokens.  The audit must find a FAIL equal to the equal-microbatch prediction (not the equal-rank
 one: ``weighs_ranks_equally`` is False).  Measured at N = 2 (ranks of 211 and 17 tokens, one with a
-zero-token microbatch; ``tests/wacc/audit/test_litgpt.py``): rel L2 4.726084520055488, the
-equal-microbatch prediction to float64 rounding (``32-true``; ``bf16-mixed`` to float32 rounding),
-the ranks bit-identical.  On a GPU, litgpt's ``FSDPStrategy`` weighs the same (FSDP averages the
-ranks' gradients too) and at ``bf16-mixed`` would also reduce them in bfloat16
+zero-token microbatch): rel L2 4.726084520055488 on the test driver's windows (``ranks_driver.py``),
+4.635859359928037 on the audit's ``unequal`` rank windows, each the equal-microbatch prediction to
+float64 rounding (``32-true``; ``bf16-mixed`` to float32 rounding), the ranks bit-identical
+(``tests/wacc/audit/test_litgpt.py``).  The fix is ``litgpt+wacc``
+(:mod:`wacc.audit.adapters.litgpt_wacc`).  On a GPU, litgpt's ``FSDPStrategy`` weighs the same (FSDP
+averages the ranks' gradients too) and at ``bf16-mixed`` would also reduce them in bfloat16
 (``FSDPPrecision.mixed_precision_config``: ``reduce_dtype=torch.bfloat16``), which is not run here.
 """
 

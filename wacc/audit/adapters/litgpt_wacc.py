@@ -15,20 +15,20 @@
             finish_window(acc).apply_to(model)  # Σ_k n_k mean_k / Σ_k n_k, over every rank
             optimizer.step()
 
-Three lines change and two come in: the division by ``gradient_accumulation_iters`` goes,
-``accumulate_mean`` follows each backward with the count ``chunked_cross_entropy``'s mean
-divided by (its ``non_masked_elems``: the shifted targets that are not ``-100``; a microbatch
-without targets has a mean of 0 and weight 0), and ``finish_window(acc).apply_to(model)`` comes
-before the step.  ``finish_window`` is :func:`wacc_torch.integrations.lightning.finish_window`
-(Fabric is Lightning's): ``acc.finish_mean()`` on one device; across ranks every rank's sums and
-token counts reduced once by :func:`wacc_torch.all_reduce_mean` (semantics §7), so DDP's own
-all-reduce must not run: ``no_backward_sync(model, enabled=True)`` on *every* microbatch (the
-window's last one too), where ``fit`` syncs the last.  Every rank then applies the same mean over
-every rank's tokens.  The accumulator's dtype is the parameters' (``task.dtype``: float32 under
-``32-true`` and ``bf16-mixed``, whose autocast leaves the parameters and their gradients in
-float32).  No checkpoint inside a window (``fit`` saves at ``save_interval`` optimizer steps,
-when the window is empty) and no float16 path (Fabric's ``16-mixed`` is GPU only), as for
-``litgpt``.
+Two lines change and three come in: the division by ``gradient_accumulation_iters`` goes,
+``no_backward_sync`` is on for every microbatch (below), the accumulator is made before the loop,
+``accumulate_mean`` follows each backward with the count ``chunked_cross_entropy``'s mean divided by
+(its ``non_masked_elems``: the shifted targets that are not ``-100``; a microbatch without targets
+has a mean of 0 and weight 0), and ``finish_window(acc).apply_to(model)`` comes before the step.
+``finish_window`` is :func:`wacc_torch.integrations.lightning.finish_window` (Fabric is
+Lightning's): ``acc.finish_mean()`` on one device; across ranks every rank's sums and token counts
+reduced once by :func:`wacc_torch.all_reduce_mean` (semantics §7), so DDP's own all-reduce must not
+run: ``no_backward_sync(model, enabled=True)`` on *every* microbatch (the window's last one too),
+where ``fit`` syncs the last.  Every rank then applies the same mean over every rank's tokens.  The
+accumulator's dtype is the parameters' (``task.dtype``: float32 under ``32-true`` and
+``bf16-mixed``, whose autocast leaves the parameters and their gradients in float32).  No checkpoint
+inside a window (``fit`` saves at ``save_interval`` optimizer steps, when the window is empty) and
+no float16 path (Fabric's ``16-mixed`` is GPU only), as for ``litgpt``.
 """
 
 from __future__ import annotations
