@@ -142,7 +142,6 @@ class RankAudit:
     --repro``: its rows by loop, the reproducers it wrote, and what each printed under
     torchrun."""
 
-    done: subprocess.CompletedProcess[str]
     rows: dict[str, dict[str, str]]
     scripts: dict[str, Path]
     printed: dict[str, subprocess.CompletedProcess[str]]
@@ -167,9 +166,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> RankAudit:
     reproducer it wrote under torchrun outside wacc."""
     tmp = tmp_path_factory.mktemp("litgpt-ranks")
     done = subprocess.run(
-        [sys.executable, "-m", "wacc", "audit", *LOOPS, *FIXES.values(), "--world-size", str(WORLD),
-         "--windows",
-         "unequal", "--out", str(tmp / "out"), "--repro", str(tmp / "repro"), "--quiet"],
+        [sys.executable, "-m", "wacc", "audit", *LOOPS, *FIXES.values(), "--world-size",
+         str(WORLD), "--windows", "unequal", "--out", str(tmp / "out"), "--repro",
+         str(tmp / "repro"), "--quiet"],
         cwd=tmp, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
@@ -181,7 +180,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> RankAudit:
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {loop: pool.submit(_torchrun, path, cwd) for loop, path in scripts.items()}
         printed = {loop: future.result() for loop, future in futures.items()}
-    return RankAudit(done, rows, scripts, printed)
+    return RankAudit(rows, scripts, printed)
 
 
 @pytest.mark.slow
