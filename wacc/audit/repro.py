@@ -20,11 +20,11 @@ error and whether the ranks agree.
 Which loops have a template (:data:`wacc.audit.repro_templates.LOOPS`): every loop that can fail
 in the audit — ``transformers.Trainer`` (every ``trainer-*`` model family and the PEFT LoRA
 loops), ``accelerate`` and ``accelerate-variable``, ``lightning`` and ``lightning-manual``,
-``keras``, ``deepspeed``, ``trl-sft`` and ``trl-sft-packing``, ``nanogpt``, ``pixparse``,
-``plain`` and ``torchtune`` (its recipe class loaded from torchtune's ``recipes`` folder and its
-``train()`` run on the window's objects, as the adapter does) — except ``timm`` (its loop needs
-torchvision; ``pixparse`` is the same loop without it: a note says it has none);
-``torchtitan`` and the rest pass in the
+``litgpt`` and ``litgpt-bf16-mixed``, ``keras``, ``deepspeed``, ``trl-sft`` and
+``trl-sft-packing``, ``nanogpt``, ``pixparse``, ``plain``, ``olmo-core`` and ``torchtune`` (its
+recipe class loaded from torchtune's ``recipes`` folder and its ``train()`` run on the window's
+objects, as the adapter does) — except ``timm`` (its loop needs torchvision; ``pixparse`` is the
+same loop without it: a note says it has none); ``torchtitan`` and the rest pass in the
 committed run (``trl-sft-fp32``, the ``wacc_torch`` loops).  A user's own loop
 (``module:function`` or ``path/file.py:function``) gets one written from the ``LoopTask`` it ran
 (:mod:`wacc.audit.repro_templates.user`; the file ``<module>.<function>-<window>.py``): the script

@@ -16,19 +16,21 @@ with a checkpoint after ``CHECKPOINT_AFTER`` microbatches and a restart from it.
 The loops with a template (:data:`LOOPS`): ``transformers.Trainer`` (:mod:`.trainer`: every
 ``trainer-*`` model family, and ``peft-lora-gpt2`` / ``peft-lora-llama``, whose LoRA model the
 common part builds), ``accelerate`` and ``accelerate-variable`` (:mod:`.accelerate`), ``lightning``
-and ``lightning-manual`` (:mod:`.lightning`), ``keras`` (:mod:`.keras`), ``deepspeed``
+and ``lightning-manual`` (:mod:`.lightning`), ``litgpt`` and ``litgpt-bf16-mixed``
+(:mod:`.litgpt`: ``fit`` on Fabric), ``keras`` (:mod:`.keras`), ``deepspeed``
 (:mod:`.deepspeed`), ``trl-sft`` and ``trl-sft-packing`` (:mod:`.trl`), ``torchtune``
 (:mod:`.torchtune`), ``nanogpt``, ``pixparse`` and ``plain``; resume bodies for ``plain``,
 ``pixparse``, the two ``accelerate`` and the two ``lightning`` loops; across ranks (``ranks``: run
 by ``torchrun``, gloo) for ``plain`` (DDP + ``no_sync()``), ``nanogpt`` (its DDP path), every
 ``trainer-*`` row (``ddp_backend="gloo"``, the global dataset Trainer shards; the two
 ``peft-lora-*`` rows too), the two ``accelerate`` loops, the two ``lightning`` paths
-(``DDPStrategy``), ``deepspeed`` / ``deepspeed-zero1``, ``pixparse`` (its task's DDP idiom),
-``torchtune`` (its distributed recipe, FSDP2) and ``olmo-core`` (:mod:`.olmo_core`, one process
-too; across ranks its FSDP, ``Transformer.apply_fsdp``). A row across ranks needs only its
-``ranks`` text (importing ``ranks_imports``, by default ``imports``):
-:func:`wacc.audit.repro._rank_script` adds the common part (``torch.distributed`` imported and its
-gloo group up, each rank's window, the exact gradient over every rank's tokens, rank 0's result).
+(``DDPStrategy``), the two ``litgpt`` rows (Fabric's ``DDPStrategy``), ``deepspeed`` /
+``deepspeed-zero1``, ``pixparse`` (its task's DDP idiom), ``torchtune`` (its distributed recipe,
+FSDP2) and ``olmo-core`` (:mod:`.olmo_core`, one process too; across ranks its FSDP,
+``Transformer.apply_fsdp``). A row across ranks needs only its ``ranks`` text (importing
+``ranks_imports``, by default ``imports``): :func:`wacc.audit.repro._rank_script` adds the common
+part (``torch.distributed`` imported and its gloo group up, each rank's window, the exact gradient
+over every rank's tokens, rank 0's result).
 Without one (a failure of theirs gets a note): ``timm`` (``pixparse`` is its loop without
 torchvision), ``torchtitan``, ``trl-sft-fp32`` and the ``wacc_torch`` loops; a
 user's own loop gets its script from :mod:`.user` (:func:`wacc.audit.repro.write_reproducers`).
@@ -43,6 +45,7 @@ from wacc.audit.repro_templates import (
     deepspeed,
     keras,
     lightning,
+    litgpt,
     nanogpt,
     olmo_core,
     pixparse,
@@ -97,6 +100,7 @@ _LORA = LoopTemplate(
     ranks=trainer.RANKS,
 )
 _LIGHTNING = ("lightning",)
+_LITGPT = ("litgpt", "lightning")
 _TRL = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
 LOOPS: dict[str, LoopTemplate] = {
     **{
@@ -146,6 +150,20 @@ LOOPS: dict[str, LoopTemplate] = {
         lightning.MANUAL_RESUME,
         lightning.RESUME_IMPORTS,
         ranks=lightning.MANUAL_RANKS,
+    ),
+    "litgpt": LoopTemplate(
+        "litgpt fit (Fabric, 32-true)",
+        _LITGPT,
+        litgpt.IMPORTS,
+        litgpt.BODY,
+        ranks=litgpt.RANKS,
+    ),
+    "litgpt-bf16-mixed": LoopTemplate(
+        "litgpt fit (Fabric, bf16-mixed)",
+        _LITGPT,
+        litgpt.IMPORTS,
+        litgpt.BF16_BODY,
+        ranks=litgpt.BF16_RANKS,
     ),
     "keras": LoopTemplate(
         "Keras SGD(gradient_accumulation_steps=K)", ("keras",), keras.IMPORTS, keras.BODY
