@@ -64,6 +64,7 @@ _BUILTIN = (
     "trl-sft-fp32",
     "trl-sft-packing",
     "torchtune",
+    "torchtune+wacc",
     "torchtitan",
     "litgpt",
     "litgpt-bf16-mixed",
