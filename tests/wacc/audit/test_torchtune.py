@@ -179,6 +179,27 @@ def _first_label_prediction(
     return sum((w * g for w, g in terms), np.zeros_like(truths[0].gradient)), terms, total
 
 
+def _two_ranks_weigh_by(
+    spec: str, weight: Callable[[int], int] = lambda n: n + 1 if n else 0
+) -> tuple[Any, list[Any], int]:
+    """The loop ``spec`` in a real 2-rank world on the ``plain`` model's rank windows: both ranks
+    divide by the all-reduced count and hand their optimizer the same gradient, rank 0's the
+    prediction of :func:`_first_label_prediction` with ``weight`` to the bound of
+    :func:`test_the_distributed_recipe_counts_every_ranks_tokens`; (expected, results, count)."""
+    from tests.wacc.audit.ranks_driver import expected, run_world
+
+    results = run_world(spec, 2)
+    want = expected("plain", 2)
+    prediction, terms, total = _first_label_prediction(want.truths, weight)
+    assert [r.counted for r in results] == [total, total]
+    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
+    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
+    bound = prediction_bound(terms, "float64")
+    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
+    assert_close_to_prediction(results[0].gradient, prediction, bound)
+    return want, results, total
+
+
 @pytest.mark.slow
 def test_the_distributed_recipe_counts_every_ranks_tokens() -> None:
     """``FullFinetuneRecipeDistributed`` in a real 2-rank torchrun world (gloo, CPU; FSDP2 through
@@ -190,19 +211,9 @@ def test_the_distributed_recipe_counts_every_ranks_tokens() -> None:
     :func:`tests.wacc.audit.expected.prediction_bound`, plus the factor ``world_size /
     num_tokens``, a float32 tensor even in the float64 run (relative 2**-24 of every element,
     float32's unit roundoff). A loop that weighed the ranks alike would be ~2.3 off the truth."""
-    from tests.wacc.audit.ranks_driver import expected, run_world
-
     assert ADAPTERS["torchtune"].ranks is True
-    results = run_world("wacc.audit.adapters.torchtune:ADAPTER", 2)
-    want = expected("plain", 2)
-    prediction, terms, total = _first_label_prediction(want.truths)
+    want, results, total = _two_ranks_weigh_by("wacc.audit.adapters.torchtune:ADAPTER")
     assert total == sum(want.rank_tokens) + 7  # one per labelled sequence: 4 + 3
-    assert [r.counted for r in results] == [total, total]
-    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
-    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
-    bound = prediction_bound(terms, "float64")
-    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
-    assert_close_to_prediction(results[0].gradient, prediction, bound)
     # Not the rank-equal weighting: its error is an order of magnitude above this one's.
     assert want.rel(results[0].gradient) < want.predicted_equal_ranks / 10
 
@@ -215,18 +226,8 @@ def test_the_distributed_recipe_with_the_collate_weighs_every_target() -> None:
     hand their optimizer the same gradient, the truth to rounding (bound as in
     :func:`test_the_distributed_recipe_counts_every_ranks_tokens`, prediction = every target
     weighed alike)."""
-    from tests.wacc.audit.ranks_driver import expected, run_world
-
-    results = run_world("wacc.audit.adapters.torchtune_wacc:ADAPTER", 2)
-    want = expected("plain", 2)
-    prediction, terms, total = _first_label_prediction(want.truths, lambda n: n)
+    want, _, total = _two_ranks_weigh_by("wacc.audit.adapters.torchtune_wacc:ADAPTER", lambda n: n)
     assert total == sum(want.rank_tokens) == 228
-    assert [r.counted for r in results] == [total, total]
-    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
-    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
-    bound = prediction_bound(terms, "float64")
-    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
-    assert_close_to_prediction(results[0].gradient, prediction, bound)
 
 
 @pytest.mark.slow
