@@ -40,7 +40,8 @@ def run(task: LoopTask) -> LoopRun:
 ADAPTER = dataclasses.replace(
     torchtune.ADAPTER,
     name="torchtune+wacc",
-    title="torchtune full_finetune recipe, collate_fn: wacc_torch...torchtune.padded_collate_sft",
+    title="torchtune full_finetune recipes, collate_fn wacc_torch.integrations.torchtune."
+    "padded_collate_sft",
     code_path=f"the torchtune row's recipes with collate_fn: {COLLATE} (each row's first label "
     "ignored: the recipes' current_num_tokens counts the shifted targets)",
     run=run,
