@@ -65,6 +65,7 @@ _BUILTIN = (
     "trl-sft-fp32",
     "trl-sft-packing",
     "torchtune",
+    "torchtune+wacc",
     "torchtitan",
     "litgpt",
     "litgpt+wacc",

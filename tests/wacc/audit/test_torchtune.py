@@ -10,8 +10,9 @@ import csv
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from numpy.typing import NDArray
 
 pytest.importorskip("torchtune", reason="torchtune (with a torchao <= 0.15) is not installed")
 
+from tests.wacc.audit import fixed  # noqa: E402
 from tests.wacc.audit.expected import (  # noqa: E402
     assert_close_to_prediction,
     prediction_bound,
@@ -57,17 +59,25 @@ def result() -> AuditResult:
 def test_the_recipe_counts_each_sequences_first_label(result: AuditResult, window: str) -> None:
     """The recipe weights microbatch k's mean loss by its unshifted label count n_k + 1 (its
     loss averages over the n_k shifted targets) and divides by Σ (n_k + 1): the float64 run's
-    error is that prediction's, from the truth's per-microbatch gradients, and the count it
-    divides by is Σ (n_k + 1) over the labelled microbatches. Tolerance: the recipe's factor
-    ``1 / num_tokens`` is a float32 tensor even in the float64 run, which scales the gradient F
-    by (1 + δ), |δ| <= 2**-24, and so moves r = ‖F − T‖/‖T‖ by at most 2**-24 ‖F‖/‖T‖ <=
-    2**-24 (1 + r) (float32's unit roundoff, wacc_ref.bounds.TOLERANCES); the float64 sums add
-    :func:`tests.wacc.audit.expected.rel_l2_tolerance` of the prediction's float64 bound. The
-    4 x 64 window weighs every microbatch alike and passes; the others fail."""
+    error is that prediction's (:func:`_assert_weighted_by`). The 4 x 64 window weighs every
+    microbatch alike and passes; the others fail."""
     (cell,) = [c for c in result.cells if c.window == window]
+    _assert_weighted_by(cell, lambda n: n + 1 if n else 0)
+    assert cell.verdict == ("pass" if window == "equal" else "FAIL")
+
+
+def _assert_weighted_by(cell: Any, weight: Callable[[int], int]) -> None:
+    """The cell's float64 run weights microbatch k's mean loss by ``weight(n_k)`` (``n_k`` its
+    shifted targets) and divides by Σ weight(n_k): its error against the truth is that
+    prediction's, from the truth's per-microbatch gradients, and the count it divides by is
+    Σ weight(n_k). Tolerance: the recipe's factor ``1 / num_tokens`` is a float32 tensor even
+    in the float64 run, which scales the gradient F by (1 + δ), |δ| <= 2**-24, and so moves r =
+    ‖F − T‖/‖T‖ by at most 2**-24 ‖F‖/‖T‖ <= 2**-24 (1 + r) (float32's unit roundoff,
+    wacc_ref.bounds.TOLERANCES); the float64 sums add
+    :func:`tests.wacc.audit.expected.rel_l2_tolerance` of the prediction's float64 bound."""
     assert cell.status == "ok", cell.status
-    truth = compute_truth(MODEL_KINDS["plain"], torch.float32, build_window(window))
-    weights = [n + 1 if n else 0 for n in truth.targets]
+    truth = compute_truth(MODEL_KINDS["plain"], torch.float32, build_window(cell.window))
+    weights = [weight(n) for n in truth.targets]
     predicted = sum(
         (
             w * g / n
@@ -87,7 +97,6 @@ def test_the_recipe_counts_each_sequences_first_label(result: AuditResult, windo
     tolerance = factor + rel_l2_tolerance(in_float64, truth.gradient, cell.semantic_rel_l2, r)
     assert abs(cell.semantic_rel_l2 - r) <= tolerance
     assert cell.counted == sum(weights) and cell.finite and cell.deterministic
-    assert cell.verdict == ("pass" if window == "equal" else "FAIL")
 
 
 def test_loop_facts(result: AuditResult) -> None:
@@ -98,6 +107,52 @@ def test_loop_facts(result: AuditResult) -> None:
     assert fact.needs_total == "no (1 of 4 read)"
     assert fact.resume.startswith("n/a: the recipe checkpoints at the end of an epoch")
     assert fact.loss_scale == "not settable"
+
+
+@pytest.fixture(scope="module")
+def fix_result() -> AuditResult:
+    return run_audit([ADAPTERS["torchtune+wacc"]], [build_window(w) for w in fixed.WINDOWS])
+
+
+@pytest.mark.parametrize("window", fixed.WINDOWS)
+def test_the_collate_makes_the_recipe_count_its_targets(
+    fix_result: AuditResult, window: str
+) -> None:
+    """``collate_fn: wacc_torch.integrations.torchtune.padded_collate_sft`` (the ``torchtune+wacc``
+    row, the same recipe drive): the recipe's own count becomes each microbatch's shifted targets
+    n_k, so it weights each mean by n_k and divides by Σ n_k, the true count: the float64 run
+    is the truth but for the recipe's float32 factor (:func:`_assert_weighted_by`, prediction =
+    truth), and every window passes, the longtail one included."""
+    (cell,) = [c for c in fix_result.cells if c.window == window]
+    _assert_weighted_by(cell, lambda n: n)
+    assert cell.counted == cell.true_count and cell.verdict == "pass"
+
+
+def test_the_fix_row_passes_and_is_pointed_to(fix_result: AuditResult) -> None:
+    """The ``torchtune+wacc`` row passes every window with the window's true count (the shared
+    check of every ``+wacc`` row; not ``exact``: the recipe's ``1 / num_tokens`` is float32 in
+    the float64 run too), keeps the ``torchtune`` row's facts (one batch read per backward, no
+    checkpoint inside an epoch), and the ``torchtune`` row names it as its fix, right after it."""
+    fixed.assert_every_window_passes(fix_result, "torchtune+wacc", exact=False)
+    fact = fixed.facts(fix_result, "torchtune+wacc")
+    assert fact.status == "ok" and fact.needs_total == "no (1 of 4 read)"
+    assert fact.resume.startswith("n/a: the recipe checkpoints at the end of an epoch")
+    fixed.assert_points_to("torchtune", "torchtune+wacc")
+
+
+@pytest.mark.slow
+def test_the_fix_row_passes_in_bfloat16() -> None:
+    """``--dtype bfloat16`` (the recipe's ``dtype: bf16``: bfloat16 parameters and accumulated
+    gradients, no scaler): with the collate's count the ``torchtune+wacc`` row passes every
+    window, its bfloat16 run within bfloat16's bound and its float64 run the truth but for the
+    float32 factor, dividing by the true count; the ``torchtune`` row's count still fails the
+    ``unequal`` window in bfloat16 too."""
+    windows = [build_window(w) for w in fixed.WINDOWS]
+    both = run_audit([ADAPTERS["torchtune"], ADAPTERS["torchtune+wacc"]], windows,
+                     dtype="bfloat16")  # fmt: skip
+    fixed.assert_every_window_passes(both, "torchtune+wacc", exact=False)
+    (own,) = [c for c in both.cells if c.adapter == "torchtune" and c.window == "unequal"]
+    assert own.verdict == "FAIL" and own.counted == own.true_count + 4
 
 
 def test_bfloat16_accumulates_in_bfloat16(tmp_path: Path) -> None:
@@ -111,16 +166,38 @@ def test_bfloat16_accumulates_in_bfloat16(tmp_path: Path) -> None:
 
 
 def _first_label_prediction(
-    truths: Sequence[Truth],
+    truths: Sequence[Truth], weight: Callable[[int], int] = lambda n: n + 1 if n else 0
 ) -> tuple[NDArray[np.float64], list[tuple[float, NDArray[np.float64]]], int]:
     """What the recipe computes over every rank's microbatches together: microbatch ``(r, k)``'s
-    mean loss weighted by its unshifted label count ``n_rk + 1`` (0 for a zero-target one),
-    divided by the all-reduced ``Σ_r Σ_k (n_rk + 1)``; its terms ``(w, g)`` and that count."""
-    weights = [(n + 1 if n else 0, g, n) for t in truths
+    mean loss weighted by its count ``weight(n_rk)`` (default: its unshifted label count ``n_rk +
+    1``, 0 for a zero-target one), divided by the all-reduced ``Σ_r Σ_k weight(n_rk)``; its terms
+    ``(w, g)`` and that count."""
+    weights = [(weight(n), g, n) for t in truths
                for g, n in zip(t.microbatch_sums, t.targets, strict=True)]  # fmt: skip
     total = sum(w for w, _, _ in weights)
     terms = [(w / (n * total), g) for w, g, n in weights if n]
     return sum((w * g for w, g in terms), np.zeros_like(truths[0].gradient)), terms, total
+
+
+def _two_ranks_weigh_by(
+    spec: str, weight: Callable[[int], int] = lambda n: n + 1 if n else 0
+) -> tuple[Any, list[Any], int]:
+    """The loop ``spec`` in a real 2-rank world on the ``plain`` model's rank windows: both ranks
+    divide by the all-reduced count and hand their optimizer the same gradient, rank 0's the
+    prediction of :func:`_first_label_prediction` with ``weight`` to the bound of
+    :func:`test_the_distributed_recipe_counts_every_ranks_tokens`; (expected, results, count)."""
+    from tests.wacc.audit.ranks_driver import expected, run_world
+
+    results = run_world(spec, 2)
+    want = expected("plain", 2)
+    prediction, terms, total = _first_label_prediction(want.truths, weight)
+    assert [r.counted for r in results] == [total, total]
+    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
+    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
+    bound = prediction_bound(terms, "float64")
+    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
+    assert_close_to_prediction(results[0].gradient, prediction, bound)
+    return want, results, total
 
 
 @pytest.mark.slow
@@ -134,21 +211,23 @@ def test_the_distributed_recipe_counts_every_ranks_tokens() -> None:
     :func:`tests.wacc.audit.expected.prediction_bound`, plus the factor ``world_size /
     num_tokens``, a float32 tensor even in the float64 run (relative 2**-24 of every element,
     float32's unit roundoff). A loop that weighed the ranks alike would be ~2.3 off the truth."""
-    from tests.wacc.audit.ranks_driver import expected, run_world
-
     assert ADAPTERS["torchtune"].ranks is True
-    results = run_world("wacc.audit.adapters.torchtune:ADAPTER", 2)
-    want = expected("plain", 2)
-    prediction, terms, total = _first_label_prediction(want.truths)
+    want, results, total = _two_ranks_weigh_by("wacc.audit.adapters.torchtune:ADAPTER")
     assert total == sum(want.rank_tokens) + 7  # one per labelled sequence: 4 + 3
-    assert [r.counted for r in results] == [total, total]
-    assert all(r.steps_seen == 1 and r.fetched == [0, 1, 2, 3] for r in results)
-    np.testing.assert_array_equal(results[1].gradient, results[0].gradient)
-    bound = prediction_bound(terms, "float64")
-    bound = bound + TOLERANCES["float32"].unit_roundoff * np.abs(prediction)
-    assert_close_to_prediction(results[0].gradient, prediction, bound)
     # Not the rank-equal weighting: its error is an order of magnitude above this one's.
     assert want.rel(results[0].gradient) < want.predicted_equal_ranks / 10
+
+
+@pytest.mark.slow
+def test_the_distributed_recipe_with_the_collate_weighs_every_target() -> None:
+    """``torchtune+wacc`` in a real 2-rank torchrun world (the distributed recipe, FSDP2 on
+    gloo, ``collate_fn`` the integration's; ranks holding 211 and 17 tokens, one zero-target
+    microbatch): the all-reduced count is the 228 targets of both ranks, not 235, and both ranks
+    hand their optimizer the same gradient, the truth to rounding (bound as in
+    :func:`test_the_distributed_recipe_counts_every_ranks_tokens`, prediction = every target
+    weighed alike)."""
+    want, _, total = _two_ranks_weigh_by("wacc.audit.adapters.torchtune_wacc:ADAPTER", lambda n: n)
+    assert total == sum(want.rank_tokens) == 228
 
 
 @pytest.mark.slow

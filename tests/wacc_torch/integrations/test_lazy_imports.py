@@ -21,6 +21,11 @@ INTEGRATIONS = {
         "m.TokenWeightedTrainStep(steps=2, tokens=len)",
         "keras",
     ),
+    "wacc_torch.integrations.torchtune": (
+        "torchtune",
+        "m.padded_collate_sft([{'tokens': [1], 'labels': [1]}])",
+        "torchtune",
+    ),
 }
 
 

@@ -10,8 +10,9 @@ files, tokenizer, dataset and logger from a YAML config) is replaced by the audi
   ``ignore_index``);
 * ``_dataloader``: ``torch.utils.data.DataLoader`` over the window (batch size 1, a
   ``DistributedSampler(num_replicas=1, shuffle=False)``: the recipe calls ``set_epoch``) with
-  torchtune's ``padded_collate_sft`` (``tokens`` / ``labels``, the labels unshifted: the recipe
-  shifts them in ``_loss_step``);
+  the config's ``collate_fn``, resolved as the recipe's ``_setup_data`` resolves it: torchtune's
+  ``padded_collate_sft`` (``tokens`` / ``labels``, the labels unshifted: the recipe shifts them
+  in ``_loss_step``) unless ``run`` is given another (the ``torchtune+wacc`` row's);
 * ``_optimizer``: ``torch.optim.SGD(lr=task.learning_rate)`` (the configs' AdamW; the audit reads
   the gradient in a step pre-hook), ``gradient_accumulation_steps`` = K, one epoch of K batches
   (one optimizer step), ``clip_grad_norm`` None, no compile, no optimizer-in-backward, no
@@ -47,7 +48,7 @@ environment), ``_setup_model`` (the model instantiated from ``cfg.model`` under 
 for the default condition, then ``training.load_from_full_model_state_dict`` of the full state
 dict of ``task.build_model()``: the checkpoint's weights), ``_setup_optimizer`` (``cfg.optimizer``
 = ``torch.optim.SGD``), ``_setup_data`` (its ``StatefulDistributedSampler(num_replicas=N,
-rank=r, shuffle=False)`` and ``StatefulDataLoader`` with ``padded_collate_sft``, batch size 1,
+rank=r, shuffle=False)`` and ``StatefulDataLoader`` with the config's ``collate_fn``, batch size 1,
 over a data set in which item ``i * N + r`` is rank ``r``'s microbatch ``i``: each rank holds and
 reads its own window only), ``_setup_profiler(None)``, then ``train()`` and ``cleanup()`` (which
 destroys the group, after the FSDP model and optimizer are dropped and ``gc.collect()`` has run).
@@ -93,7 +94,10 @@ from torch import nn
 
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["ADAPTER"]
+__all__ = ["ADAPTER", "COLLATE", "run"]
+
+# The recipes' ``collate_fn`` when the config names none (``cfg.get("collate_fn", ...)``).
+COLLATE = "torchtune.data.padded_collate_sft"
 
 
 class _Logits(nn.Module):
@@ -143,13 +147,16 @@ def _recipe_module(recipe: str = "full_finetune_single_device") -> ModuleType:
     return module
 
 
-def run(task: LoopTask) -> LoopRun:
+def run(task: LoopTask, collate_fn: str = COLLATE) -> LoopRun:
     """The recipe's ``train()`` over the window, one optimizer step (module docstring); across
-    ranks the distributed recipe's (:func:`_run_distributed`)."""
+    ranks the distributed recipe's (:func:`_run_distributed`).  ``collate_fn``: the config's
+    ``collate_fn`` (a dotted path, resolved and called as the recipes' ``_setup_data`` does)."""
     if task.world_size > 1:
-        return _run_distributed(task)
+        return _run_distributed(task, collate_fn)
     from torchtune import training
-    from torchtune.data import padded_collate_sft
+    from torchtune.config._utils import _get_component_from_path
+
+    padded_collate = _get_component_from_path(collate_fn)
 
     recipe_class: Any = _recipe_module().FullFinetuneRecipeSingleDevice
     model = task.build_model()
@@ -161,7 +168,9 @@ def run(task: LoopTask) -> LoopRun:
 
     def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         rows = [{"tokens": b["input_ids"].tolist(), "labels": b["labels"].tolist()} for b in batch]
-        return padded_collate_sft(rows, padding_idx=0, ignore_idx=loss_fn.ignore_index)
+        collated: dict[str, torch.Tensor]
+        collated = padded_collate(rows, padding_idx=0, ignore_idx=loss_fn.ignore_index)
+        return collated
 
     sampler: torch.utils.data.DistributedSampler[dict[str, torch.Tensor]]
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
@@ -270,7 +279,7 @@ _DTYPES = {
 }
 
 
-def _run_distributed(task: LoopTask) -> LoopRun:
+def _run_distributed(task: LoopTask, collate_fn: str) -> LoopRun:
     """``FullFinetuneRecipeDistributed`` across ranks (module docstring, "Across ranks")."""
     from omegaconf import DictConfig
 
@@ -281,7 +290,7 @@ def _run_distributed(task: LoopTask) -> LoopRun:
         "seed": 0, "epochs": 1, "max_steps_per_epoch": None,
         "model": {"_component_": f"{here}._config_model"},
         "optimizer": {"_component_": "torch.optim.SGD", "lr": task.learning_rate},
-        "dataset": {"_component_": f"{here}._config_dataset"},
+        "dataset": {"_component_": f"{here}._config_dataset"}, "collate_fn": collate_fn,
     })  # fmt: skip
     whole = task.build_model()  # the weights (the checkpoint's), and the gradient's reader
 
@@ -325,7 +334,7 @@ def _setup_and_train(recipe: Any, cfg: Any, task: LoopTask, whole: nn.Module) ->
     recipe._loss_fn = nn.CrossEntropyLoss()
     recipe._dataloader = recipe._setup_data(
         cfg_dataset=cfg.dataset, shuffle=False, batch_size=1,
-        collate_fn="torchtune.data.padded_collate_sft",
+        collate_fn=cfg.get("collate_fn", COLLATE),  # as the recipe's setup() reads it
     )  # fmt: skip
     recipe._steps_per_epoch = len(recipe._dataloader) // task.num_microbatches
     recipe._lr_scheduler = None
@@ -394,7 +403,7 @@ ADAPTER = Adapter(
     "current_num_tokens over the unshifted labels while _loss_step averages over the shifted ones, "
     "so a text-completion sequence weighs one token too many (215 counted for 211; "
     "recipes/full_finetune_distributed.py:778-781 counts the same way and all-reduces it, so "
-    "every rank's tokens weigh alike but 235 are counted for 228 at world size 2); no wacc "
-    "integration yet: the recipe weighs by tokens already and needs only its count shifted "
-    "(labels[..., 1:]).",
+    "every rank's tokens weigh alike but 235 are counted for 228 at world size 2); the recipe "
+    "weighs by tokens already: a collate_fn that ignores each row's first label fixes its count.",
+    fixed_by="torchtune+wacc",
 )
