@@ -11,6 +11,8 @@ another class due at that step too, a crash of the implementation: the refusal i
 missing); an error raised where none was due is one per class raised (which check misfired), and
 so is a §11 class raised where the semantics demand another and none of its class is due at all
 (the reference's ``due`` refusals: a check that misfired before the one that should refuse).
+A step that raised and changed the state is that (§11), whichever counter or buffer moved; a
+checkpoint whose record is not right is "record" (§9), whichever field shows it.
 Where one step fails several oracles, the semantics' (an error class or a counter) is what
 diverged, the values (emulation) and their error bound (bound) follow from it; where no step
 fails, the scenario's own finding (resume), or, when the scenario without its checkpoints and
@@ -43,6 +45,10 @@ _NOT_DUE = re.compile(r" \(no \w+ is due at this step\)$")  # wacc_ref.oracles' 
 _SUBSCRIPT = re.compile(r"\[[^\]]*\]")  # [flat 3], ['w'], [#]: which element, not what
 _END_OF_QUANTITY = re.compile(r":| =| >| expected|,|;")
 _PREFERENCE = ("semantics", "emulation", "bound")  # what diverged first at a failing step
+# A raise that changed the state (§11: a step that raises changes nothing) and a record that is
+# not its state (§9): the invariant is the quantity, which field shows it is a detail.
+_CHANGED_BY_A_RAISE = " raised but changed state"
+_WHICH_FIELD = re.compile(r"^(raised but changed state|record)\.\S+$")
 
 
 def line_signature(line: str) -> str:
@@ -72,6 +78,8 @@ def divergence(oracle: str, line: str) -> str:
     else:
         head = _END_OF_QUANTITY.split(line_signature(rest), maxsplit=1)[0]
         quantity = _SUBSCRIPT.sub("", head).strip() or line_signature(rest)
+        if kind == "checkpoint" or quantity.startswith(_CHANGED_BY_A_RAISE.strip()):
+            quantity = _WHICH_FIELD.sub(r"\1", quantity)
     return f"[{oracle}] {kind}: {quantity}"
 
 
@@ -79,6 +87,9 @@ def signature(verdict: ScenarioVerdict) -> str:
     """What diverged at the first failing step of ``verdict`` (see the module docstring)."""
     for step in verdict.steps:
         firsts = dict(step.firsts)
+        raised = [line for line in step.lines if _CHANGED_BY_A_RAISE in line]
+        if "semantics" in firsts and raised:  # the raise's own fault, whatever else differs
+            return divergence("semantics", raised[0])
         for oracle in _PREFERENCE:
             if oracle in firsts:
                 return divergence(oracle, firsts[oracle])

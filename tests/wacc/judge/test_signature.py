@@ -119,6 +119,31 @@ def test_a_divergence_a_restore_hides_is_the_uninterrupted_windows() -> None:
     ).failed
 
 
+def test_a_broken_invariant_is_one_signature_whichever_field_shows_it() -> None:
+    """A step that raised and changed the state (§11) is one divergence whichever counter or
+    buffer moved, and is that even where the state also differs from the reference's; a
+    checkpoint's record that is wrong (§9) is one whichever field shows it. A counter that is
+    wrong after a step that did not raise stays its own quantity."""
+    raised = [
+        "step 4 (restore_corrupted) raised but changed state.issued: expected 0, got 1",
+        "step 3 (restore_corrupted) raised but changed state.zero_weight: expected 0, got 1",
+        "step 2 (restore_corrupted) raised but changed state.pending['w'][flat 0]: expected 1, "
+        "got 2",
+    ]
+    assert len({divergence("semantics", line) for line in raised}) == 1
+    records = [
+        "step 1 (checkpoint) record.issued: expected 1, got 0",
+        "step 0 (checkpoint) record.loss_scale: expected 1.0 (0x1p+0), got 0.25 (0x1p-2)",
+        "step 6 (checkpoint) record.pending['head.bias'][flat 0]: expected 1, got 2",
+    ]
+    assert {divergence("semantics", line) for line in records} == {"[semantics] checkpoint: record"}
+    counters = [
+        "step 3 (accumulate_sum) state.zero_weight: expected 0, got 1",
+        "step 3 (accumulate_sum) state.total_weight: expected 3.0, got 2.0",
+    ]
+    assert len({divergence("semantics", line) for line in counters}) == 2
+
+
 def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
     """The gate's check units of ``families`` only (its corpus units are the ``corpus``
     passed to ``measure``)."""
@@ -151,6 +176,8 @@ def _corpus_of(family: str, per_cell: int) -> list[CorpusEntry]:
         "BoolAccepted",
         "AnyFloatingAccepted",
         "NonContiguousRefused",
+        "NonAtomicLoad",
+        "AsyncSnapshotLate",
     ],
 )
 def test_one_planted_bug_is_one_group_in_the_gate_and_one_block_in_check(
