@@ -68,6 +68,7 @@ _BUILTIN = (
     "litgpt",
     "litgpt-bf16-mixed",
     "olmo-core",
+    "olmo-core+wacc",
     "timm",
     "pixparse",
     "pixparse+wacc",
