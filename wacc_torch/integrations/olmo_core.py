@@ -95,11 +95,16 @@ class TokenWeightedTrainModule:
             if getattr(owner, enabled, False):
                 raise ValueError(f"TokenWeightedTrainModule does not cover {enabled}=True")
         model = owner.model
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("TokenWeightedTrainModule does not cover DDP (dp_config.name='ddp')")
+        # OLMo-core's DDP is torch's composable replicate (no DistributedDataParallel to check):
+        # its all-reduce averages each micro-batch's gradient inside the backward.
         name = getattr(getattr(owner, "dp_config", None), "name", None)
-        if isinstance(model, FSDPModule) and name != "fsdp":  # DataParallelType is a StrEnum
-            raise ValueError(f"TokenWeightedTrainModule covers FSDP only, dp_config.name={name!r}")
+        if name is not None and name != "fsdp":  # DataParallelType is a StrEnum
+            raise ValueError(
+                f"TokenWeightedTrainModule covers FSDP data parallelism only, dp_config.name="
+                f"{str(name)!r}"
+            )
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("TokenWeightedTrainModule does not cover a DistributedDataParallel")
         if self._wacc_window is None:
             if isinstance(model, FSDPModule):
                 group = getattr(owner, "dp_process_group", None)

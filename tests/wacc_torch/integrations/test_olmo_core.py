@@ -6,8 +6,10 @@ target of every rank's batch.  Skips cleanly where ``olmo_core`` does not import
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,38 @@ def test_fsdp_window_across_two_ranks_is_the_token_mean_over_both(tmp_path: Path
     for name, grad in ranks[0]["gradient"].items():
         torch.testing.assert_close(ranks[1]["gradient"][name], grad, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(grad, want[name], msg=name)
+
+
+@pytest.fixture
+def one_rank_world() -> Iterator[None]:
+    """A one-rank gloo world in this process (OLMo-core's mesh needs one); its world mesh and
+    the process group are gone afterwards (``build_world_mesh`` allows one per process)."""
+    import olmo_core.distributed.parallel as parallel
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        parallel._WORLD_MESH = None
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_ddp_is_refused_before_any_backward() -> None:
+    """OLMo-core's DDP (``dp_config`` ddp: torch's ``replicate``, whose all-reduce averages each
+    micro-batch's gradient inside the backward) is refused on the first ``train_batch``:
+    ``ValueError`` naming it, no forward or backward run, every ``.grad`` still None."""
+    from olmo_core.config import DType
+    from olmo_core.train.train_module import TransformerDataParallelConfig
+
+    dp_config = TransformerDataParallelConfig(name="ddp", param_dtype=DType.float32)
+    module = worker.train_module(
+        TokenWeightedTransformerTrainModule, worker.build_model(), dp_config
+    )
+    with pytest.raises(ValueError, match="dp_config.name='ddp'"):
+        module.train_batch(worker.rank_batch(0), dry_run=True)
+    assert all(p.grad is None for p in module.model.parameters())
+    assert module.window_tokens is None
+    del module
