@@ -23,10 +23,11 @@ checkpoint inside a batch and no float16 path, as for ``olmo-core``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from wacc.audit.adapters import olmo_core
-from wacc.audit.protocol import Adapter, LoopRun, LoopTask
+from wacc.audit.protocol import LoopRun, LoopTask
 
 __all__ = ["ADAPTER"]
 
@@ -44,19 +45,18 @@ def run(task: LoopTask) -> LoopRun:
     return olmo_core.drive(task, TokenWeightedTransformerTrainModule, _window_tokens)
 
 
-ADAPTER = Adapter(
+# The facts of the framework's row (requires, model, checked, checkpoint, float16, ranks), with
+# this row's own name, code path and run; it weighs by every rank's tokens and fixes nothing.
+ADAPTER = replace(
+    olmo_core.ADAPTER,
     name="olmo-core+wacc",
     title="OLMo-core TransformerTrainModule with TokenWeightedTrainModule",
-    requires=("olmo_core", "olmo_core.train.train_module"),
-    model="plain",
     code_path="class TrainModule(TokenWeightedTrainModule, TransformerTrainModule): its "
     "train_batch unchanged; model_forward: the loss sum and the micro-batch's tokens; one process: "
     "TokenWindow (accumulate_mean, finish); FSDP: FSDPWeightedWindow (microbatch(last), "
     "add_weight, finish_mean: one reduce-scatter SUM, / the global token count)",
-    checked="ai2-olmo-core 3.0.0 (CPU: one process, and 2 ranks under its FSDP on gloo; run here)",
-    loss_scale=False,
-    checkpoint="the Trainer checkpoints between steps, never inside a batch",
     run=run,
-    fp16="no float16 path: its autocast_precision is bfloat16 on accelerators",
-    ranks=True,
+    weighs_ranks_equally=False,
+    fixed_by=None,
+    cause=None,
 )
