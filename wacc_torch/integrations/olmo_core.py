@@ -24,7 +24,8 @@ backward sees and what reaches ``.grad``:
 
 Either way, after ``train_batch`` every ``.grad`` holds the mean token loss's gradient over every
 target of every rank's batch, and ``window_tokens`` that count.  A window without a single target
-leaves every ``.grad`` None (the optimizer's step changes nothing) where OLMo-core divides by 0.
+leaves every ``.grad`` None (the optimizer's step changes nothing) where OLMo-core divides by 0;
+a ``train_batch`` that raises part-way leaves no pending micro-batch for the next one.
 OLMo-core checkpoints between steps only (a window is one ``train_batch``): nothing is pending
 there.  Not covered (``ValueError`` naming it on the first ``train_batch``): DDP and HSDP, tensor
 and context parallelism (their loss or gradient reductions differ).  Reading: with an
@@ -120,6 +121,10 @@ class TokenWeightedTrainModule:
         self._wacc_in_batch = True
         try:
             done = super().train_batch(batch, dry_run)  # type: ignore[misc]
+        except BaseException:
+            # A batch that failed part-way leaves no partial window for the next one to add to.
+            self._wacc_window, self._wacc_tokens = None, None
+            raise
         finally:
             self._wacc_in_batch = False
         model: nn.Module = getattr(self, "model")  # noqa: B009 (the OLMo-core class's attribute)
@@ -130,6 +135,7 @@ class TokenWeightedTrainModule:
         try:
             self.window_tokens = window.finish_mean().weight
         except ZeroTotalWeightError:  # no target on any rank: nothing to average, no step
+            self._wacc_window = None  # its counters are not reset by the raise: a fresh window
             self.window_tokens = 0.0
             for parameter in model.parameters():
                 parameter.grad = None

@@ -132,3 +132,32 @@ def test_ddp_is_refused_before_any_backward() -> None:
     assert all(p.grad is None for p in module.model.parameters())
     assert module.window_tokens is None
     del module
+
+
+def test_a_batch_that_fails_part_way_leaves_nothing_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``train_batch`` whose second micro-batch's forward raises propagates the error, and the
+    next ``train_batch`` (after the ``Trainer``'s ``zero_grads``) is that batch's token mean
+    alone: the failed batch's first micro-batch (7 targets) is counted nowhere."""
+    module = worker.train_module(TokenWeightedTransformerTrainModule, worker.build_model())
+    weights = copy.deepcopy(module.model.state_dict())
+    forward = type(module.model).forward
+    calls = []
+
+    def failing(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(module.model), "forward", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        module.train_batch(worker.rank_batch(0), dry_run=True)
+    module.zero_grads()
+    batch = worker.rank_batch(1)
+    module.train_batch(copy.deepcopy(batch), dry_run=True)
+    assert module.window_tokens == 3.0
+    want = _reference([batch], weights)
+    for name, parameter in module.model.named_parameters():
+        torch.testing.assert_close(parameter.grad, want[name], msg=name)
