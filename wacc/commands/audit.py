@@ -72,6 +72,7 @@ _BUILTIN = (
     "litgpt-bf16-mixed",
     "litgpt-bf16-mixed+wacc",
     "olmo-core",
+    "olmo-core+wacc",
     "timm",
     "pixparse",
     "pixparse+wacc",

@@ -27,6 +27,7 @@ from tests.wacc.audit.expected import (  # noqa: E402
     rel_l2_tolerance,
     truth_terms,
 )
+from tests.wacc.audit.fixed import WINDOWS, assert_every_window_passes, assert_points_to  # noqa: E402
 from tests.wacc.audit.ranks_driver import expected, run_world  # noqa: E402
 from tests.wacc.audit.test_ranks import NO_WACC, NUMBER, ROOT  # noqa: E402
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
@@ -36,6 +37,7 @@ from wacc.audit.protocol import LoopTask  # noqa: E402
 from wacc.audit.runner import run_audit  # noqa: E402
 from wacc.audit.truth import compute_truth  # noqa: E402
 from wacc.audit.windows import build_window, rank_windows, world_window  # noqa: E402
+from wacc.commands.audit import _BUILTIN  # noqa: E402
 
 
 def test_train_batch_divides_every_micro_batch_by_the_batch_count() -> None:
@@ -157,3 +159,38 @@ def test_audit_row_across_two_ranks_and_its_reproducer(tmp_path: Path) -> None:
     tolerance = rel_l2_tolerance(summed, truth.gradient, measured, truth_bound=summed)
     tolerance += printed_precision(measured, PRINTED_DIGITS)
     assert abs(float(printed) - measured) <= tolerance, (printed, measured, tolerance)
+
+
+def test_wacc_row_follows_olmo_core_and_is_named_its_fix() -> None:
+    """``olmo-core+wacc`` comes right after ``olmo-core`` in the adapters and in the CLI's
+    built-in order, and ``olmo-core``'s row names it as its fix."""
+    assert_points_to("olmo-core", "olmo-core+wacc")
+    assert _BUILTIN[_BUILTIN.index("olmo-core") + 1] == "olmo-core+wacc"
+    assert ADAPTERS["olmo-core+wacc"].ranks is True
+
+
+def test_wacc_row_passes_every_window_in_one_process() -> None:
+    """``olmo-core+wacc`` at world size 1 (``TokenWeightedTrainModule`` on OLMo-core's own
+    ``train_batch``, a ``TokenWindow``): every window passes, deterministic, with its true count
+    (not float64-exact: OLMo-core's loss casts the logits to float32 in the float64 run too)."""
+    result = run_audit([ADAPTERS["olmo-core+wacc"]], [build_window(w) for w in WINDOWS])
+    assert_every_window_passes(result, "olmo-core+wacc", exact=False)
+
+
+@pytest.mark.slow
+def test_wacc_row_passes_across_two_ranks() -> None:
+    """``olmo-core+wacc`` across two ranks under OLMo-core's FSDP (``FSDPWeightedWindow``: one
+    summed reduce-scatter, then the global count): pass on the unequal rank windows (211 and 17
+    targets), both ranks counting all 228, their gradients equal; the float64 run is the truth to
+    the float32 rounding of OLMo-core's loss (where ``olmo-core`` FAILs at 2.32)."""
+    result = run_audit(
+        [ADAPTERS["olmo-core+wacc"]], [build_window("unequal")], world_size=2, jobs=2
+    )
+    (window,) = result.windows
+    (cell,) = result.cells
+    assert cell.status == "ok", cell.status
+    assert cell.verdict == "pass" and cell.ranks_agree is True
+    assert cell.rank_tokens == (211, 17) and cell.rank_counted == (228.0, 228.0)
+    truth = compute_truth(MODEL_KINDS["plain"], torch.float32, window)
+    bound = prediction_bound(truth_terms(truth), FLOAT32_LOSS)
+    assert cell.semantic_rel_l2 <= rel_l2_tolerance(bound, truth.gradient, cell.semantic_rel_l2)

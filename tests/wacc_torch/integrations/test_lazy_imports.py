@@ -16,6 +16,11 @@ from tests.docs_support import ROOT
 INTEGRATIONS = {
     "wacc_torch.integrations.lightning": ("lightning", "m.TokenWeightedAccumulation", "lightning"),
     "wacc_torch.integrations.deepspeed": ("deepspeed", "m.TokenWeightedEngine(None)", "deepspeed"),
+    "wacc_torch.integrations.olmo_core": (
+        "olmo_core",
+        "m.TokenWeightedTransformerTrainModule",
+        "olmo-core",
+    ),
     "wacc_torch.integrations.keras": (
         "keras",
         "m.TokenWeightedTrainStep(steps=2, tokens=len)",

@@ -61,6 +61,7 @@ must find a FAIL with its error the one predicted from the per-rank totals (211 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,7 +70,7 @@ from torch import nn
 
 from wacc.audit.protocol import Adapter, LoopRun, LoopTask
 
-__all__ = ["ADAPTER"]
+__all__ = ["ADAPTER", "drive"]
 
 IGNORE = -100
 
@@ -136,39 +137,57 @@ def _batch(task: LoopTask) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": labels}
 
 
-def _train_module(model: nn.Module, seq_len: int, dp_config: Any = None) -> Any:
-    """A ``TransformerTrainModule`` holding ``model`` (its ``__init__`` replaced: module
-    docstring); ``dp_config`` is what ``_train_microbatch_context`` reads under FSDP."""
-    from olmo_core.train.train_module import TransformerTrainModule
-
-    module: Any = TransformerTrainModule.__new__(TransformerTrainModule)
+def _train_module(
+    module_class: Any, model: nn.Module, seq_len: int, dp_config: Any = None, world_mesh: Any = None
+) -> Any:
+    """A ``module_class`` (``TransformerTrainModule`` or a subclass) holding ``model`` (its
+    ``__init__`` replaced: module docstring); ``dp_config`` is what ``_train_microbatch_context``
+    reads under FSDP, ``world_mesh`` what ``dp_process_group`` reads."""
+    module: Any = module_class.__new__(module_class)
     state = dict(
         model=model, _model_mode=None, label_ignore_index=IGNORE, device=torch.device("cpu"),
         z_loss_multiplier=None, rank_microbatch_size=seq_len, autocast_precision=None,
-        record_metric=lambda *args, **kwargs: None, _dp_config=dp_config,
+        record_metric=lambda *args, **kwargs: None, _dp_config=dp_config, world_mesh=world_mesh,
+        _tp_config=None, _cp_config=None,
     )  # fmt: skip
     for name, value in state.items():
         setattr(module, name, value)
     return module
 
 
+Counted = Callable[[Any, _Transformer], "float | None"]
+
+
+def _divisor(module: Any, wrapped: _Transformer) -> float | None:
+    """What ``train_batch`` divided the loss by: its ``loss_div_factor``."""
+    return wrapped.divisors[0] if wrapped.divisors else None
+
+
 def run(task: LoopTask) -> LoopRun:
-    """One ``train_batch`` over the window as one batch, then the optimizer step (module
-    docstring); across ranks under OLMo-core's FSDP (:func:`_run_fsdp`)."""
+    """``drive`` with OLMo-core's own ``TransformerTrainModule``."""
+    from olmo_core.train.train_module import TransformerTrainModule
+
+    return drive(task, TransformerTrainModule, _divisor)
+
+
+def drive(task: LoopTask, module_class: Any, counted: Counted) -> LoopRun:
+    """One ``train_batch`` of a ``module_class`` over the window as one batch, then the optimizer
+    step (module docstring); across ranks under OLMo-core's FSDP (:func:`_run_fsdp`).
+    ``counted(module, wrapped)`` is the row's counted tokens."""
     if task.world_size > 1:
-        return _run_fsdp(task)
+        return _run_fsdp(task, module_class, counted)
     model = task.build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=task.learning_rate)
     task.hook_optimizer(optimizer, model)
     wrapped = _Transformer(model)
     batch = _batch(task)
-    module = _train_module(wrapped, batch["input_ids"].shape[1])
+    module = _train_module(module_class, wrapped, batch["input_ids"].shape[1])
     module.train_batch(batch, dry_run=True)
     optimizer.step()
-    return LoopRun(counted_tokens=wrapped.divisors[0] if wrapped.divisors else None)
+    return LoopRun(counted_tokens=counted(module, wrapped))
 
 
-def _run_fsdp(task: LoopTask) -> LoopRun:
+def _run_fsdp(task: LoopTask, module_class: Any, counted: Counted) -> LoopRun:
     """The rank's ``train_batch`` with the model under OLMo-core's FSDP (module docstring)."""
     import olmo_core.distributed.parallel as parallel
     from olmo_core.distributed.parallel import (
@@ -215,15 +234,16 @@ def _run_fsdp(task: LoopTask) -> LoopRun:
 
         optimizer.register_step_pre_hook(record)
         batch = _batch(task)
-        module = _train_module(wrapped, batch["input_ids"].shape[1], dp_config)
+        seq_len = batch["input_ids"].shape[1]
+        module = _train_module(module_class, wrapped, seq_len, dp_config, world_mesh)
         module.train_batch(batch, dry_run=True)
         optimizer.step()
-        counted = wrapped.divisors[0] if wrapped.divisors else None
+        tokens = counted(module, wrapped)
         # The process group's holders go first (teardown rule: gloo may abort at exit else);
         # the model and its shards, held by ``record`` alone then, go with this frame.
         del module, optimizer, record, wrapped, world_mesh
         gc.collect()
-        return LoopRun(counted_tokens=counted)
+        return LoopRun(counted_tokens=tokens)
     finally:
         parallel._WORLD_MESH = None  # build_world_mesh allows one per process: a run has its own
 
@@ -245,6 +265,7 @@ ADAPTER = Adapter(
     fp16="no float16 path: its autocast_precision is bfloat16 on accelerators",
     ranks=True,
     weighs_ranks_equally=True,
+    fixed_by="olmo-core+wacc",
     cause="across ranks olmo_core/train/train_module/transformer/train_module.py:402-404 "
     "(ai2-olmo-core 3.0.0) divides each rank's loss by its own batch_num_tokens_for_loss, never "
     "all-reduced, and its FSDP (Transformer.apply_fsdp: fully_shard, no divide factor) averages "
