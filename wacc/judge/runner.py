@@ -260,6 +260,7 @@ class ImplementationRun:
         self._latest_scaler: Any = None  # the scaler's state_dict() at the latest checkpoint
         self._unresolved: dict[int, tuple[Any, RecordSnapshot]] = {}  # handle, its moment
         self._records: dict[int, RecordSnapshot] = {}
+        self._record_objects: dict[int, Any] = {}  # checkpoint index -> the record handed over
         self.outcomes: list[StepOutcome] = []
         self.messages: dict[int, str] = {}  # step index -> the exception's message
         self.tracebacks: dict[int, str] = {}  # step index -> the whole traceback, formatted
@@ -444,6 +445,7 @@ class ImplementationRun:
                 else:
                     self._latest = self.accumulator.state_dict()
                     self._records[index] = self._snapshot(self._latest)
+                    self._record_objects[index] = self._latest
                 self._latest_scale = self._scale
                 if self.scaler is not None:
                     self._latest_scaler = self.scaler.state_dict()
@@ -494,6 +496,27 @@ class ImplementationRun:
         self.outcomes.append(outcome)
         return outcome
 
+    def _changed_records(self) -> None:
+        """A record of the §9 schema that is not what it was when ``state_dict()`` returned it
+        (semantics §9: a copy that later accumulation does not change) is the checkpoint's
+        record as it is now: its step then diverges, whatever later step used it."""
+        for index, record in self._record_objects.items():
+            if not follows_schema(record):  # an opaque record is judged by its loads only
+                continue
+            try:
+                later = self._snapshot(record)
+            except Exception:  # changed into something unreadable: the loads judge that
+                continue
+            if later.key() != self._records[index].key():
+                self._records[index] = later
+                message = (
+                    "the record changed after state_dict() returned it (semantics §9: a copy "
+                    "that later accumulation does not change); shown as it was at the end"
+                )
+                if message not in self.messages.get(index, ""):  # trace() may be called again
+                    shown = (self.messages.get(index), message)
+                    self.messages[index] = "; then ".join(filter(None, shown))
+
     def trace(self) -> ScenarioTrace:
         """The outcomes so far, with every async checkpoint resolved into its record."""
         for index, (handle, moment) in list(self._unresolved.items()):
@@ -503,6 +526,7 @@ class ImplementationRun:
                 source = "state_dict_async().result()"
                 self._late_errors[index] = self._raised(index, exc, source=source)
             del self._unresolved[index]
+        self._changed_records()
         outcomes = []
         for outcome in self.outcomes:
             if outcome.index in self._late_errors:

@@ -144,6 +144,26 @@ def test_a_broken_invariant_is_one_signature_whichever_field_shows_it() -> None:
     assert len({divergence("semantics", line) for line in counters}) == 2
 
 
+def test_a_record_that_changes_after_it_is_returned_diverges_at_its_checkpoint() -> None:
+    """A record that later accumulation changes (it aliases the pending buffers; semantics §9:
+    a copy) fails at its checkpoint step, as it is at the end of the scenario, with a message
+    that says so, whether or not a restore uses it: one signature, "checkpoint: record".
+    wacc_torch's record, a copy, passes the same windows."""
+    grads = (("w", (1.0, 2.0)),)
+    later = (("w", (3.0, 4.0)),)
+    aliasing = PLANTED["RecordAliasing"].implementation
+    copying = load_implementation("wacc.implementation:wacc_torch_reproducible")
+    for tail in ((Finish("sums"),), (Restore(), Finish("sums"))):
+        steps = (Accumulate("sum", 1.0, grads), Checkpoint(), Accumulate("sum", 1.0, later), *tail)
+        scenario = Scenario(work_dtype="float32", grad_dtype="float32", loss_scale=1.0,
+                            fused=False, parameters=(("w", (2,)),), steps=steps)  # fmt: skip
+        verdict = judge(aliasing, scenario)
+        assert [step.index for step in verdict.steps if step.failed][:1] == [1], verdict.describe()
+        assert "changed after state_dict() returned it" in verdict.messages[1]
+        assert signature(verdict) == "[semantics] checkpoint: record"
+        assert not judge(copying, scenario).failed
+
+
 def _only_families(monkeypatch: pytest.MonkeyPatch, *families: str) -> None:
     """The gate's check units of ``families`` only (its corpus units are the ``corpus``
     passed to ``measure``)."""
@@ -178,6 +198,7 @@ def _corpus_of(family: str, per_cell: int) -> list[CorpusEntry]:
         "NonContiguousRefused",
         "NonAtomicLoad",
         "AsyncSnapshotLate",
+        "RecordAliasing",
     ],
 )
 def test_one_planted_bug_is_one_group_in_the_gate_and_one_block_in_check(
