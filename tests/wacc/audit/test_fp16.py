@@ -108,7 +108,8 @@ def test_builtin_loops_declare_a_float16_path() -> None:
     """Every built-in adapter that runs here runs its float16 path (timm as far as its adapter
     goes), except the frameworks new to the audit, which have none on the CPU and say so; the
     rows that never run say why instead."""
-    without = {"torchtune", "torchtitan", "litgpt", "litgpt-bf16-mixed", "olmo-core",
+    without = {"torchtune", "torchtune+wacc", "torchtitan", "litgpt", "litgpt+wacc",
+               "litgpt-bf16-mixed", "litgpt-bf16-mixed+wacc", "olmo-core",
                "olmo-core+wacc"}  # fmt: skip
     # Rows audited for another reason, whose float16 path is measured on a sibling row.
     elsewhere = {
