@@ -62,7 +62,7 @@ def test_the_index_and_the_readme_name_only_integrations_and_rows_that_exist() -
 
     index = (PAGES / "index.md").read_text(encoding="utf-8")
     readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
-    rows = set(re.findall(r"`([\w.-]+\+wacc)`", index))
+    rows = set(re.findall(r"`([\w.-]+\+wacc|wacc_torch-\w+)`", index))
     assert rows and rows <= set(ADAPTERS), rows - set(ADAPTERS)
     fixes = {a.fixed_by for a in ADAPTERS.values() if a.fixed_by}
     assert fixes <= rows, f"fixes the index does not list: {fixes - rows}"

@@ -42,15 +42,16 @@ accumulates in another dtype than the parameters' (``use_grad_accum_attribute``,
 ``stage_1_and_2.py:397-404``: its ``backward_epilogue`` moves ``.grad`` into ``.grad_accum``),
 ``backward`` takes the gradient from ``.grad_accum`` and ``step()`` writes the share there, in
 that dtype, where the reduce reads it.  Float16 at ZeRO 1 (``torch_autocast``, the ZeRO
-optimizer's own ``GradScaler``): an overflowing window is skipped whole, but DeepSpeed's step
-returns before the scaler's ``update()`` (``stage_1_and_2.py:3043-3050``, ``:2978``), so its scale
-never backs off; the wrapper does not change that.  ZeRO stages 2 and 3 reduce or partition
-gradients inside every backward (``partition_gradients``), where the accumulator cannot take
-them: refused (``ValueError`` naming the stage).  Constructing one imports DeepSpeed (to check the
+optimizer's own ``GradScaler``): DeepSpeed skips an overflowing window whole but returns before
+the scaler's ``update()`` (``stage_1_and_2.py:3043-3050``, ``:2978``), so on its own the scale
+never backs off and every later window overflows again; ``step()`` then backs the scaler off as
+its ``update()`` would (scale times the backoff factor, growth tracker restarted).  ZeRO
+stages 2 and 3 reduce or partition gradients inside every backward (``partition_gradients``),
+where the accumulator cannot take them: refused (``ValueError`` naming the stage).  Constructing one imports DeepSpeed (to check the
 engine's type); :class:`~wacc_torch.integrations._framework.MissingFrameworkError` (an
 ``ImportError``) names the ``deepspeed`` extra when it is missing.  Checked against deepspeed
-0.19.8 (CPU: ZeRO 0 in float32 and ``torch_autocast`` float16, ZeRO 1 in float32; both across two
-ranks).
+0.19.8 (CPU: ZeRO 0 and 1 in float32 and ``torch_autocast`` float16; both across two ranks in
+float32).
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ class TokenWeightedEngine:
             self._write_grad_accum(result)
         else:
             result.apply_to(self.engine.module)
+        scaler = getattr(self.engine.optimizer, "torch_autocast_gradscaler", None)
+        scale = None if scaler is None else scaler.get_scale()
         self.engine.step()
+        if scaler is not None and self.stage == 1:
+            _back_off_skipped_window(self.engine.optimizer, scaler, scale)
         return result
 
     @property
@@ -189,6 +194,24 @@ class TokenWeightedEngine:
             record = client_state.pop(RECORD_KEY)
             self.accumulator.load_state_dict(record, self.engine.module)
         return path, client_state
+
+
+def _back_off_skipped_window(zero: Any, scaler: Any, scale: float | None) -> None:
+    """After a ZeRO 1 ``step()`` that found an overflow, back off its ``torch_autocast``
+    ``scaler`` as its ``update()`` would have: DeepSpeed skips the window whole but returns
+    before the scaler's ``update()`` (``stage_1_and_2.py:3043-3050``, ``:2978``), so without this
+    the scale never falls and every later window overflows again.  The state goes through the
+    scaler's public ``state_dict`` / ``load_state_dict``: the scale times its backoff factor, the
+    growth tracker restarted (torch's ``_amp_update_scale_`` on an inf).  ``overflow`` is the
+    flag ZeRO all-reduces over the data-parallel group, so every rank backs off alike.  A step
+    that moved the scale itself (``scale``: before it; a DeepSpeed that updates on an overflow)
+    is left alone: the window is backed off once."""
+    if not getattr(zero, "overflow", False) or scaler.get_scale() != scale:
+        return
+    state = scaler.state_dict()
+    state["scale"] = state["scale"] * state["backoff_factor"]
+    state["_growth_tracker"] = 0
+    scaler.load_state_dict(state)
 
 
 def _distributed(group: Any) -> bool:

@@ -2,13 +2,16 @@
 `deepspeed` extra; skipped without it): ``TokenWeightedEngine`` passes every window where the
 engine's own accumulation fails, at ZeRO 0 and ZeRO 1, keeps the pending gradient across a
 mid-window checkpoint (the record in DeepSpeed's ``client_state``), and lets the engine's float16
-GradScaler skip an overflowing window whole (ZeRO 0)."""
+GradScaler skip an overflowing window whole, backing off ZeRO 1's scaler, which DeepSpeed
+does not."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -19,7 +22,7 @@ from tests.wacc.audit.fixed import (  # noqa: E402
     facts,
 )
 from wacc.audit.adapters import ADAPTERS  # noqa: E402
-from wacc.audit.runner import AuditResult, run_audit  # noqa: E402
+from wacc.audit.runner import AuditResult, _fp16_fact, _Runner, run_audit  # noqa: E402
 from wacc.audit.windows import build_window  # noqa: E402
 
 LOOP = "deepspeed+wacc"
@@ -86,11 +89,21 @@ def test_zero1_failing_loop_points_to_its_fix() -> None:
     assert "engine.py:3413" in cause and "stage_1_and_2.py:1485-1508" in cause
 
 
-def test_zero1_float16_reason_cites_deepspeeds_source() -> None:
-    """The row's float16 reason cites the lines of DeepSpeed's ZeRO 1 step that skip an overflow
-    without the GradScaler's update, and they say so in the installed DeepSpeed."""
-    reason = ADAPTERS[ZERO1].fp16 or ""
-    assert "stage_1_and_2.py:3043-3050" in reason and ":2978" in reason, reason
+def test_zero1_float16_overflow_skips_the_window_and_backs_off(zero1: AuditResult) -> None:
+    """ZeRO 1 under torch_autocast float16: the ZeRO optimizer's GradScaler skips the window
+    whose one microbatch overflowed, and TokenWeightedEngine.step() backs the scale off, which
+    DeepSpeed's own ZeRO 1 step never does (the deepspeed-zero1 row: "not backed off")."""
+    assert facts(zero1, ZERO1).fp16 == "skips the whole window (scale 65536 -> 32768)"
+
+
+def test_zero1_deepspeed_alone_skips_but_never_backs_off() -> None:
+    """The deepspeed-zero1 row's float16 fact, DeepSpeed's ZeRO 1 torch_autocast step on its own:
+    the overflowing window skipped, the scale not backed off (stage_1_and_2.py:3043-3050 return
+    before :2978's update()), and the lines say so in the installed DeepSpeed."""
+    with tempfile.TemporaryDirectory(prefix="wacc-audit-test-") as tmp:
+        runner = _Runner(torch.float32, Path(tmp), lambda: None)
+        fact = _fp16_fact(runner, ADAPTERS["deepspeed-zero1"])
+    assert fact == "skips the whole window (scale 65536 -> 65536, not backed off)", fact
     zero = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     lines = Path(zero.__file__).read_text().splitlines()
     assert "is_invalid_grad_norm(scaled_global_grad_norm)" in lines[3042]

@@ -54,9 +54,14 @@ def test_wacc_row_passes_where_its_framework_fails(loop: str, window: str, resum
 
 
 def test_every_fix_row_is_registered_right_after_its_loop() -> None:
-    """Each ``fixed_by`` names a registered ``+wacc`` row that follows its loop in the report."""
+    """Each ``fixed_by`` names a registered ``+wacc`` row that follows its loop in the report;
+    the reference loop ``plain`` (a tutorial's DDP loop, no framework) is fixed by wacc_torch's
+    own DDP-hook row, ``wacc_torch-sum``, registered after it."""
     names = list(ADAPTERS)
     fixed = {name: a.fixed_by for name, a in ADAPTERS.items() if a.fixed_by is not None}
+    assert fixed.pop("plain") == "wacc_torch-sum"
+    assert names.index("wacc_torch-sum") > names.index("plain")
+    assert ADAPTERS["wacc_torch-sum"].cause is None and ADAPTERS["wacc_torch-sum"].fixed_by is None
     assert fixed  # the map is not empty
     for loop, fix in fixed.items():
         assert fix == f"{loop}+wacc" and names.index(fix) == names.index(loop) + 1

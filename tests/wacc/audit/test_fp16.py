@@ -113,11 +113,7 @@ def test_builtin_loops_declare_a_float16_path() -> None:
                "olmo-core+wacc"}  # fmt: skip
     # Rows audited for another reason, whose float16 path is measured on a sibling row.
     elsewhere = {
-        "deepspeed-zero1": "ZeRO 1 audited across ranks only",  # deepspeed's row: ZeRO 0
         "wacc_torch-fsdp": "no float16 mode",  # wacc_torch-mean and -sum: the same window
-        # ZeRO 1's own scaler cannot back off: test_deepspeed_wacc.py checks the cited lines.
-        "deepspeed-zero1+wacc": "ZeRO 1's torch_autocast step never backs off its GradScaler "
-        "(stage_1_and_2.py:3043-3050 return before :2978's update)",
     }
     runs = [a for a in ADAPTERS.values()
             if a.unsupported is None and a.name not in without | set(elsewhere)]  # fmt: skip

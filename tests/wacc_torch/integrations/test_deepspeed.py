@@ -100,3 +100,83 @@ def test_zero2_is_refused_with_its_stage() -> None:
                          gradient_allreduce_op="sum")  # fmt: skip
         with pytest.raises(ValueError, match="ZeRO stage 2 .* ZeRO stage 0 or 1"):
             TokenWeightedEngine(engine)
+
+
+FLOAT16 = {"torch_autocast": {"enabled": True, "dtype": "fp16"}, "gradient_allreduce_op": "sum"}
+OVERFLOW = 2.0**20  # times one microbatch's loss: its scaled float16 gradient is inf
+# Times every other loss: at GradScaler's initial 65536 a one-target mean's float16 gradient
+# (up to about the scale itself) would overflow float16's 65504 on its own.
+CLEAN = 2.0**-8
+
+
+def _window(weighted: TokenWeightedEngine, engine: Any, *, overflow: bool) -> None:
+    """One window of ``_microbatches()`` through ``weighted``, the third loss times ``OVERFLOW``
+    when ``overflow`` and every other one times ``CLEAN``, then its step."""
+    for index, (inputs, labels) in enumerate(_microbatches()):
+        factor = OVERFLOW if overflow and index == 2 else CLEAN
+        weighted.backward(_loss(engine, inputs, labels) * factor, tokens=(labels != -100).sum())
+    weighted.step()
+
+
+def _snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_zero1_float16_overflow_skips_the_window_and_backs_off() -> None:
+    """ZeRO 1 under torch_autocast float16: a window with an overflowing microbatch leaves every
+    parameter unchanged and halves the ZeRO optimizer's GradScaler scale, as its update() would;
+    the next, clean window is applied and keeps the halved scale (growth restarts from 0)."""
+    with _world(torch.float32) as deepspeed:
+        model = _model()
+        engine = _engine(deepspeed, model, **FLOAT16)
+        scaler = engine.optimizer.torch_autocast_gradscaler
+        weighted = TokenWeightedEngine(engine)
+        start, before = scaler.get_scale(), _snapshot(model)
+        _window(weighted, engine, overflow=True)
+        assert engine.optimizer.overflow and _unchanged(model, before)
+        assert scaler.get_scale() == start * scaler.get_backoff_factor()
+        assert scaler.state_dict()["_growth_tracker"] == 0
+        _window(weighted, engine, overflow=False)
+        assert not engine.optimizer.overflow and not _unchanged(model, before)
+        assert scaler.get_scale() == start * scaler.get_backoff_factor()
+
+
+def test_zero1_float16_deepspeed_alone_never_backs_off() -> None:
+    """Why the wrapper backs off: DeepSpeed's own ZeRO 1 step, given the same overflowing
+    gradient, skips it (parameters unchanged) but returns before its GradScaler's update()
+    (stage_1_and_2.py:3043-3050), so the scale stays where it was."""
+    with _world(torch.float32) as deepspeed:
+        model = _model()
+        engine = _engine(deepspeed, model, **FLOAT16)
+        scaler = engine.optimizer.torch_autocast_gradscaler
+        start, before = scaler.get_scale(), _snapshot(model)
+        inputs, labels = _microbatches()[2]
+        engine.backward(_loss(engine, inputs, labels) * OVERFLOW)
+        engine.step()
+        assert engine.optimizer.overflow and _unchanged(model, before)
+        assert scaler.get_scale() == start
+
+
+def test_zero1_float16_step_that_backs_off_itself_is_backed_off_once() -> None:
+    """A DeepSpeed whose ZeRO 1 step updates its scaler on an overflow (here: its step wrapped
+    to do so) is left alone: the window's scale is backed off once, not twice."""
+    with _world(torch.float32) as deepspeed:
+        model = _model()
+        engine = _engine(deepspeed, model, **FLOAT16)
+        zero, scaler = engine.optimizer, engine.optimizer.torch_autocast_gradscaler
+        step = zero.step
+
+        def updating_step(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            if zero.overflow:
+                scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+            return out
+
+        zero.step = updating_step
+        start = scaler.get_scale()
+        _window(TokenWeightedEngine(engine), engine, overflow=True)
+        assert scaler.get_scale() == start * scaler.get_backoff_factor()

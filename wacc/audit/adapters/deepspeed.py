@@ -238,7 +238,11 @@ def _engine(
 
 
 def _scale(engine: Any) -> float | None:
+    """The scale of the ``torch_autocast`` ``GradScaler``: the engine's at ZeRO 0, the ZeRO
+    optimizer's at ZeRO 1 (``stage_1_and_2.py`` ``torch_autocast_gradscaler``); None without one."""
     scaler = engine.torch_autocast_z0_gradscaler
+    if scaler is None:
+        scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None)
     return None if scaler is None else float(scaler.get_scale())
 
 
@@ -347,7 +351,7 @@ ZERO1 = DeepSpeedAdapter(
     loss_scale=False,
     checkpoint=None,
     run=run_zero1,
-    fp16="ZeRO 1 audited across ranks only",
+    fp16=None,
     ranks=True,
     fixed_by="deepspeed-zero1+wacc",
     cause="deepspeed/runtime/engine.py:3413 (deepspeed 0.19.8, DeepSpeedEngine.backward) divides "

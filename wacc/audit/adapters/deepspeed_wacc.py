@@ -45,12 +45,12 @@ reads it).  The float64 copy runs ZeRO 1's "mode 2": DeepSpeed takes float64 par
 float32 ones (``engine.py`` ``get_data_types``: ``model_dtype`` float32 unless fp16/bf16) and
 accumulates in float32 (``use_grad_accum_attribute``, ``stage_1_and_2.py:397-404``), so each
 microbatch's gradient reaches the accumulator through ``.grad_accum``, rounded to float32 once;
-its err/bound is that rounding (about 0.1), not float64 noise.  Float16 is not audited, as for
-the ``deepspeed-zero1`` row: ZeRO 1's ``torch_autocast`` path (the ZeRO optimizer's own
-``GradScaler``) skips an overflowing window whole, its norm check finding the inf
-(``stage_1_and_2.py:3043-3050``), but returns before ``_optimizer_step`` reaches the scaler's
-``update()`` (``:2978``): the scale never backs off (run here on the overflow window, with and
-without the wrapper: 65536 -> 65536).
+its err/bound is that rounding (about 0.1), not float64 noise.  Float16 (``task.fp16``): ZeRO 1's
+``torch_autocast`` path, the ZeRO optimizer's own ``GradScaler``.  It skips an overflowing window
+whole, its overflow check finding the inf (``stage_1_and_2.py:3043-3050``), but returns before
+``_optimizer_step`` reaches the scaler's ``update()`` (``:2978``): on its own the scale never backs
+off (the ``deepspeed-zero1`` row: 65536 -> 65536, "not backed off"); ``TokenWeightedEngine.step()``
+backs it off as ``update()`` would (65536 -> 32768).
 """
 
 from __future__ import annotations
@@ -161,7 +161,6 @@ ZERO1 = DeepSpeedAdapter(
     loss_scale=False,
     checkpoint=None,
     run=run_zero1,
-    fp16="ZeRO 1's torch_autocast step never backs off its GradScaler "
-    "(stage_1_and_2.py:3043-3050 return before :2978's update)",
+    fp16=None,
     ranks=True,
 )

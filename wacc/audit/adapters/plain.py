@@ -134,4 +134,7 @@ ADAPTER = Adapter(
     "DDP's reducer divides the all-reduced sum by the world size (torch 2.13.0: "
     "torch/csrc/distributed/c10d/reducer.cpp, Reducer::mark_variable_ready_dense, div_factor_): "
     "every rank weighs 1/N whatever its token count (exact at world size 1).",
+    # The reference loop's fix is wacc_torch itself: the same DDP loop with its communication
+    # hook (WeightedAllReduceHook), which carries every rank's sums and token counts at once.
+    fixed_by="wacc_torch-sum",
 )
