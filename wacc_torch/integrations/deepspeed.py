@@ -47,9 +47,10 @@ the scaler's ``update()`` (``stage_1_and_2.py:3043-3050``, ``:2978``), so on its
 never backs off and every later window overflows again; ``step()`` then backs the scaler off as
 its ``update()`` would (scale times the backoff factor, growth tracker restarted).  ZeRO
 stages 2 and 3 reduce or partition gradients inside every backward (``partition_gradients``),
-where the accumulator cannot take them: refused (``ValueError`` naming the stage).  Constructing one imports DeepSpeed (to check the
-engine's type); :class:`~wacc_torch.integrations._framework.MissingFrameworkError` (an
-``ImportError``) names the ``deepspeed`` extra when it is missing.  Checked against deepspeed
+where the accumulator cannot take them: refused (``ValueError`` naming the stage).
+Constructing one imports DeepSpeed (to check the engine's type);
+:class:`~wacc_torch.integrations._framework.MissingFrameworkError` (an ``ImportError``) names
+the ``deepspeed`` extra when it is missing.  Checked against deepspeed
 0.19.8 (CPU: ZeRO 0 and 1 in float32 and ``torch_autocast`` float16; both across two ranks in
 float32).
 """
