@@ -62,21 +62,24 @@ def _result() -> AuditResult:
     good, bad, broken = _adapter("good"), _adapter("bad"), _adapter("broken")
     third = _adapter("third", checked="")  # no checked range: n/a
     cells = [
-        Cell("good", "unequal", rel_l2=1.23456e-7, max_rel=2.34567e-6, ratio=0.0345678,
+        Cell("good", "unequal", rel_l2=1.23456e-7, max_rel=2.34567e-6, max_rel_normal=1.5e-6,
+             ratio=0.0345678,
              element_ratio=0.5, semantic_rel_l2=4.5678e-16, semantic_ratio=0.00123456,
              semantic_element_ratio=0.25, counted=211.0, true_count=211, deterministic=True,
              digest="ab12"),
         Cell("good", "zero", rel_l2=0.0, max_rel=0.0, ratio=0.0, semantic_ratio=0.0,
              counted=None, true_count=0, finite=False, deterministic=None, digest="cd34"),
-        Cell("bad", "unequal", rel_l2=0.456789, max_rel=987.654, ratio=12345.6,
+        Cell("bad", "unequal", rel_l2=0.456789, max_rel=987.654, max_rel_normal=456.7,
+             ratio=12345.6,
              element_ratio=3.0, semantic_rel_l2=0.3456, semantic_ratio=5678.91,
              semantic_element_ratio=7.0, counted=4.0, true_count=211, deterministic=False,
              digest="ef56"),
         Cell("bad", "zero", rel_l2=math.inf, max_rel=math.nan, ratio=math.inf,
              semantic_ratio=0.125, counted=1.0, true_count=0, deterministic=True),
         # A run that raised after some metrics were measured: none of them is shown.
-        Cell("broken", "unequal", status=_BOOM, rel_l2=0.5, max_rel=0.25, ratio=2.0,
-             semantic_ratio=4.0, counted=3.0, true_count=211),
+        Cell("broken", "unequal", status=_BOOM, rel_l2=0.5, max_rel=0.25, max_rel_normal=0.125,
+             ratio=2.0, semantic_rel_l2=0.0625, semantic_ratio=4.0, counted=3.0,
+             true_count=211),
         Cell("broken", "zero", status=_BOOM, true_count=0),
         # A zero of either sign reads 0.
         Cell("third", "unequal", rel_l2=6.5e-3, max_rel=-0.0, ratio=0.875, semantic_ratio=0.5,
@@ -539,14 +542,17 @@ def test_windows_passed_says_how_a_loop_fared_in_this_run() -> None:
             _passing("some", "a"), _failing("some", "b"), _failing("some", "c"),
             _failing("one", "a"), Cell("one", "b", status="not installed"),
             Cell("none", "a", status=_BOOM), Cell("none", "b", status=_BOOM),
+            Cell("solo", "a", status="not installed"),
         ],
     )  # fmt: skip
-    fared = {loop: _windows_passed(result, loop) for loop in ("all", "some", "one", "none", "x")}
+    loops = ("all", "some", "one", "none", "solo", "x")
+    fared = {loop: _windows_passed(result, loop) for loop in loops}
     assert fared == {
         "all": "passes all 3 windows",
         "some": "fails 2 of 3 windows",
         "one": "fails 2 of 2 windows",
         "none": "error",
+        "solo": "not installed",
         "x": "not in this run",
     }
 
@@ -693,7 +699,7 @@ def _csv_result() -> AuditResult:
              predicted_rel_l2=0.0615, ranks_agree=False, rank_spread=1e-3),
         Cell("acc", "zero", status="not installed", world_size=2, true_count=0),
         Cell("other", "unequal", rel_l2=0.0, max_rel=0.0, max_rel_normal=0.0, normal_elements=7,
-             max_rel_share=1.0, ratio=0.0, element_ratio=0.0, semantic_rel_l2=0.0,
+             max_rel_share=1.0, ratio=1.5, element_ratio=0.0, semantic_rel_l2=0.0,
              semantic_ratio=0.0, semantic_element_ratio=0.0, counted=228.0, true_count=228,
              deterministic=True, digest="beef", world_size=2, rank_tokens=(200, 28),
              rank_counted=(228.0, 228.0), ranks_agree=True),
@@ -764,7 +770,7 @@ def test_audit_csv_has_every_column_of_every_cell_its_loops_facts_and_the_proven
          "fp16_overflow": "no float16 compute", "truth_casts": "", "loss_casts": "",
          "cause": "", "fixed_by": "", "rel_l2": "0.0", "max_rel_element": "0.0",
          "max_rel_element_normal": "0.0", "normal_elements": "7",
-         "max_rel_element_share": "1.0", "err_over_bound": "0.0",
+         "max_rel_element_share": "1.0", "err_over_bound": "1.5",
          "element_err_over_bound": "0.0", "f64_rel_l2": "0.0", "f64_err_over_bound": "0.0",
          "f64_element_err_over_bound": "0.0", "tokens_counted": "228.0", "tokens_true": "228",
          "finite": "True", "deterministic": "True", "sha256": "beef", "world_size": "2",
@@ -796,9 +802,61 @@ def test_audit_md_across_ranks_names_the_world_and_each_ranks_windows() -> None:
         ("acc", "zero"): ("2", "0", "-", "-", "-", "-"),
         ("other", "unequal"): ("2", "200;28", "228;228/228", "yes", "-", "0"),
     }  # fmt: skip
-    assert "compared bit for bit with S = 1" in markdown
+    assert {k: r["basis"] for k, r in rows.items()} == {
+        ("acc", "unequal"): "NaN/inf in the gradient",
+        ("acc", "zero"): "",
+        ("other", "unequal"): "the f64 run is within the bound (0); err/bound (D run) 1.5 is the "
+        "float16 run's own forward/backward rounding, which no bound covers",
+    }
     assert "a run with S = 1024\ncompared bit for bit" in markdown
     assert section(markdown, "## Code paths driven").strip().splitlines() == [
         "- `acc` — acc | loop (checked: >=1.0): `acc.step`",
         "- `other` — other | loop (checked: >=1.0): `other.step`",
     ]
+
+
+def test_a_metric_reads_to_three_digits_a_zero_of_either_sign_as_0() -> None:
+    """A metric cell: 3 significant digits, ``0`` for a zero of either sign (never ``-0``),
+    ``inf``, and ``-`` for nan (nothing measured)."""
+    cells = [Cell("l", str(i), max_rel_normal=v, rel_l2=v) for i, v in
+             enumerate((-0.0, 0.0, 0.000123456, 98765.4, math.inf, math.nan))]  # fmt: skip
+    result = AuditResult(dtype="bfloat16", windows=[], facts=[], cells=cells)
+    shown = [(row["rel L2"], row["max rel elem"]) for row in cell_rows(result)]
+    assert shown == [("0", "0"), ("0", "0"), ("0.000123", "0.000123"), ("9.88e+04", "9.88e+04"),
+                     ("inf", "inf"), ("-", "-")]  # fmt: skip
+
+
+_LEGEND = (
+    "err/bnd: ‖F − T‖/‖B‖ of the bfloat16 run (D) and of the float64 run (f64, the verdict: pass "
+    "iff <= 1); max rel elem: over the elements whose exact value is in bfloat16's normal range "
+    "and above its own bound (elsewhere a microbatch's gradient cancels, one spacing off reads as "
+    "1e12 and the bound judges it; audit.csv has both); det.: two runs hash the same."
+)
+# A fact long enough to wrap, with a hyphenated word across column 120: it moves down whole.
+_LONG_FP16 = "applies non-finite gradients " + "and then " * 10 + "once-per-window-after-the-spike"
+
+
+def test_the_terminal_report_explains_its_columns_and_wraps_each_loops_facts() -> None:
+    """Under the terminal's cell table, its legend (the short headers and the verdict's rule,
+    wrapped under a 4-space indent); then "Per loop (the full table is audit.md's):" and per
+    loop a line naming it, its version, checked range and model, and its facts under a 4-space
+    indent, wrapped under 6 spaces at 120 columns, a hyphenated word never split."""
+    result = _result()
+    result.facts[0].fp16 = _LONG_FP16
+    text = render_table(result)
+    cells, facts = text.split("\n\n")[1:3]
+    legend = "\n".join(cells.splitlines()[2 + len(result.cells) :])
+    # the legend, then why a pass shows a D run above its bound (bad / zero's inf)
+    assert re.sub(r"\n {4}", " ", legend).startswith(_LEGEND + "\n  bad / zero: pass: "), legend
+    lines = facts.splitlines()
+    assert lines[0] == "Per loop (the full table is audit.md's):"
+    assert lines[1] == "good: version 1.2.3; checked: >=1.0; model causal"
+    good = lines[2 : lines.index("bad: version -; checked: >=1.0; model seq2seq")]
+    assert good[0].startswith("    float64 copy: clean; ") and len(good) > 1
+    assert all(line.startswith(" " * 6) and line[6] != " " for line in good[1:]), good
+    assert all(len(line) <= 120 and not line.endswith("-") for line in good), good
+    assert " ".join(line.strip() for line in good) == (
+        "float64 copy: clean; reads window first: yes (measured); zero-target window: NaN/inf "
+        "gradient, FAIL; mid-window resume: bit-identical; resumed rel L2: 0; fixed loss scale: "
+        f"exact; fp16 overflow: {_LONG_FP16}"
+    )
