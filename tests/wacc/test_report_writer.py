@@ -259,6 +259,25 @@ def test_index_states_provenance_features_audit_and_files(
     ]
 
 
+def test_a_device_section_sits_before_the_files_which_name_its_csvs(tmp_path: Path) -> None:
+    """With a device section, index.md holds its lines as given, right before the files, and the
+    files name ``device.csv`` and ``reduction.csv`` with what each holds; without one, neither."""
+    device = ["## Devices", "", "the device lines", ""]
+    write_index(tmp_path, provenance=PROVENANCE, rows=ROWS, figures={}, variants={},
+                replay_files=0, device_section=device)  # fmt: skip
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "\n## Devices\n\nthe device lines\n\n## Files\n" in index
+    files = section(index, "## Files").strip().splitlines()
+    assert files[-1] == (
+        "- `device.csv`: the device section's tables (column `table`); `reduction.csv`: the "
+        "data-parallel reduction's models and gloo measured, per dtype x world size"
+    )
+    write_index(tmp_path, provenance=PROVENANCE, rows=ROWS, figures={}, variants={},
+                replay_files=0)  # fmt: skip
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "## Devices" not in index and "device.csv" not in index
+
+
 def test_a_manifest_never_removes_what_is_not_the_reports(tmp_path: Path) -> None:
     """Whatever a manifest lists, only a replay file under scenarios/ or a figure under figures/
     is removed (not another name, a path out of the folder, or a symlink), and only when this
