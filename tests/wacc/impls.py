@@ -385,14 +385,33 @@ def no_found_inf(dtype: torch.dtype, loss_scale: float) -> Any:
     return _NoFoundInf(dtype, loss_scale)
 
 
+@dataclass(frozen=True)
+class _SeedState:
+    """The seed API's state: its counters and options, and no ``fused`` (the fused mode is this
+    project's extension)."""
+
+    dtype: torch.dtype
+    loss_scale: float
+    issued: int
+    zero_weight: int
+    total_weight: float
+
+
 class _SeedApi(_NoFoundInf):
     """The seed API alone: records (with a checksum) and async records, finished results
-    without found_inf, no set_loss_scale; its factory has no loss_scaler."""
+    without found_inf, no set_loss_scale, a state without ``fused``; its factory has no
+    loss_scaler."""
 
     def __getattr__(self, name: str) -> Any:
         if name == "set_loss_scale":  # dynamic loss scaling is not part of the seed API
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+    @property
+    def state(self) -> _SeedState:
+        inner = self._inner.state
+        return _SeedState(inner.dtype, inner.loss_scale, inner.issued, inner.zero_weight,
+                          inner.total_weight)  # fmt: skip
 
 
 def seed_api(dtype: torch.dtype, loss_scale: float) -> Any:

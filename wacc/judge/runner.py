@@ -142,7 +142,7 @@ def counters_snapshot(state: Any, work_dtype: str) -> RecordSnapshot:
         format_version=None,
         dtype=work_dtype,
         loss_scale=float(state.loss_scale),
-        fused=state.fused,
+        fused=getattr(state, "fused", False),  # none: not declared, the reproducible order
         issued=state.issued,
         zero_weight=state.zero_weight,
         total_weight=float(state.total_weight),

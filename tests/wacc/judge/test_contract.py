@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.wacc.test_plugin import _user_pytest
 from wacc.errors import UsageError
@@ -66,6 +67,14 @@ def test_the_seed_api_is_the_core_and_dynamic_scaling_an_extension() -> None:
     allowed = Coverage(missing=("checksum",), allowed=("checksum",))
     assert allowed.unsupported == () and allowed.not_judged == ("checksum",)
     assert load_implementation(SEED_API).missing == DYNAMIC
+
+
+def test_a_state_without_fused_is_judged_in_the_reproducible_order() -> None:
+    """The seed API's state has no ``fused`` (the fused mode is an extension): such an
+    implementation loads, is judged in the reproducible order, and lacks no feature for it."""
+    seed = load_implementation(SEED_API)
+    assert not hasattr(seed.factory(torch.float32, 1.0).state, "fused")
+    assert seed.fused is False and seed.missing == DYNAMIC
 
 
 def _dynamic_scenario() -> Scenario:
