@@ -75,8 +75,10 @@ def _in_folder(module: object, folder: Path) -> bool:
 
 def _user_line(exc: BaseException, folder: Path) -> str:
     """`` (at file:line)`` of the last frame of ``exc`` in the user's folder, or ``""``."""
+    # "<frozen importlib._bootstrap>" is no file (it would resolve under the working directory).
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if Path(f.filename).resolve().is_relative_to(folder)]  # fmt: skip
+              if not f.filename.startswith("<")
+              and Path(f.filename).resolve().is_relative_to(folder)]  # fmt: skip
     if not frames:
         return ""
     return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})"

@@ -148,3 +148,17 @@ def test_a_user_files_failure_names_its_own_line(
         import_target(f"{tmp_path / 'imports.py'}:make")
     with pytest.raises(UsageError, match=r"no such dtype here \(at .*raises.py:2, in make\)"):
         load_implementation(f"{tmp_path / 'raises.py'}:make")
+
+
+def test_a_syntax_error_names_the_users_file_not_the_import_machinery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that does not compile, loaded from the working directory: the one-line error
+    names the file and line the compiler gives, never "<frozen importlib._bootstrap>" (a frame
+    that is no file, which resolved under the working directory)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "syntax.py").write_text("def make(dtype, scale)\n    pass\n", encoding="utf-8")
+    with pytest.raises(UsageError) as raised:
+        import_target("syntax.py:make")
+    assert str(raised.value).endswith("SyntaxError: expected ':' (syntax.py, line 1)"), raised.value
