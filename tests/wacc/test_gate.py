@@ -281,6 +281,7 @@ def test_a_missing_core_feature_still_writes_every_output_asked_for(tmp_path: Pa
     assert failure.get("message") == line[:200] and failure.text == line
     summary = md.read_text(encoding="utf-8")
     assert summary.startswith("### wacc gate FAILED: ")
+    assert "0 of 0 keys as in the baseline." in summary  # nothing ran
     assert f"**Not run**\n\n- {line}\n" in summary
 
 

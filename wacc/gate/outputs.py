@@ -113,12 +113,13 @@ def write_summary(
     verdict = "passed" if comparison.passed else "FAILED"
     failing = sum(group.count for group in groups)
     unchanged = sum(1 for row in comparison.rows if row[3] == "ok")
+    keys = len(comparison.rows) - len(comparison.features_not_judged)  # a feature's row: no key
     lines = [
         f"### wacc gate {verdict}: `{implementation}` ({seconds:.0f} s)",
         "",
         f"{failing} failing scenario(s) in {len(groups)} distinct failure(s), "
         f"{len(comparison.regressions)} regression(s), {len(comparison.improvements)} "
-        f"improvement(s); {unchanged} of {len(comparison.rows)} keys as in the baseline.",
+        f"improvement(s); {unchanged} of {keys} keys as in the baseline.",
     ]
     notable = [row for row in comparison.rows if row[3] != "ok"]
     if notable:
@@ -163,7 +164,7 @@ def write_junit(
     since the baseline (``REGRESSION``)."""
     suite = TestSuite(f"wacc gate {implementation}")
     features = TestCase("features", classname="wacc.gate", time=0.0)
-    # A missing core feature stopped the run before any key: the one failing case.
+    # A missing core feature (it stopped the run before any key) or a lost one: this case fails.
     problems = comparison.unsupported + comparison.lost
     if problems:
         kind = "unsupported" if comparison.unsupported else "REGRESSION"
