@@ -337,6 +337,7 @@ class WaccCheckItem(pytest.Item):
 
     def runtest(self) -> None:
         """Run the family; raise with the shrunk divergence if an oracle fails."""
+        from wacc.commands._common import raised_line
         from wacc.judge.engine import CheckConfig, Finding, run_family, write_finding
         from wacc.judge.verdict import ORACLE_SETS
 
@@ -365,7 +366,10 @@ class WaccCheckItem(pytest.Item):
         finding = Finding(dtype=self.dtype, family=self.family, verdict=shrunk)
         path = write_finding(finding, settings.out)
         command = shlex.join(["wacc", "replay", str(path), "--impl", settings.load])
-        lines = "\n".join(f"  {line}" for line in shrunk.describe())
+        # The implementation's own exceptions, their text and file:line: what `wacc check`
+        # prints under the same lines (a bare "got unexpected RuntimeError" says too little).
+        raised = [raised_line(shrunk, i, message) for i, message in sorted(shrunk.messages.items())]
+        lines = "\n".join(f"  {line}" for line in [*shrunk.describe(), *raised])
         raise _WaccFailure(
             f"{settings.spec} diverges from the reference on {self.dtype}/{self.family} "
             f"[{', '.join(shrunk.failed_oracles)}]:\n{lines}\nreplay: {command}"

@@ -331,6 +331,13 @@ def _outcome_differences(expected: StepOutcome, actual: StepOutcome, *, what: st
     lines: list[str] = []
     if expected.error != actual.error:
         line = f"{what}: error expected {expected.error}, got {actual.error}"
+        then = f"{expected.error}, then "
+        if expected.error is not None and (actual.error or "").startswith(then):
+            # The step refused as demanded; the state read after it is what failed.
+            line = (
+                f"{what}: raised {expected.error} as expected, then the state read after it "
+                f"failed: {(actual.error or '').removeprefix(then)}"
+            )
         if _not_due(expected, actual.error):
             line += f" (no {actual.error} is due at this step)"
         lines.append(line)

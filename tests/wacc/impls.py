@@ -280,6 +280,16 @@ def state_dict_raises(dtype: torch.dtype, loss_scale: float) -> Any:
     return _StateDictRaises(dtype, loss_scale)
 
 
+class _StateDictAlwaysRaises(_Delegating):
+    def state_dict(self, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError("this state_dict is broken")
+
+
+def state_dict_always_raises(dtype: torch.dtype, loss_scale: float) -> Any:
+    """``state_dict()`` always raises an exception outside §11 (after a refused step too)."""
+    return _StateDictAlwaysRaises(dtype, loss_scale)
+
+
 class _FailingHandle:
     def result(self) -> dict[str, Any]:
         raise RuntimeError("the async record was lost in transit")

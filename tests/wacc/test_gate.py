@@ -262,6 +262,63 @@ def test_the_gate_prints_the_implementations_exception_text_and_never_exits_3(
     assert text in result.stdout and "internal error" not in result.stderr
 
 
+def test_a_missing_core_feature_still_writes_every_output_asked_for(tmp_path: Path) -> None:
+    """An IMPL whose checksum probe fails (its state_dict() raises) stops the gate before the run
+    with exit 1, and the JUnit XML and gate.md asked for are still written: a failing case
+    ``features`` typed ``unsupported`` whose message is the printed line (the exception's text
+    in it), and gate.md FAILED with the same line under ``Not run``."""
+    xml, md = tmp_path / "gate.xml", tmp_path / "gate.md"
+    result = gate(
+        "--impl", "tests.wacc.impls:state_dict_raises", "--allow-other-impl",
+        "--junit-xml", str(xml), "--summary-md", str(md),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("unsupported: ")]
+    assert line.startswith("unsupported: checksum: ") and "window with batches" in line
+    cases = {case.get("name"): case for case in ET.parse(xml).iter("testcase")}
+    (failure,) = list(cases["features"])
+    assert (failure.tag, failure.get("type")) == ("failure", "unsupported")
+    assert failure.get("message") == line[:200] and failure.text == line
+    summary = md.read_text(encoding="utf-8")
+    assert summary.startswith("### wacc gate FAILED: ")
+    assert "0 of 0 keys as in the baseline." in summary  # nothing ran
+    assert f"**Not run**\n\n- {line}\n" in summary
+
+
+def test_every_missing_extension_is_a_not_judged_row_whatever_the_baseline_holds(
+    tmp_path: Path,
+) -> None:
+    """A seed-API IMPL (no dynamic loss scaling) gated against a baseline recorded with it, so
+    with no key of the extension's family: the table has a row ``feature: <name>`` with status
+    ``not judged`` for each missing extension, and the JUnit XML a skipped case of that name
+    whose message is the printed ``not judged: <name> (...)`` line; the same from ``--merge``."""
+    from tests.wacc.rendered import text_table
+
+    impl = ("--impl", "tests.wacc.impls:seed_api")
+    baseline = ("--baseline", str(tmp_path / "b.json"))
+    made = small_gate(*impl, *baseline, "--update-baseline")
+    assert made.returncode == 0, made.stdout + made.stderr
+    whole = small_gate(*impl, *baseline, "--junit-xml", str(tmp_path / "whole.xml"))
+    shard = small_gate(*impl, "--shard", "1/1", "--results", str(tmp_path / "r" / "s.json"))
+    assert shard.returncode == 0, shard.stdout + shard.stderr
+    merged = small_gate("--merge", str(tmp_path / "r"), *baseline,
+                        "--junit-xml", str(tmp_path / "merged.xml"))  # fmt: skip
+    for done, xml in ((whole, "whole.xml"), (merged, "merged.xml")):
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = [x for x in done.stdout.splitlines() if x.startswith("not judged: ")]
+        names = {x.split()[2] for x in lines}
+        assert names == {"found_inf", "set_loss_scale", "loss_scaler"}, lines
+        printed = done.stdout.splitlines()
+        rows = text_table("\n".join(printed[: printed.index(lines[0])]))  # the table, first
+        shown = {r["dtype/family/source"]: r["status"] for r in rows}
+        assert all(shown.get(f"feature: {n}") == "not judged" for n in names), shown
+        cases = {c.get("name"): c for c in ET.parse(tmp_path / xml).iter("testcase")}
+        for line in lines:
+            (skipped,) = list(cases[f"feature: {line.split()[2]}"])
+            assert skipped.tag == "skipped" and skipped.get("message") == line[:200]
+            assert skipped.text == line
+
+
 def test_a_baseline_of_another_implementation_is_refused_before_the_run(tmp_path: Path) -> None:
     """Judging IMPL against a baseline recorded for another one is exit 2 at once, naming both
     and --allow-other-impl; an --out that is a file is exit 2 before the run too."""

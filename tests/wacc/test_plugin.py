@@ -137,6 +137,30 @@ def test_a_buggy_implementation_fails_with_a_replay_command(tmp_path: Path) -> N
     assert "Traceback" not in result.stdout
 
 
+def test_a_failure_shows_the_implementations_exception_text_and_where_it_was_raised(
+    tmp_path: Path,
+) -> None:
+    """An implementation whose state_dict() raises outside §11 fails its item with the lines
+    `wacc check` prints: the exception's own text and the file:line of the implementation's
+    code that raised it, not only "got unexpected RuntimeError from state_dict()"."""
+    import inspect
+
+    from tests.wacc import impls
+
+    result = _user_pytest(
+        tmp_path,
+        "--wacc-impl", "tests.wacc.impls:state_dict_raises", "--wacc-dtype", "float32",
+        "--wacc-examples", "3", "--wacc-allow-missing", "checksum", "-k", "windows",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    source, first = inspect.getsourcelines(impls._StateDictRaises.state_dict)
+    line = first + next(n for n, text in enumerate(source) if "raise RuntimeError" in text)
+    raised = re.search(r"^  step \d+ raised RuntimeError: (.*)$", result.stdout, re.MULTILINE)
+    assert raised is not None, result.stdout
+    assert "state_dict cannot write a window with batches in it" in raised[1]
+    assert re.search(rf"\(at \S*impls\.py:{line}, in state_dict\)", raised[1]), raised[1]
+
+
 def test_records_without_integrity_fail_unless_allowed_in_the_plugin_too(tmp_path: Path) -> None:
     """The plugin judges the checksum feature like ``wacc check``: each wacc item of an
     implementation whose records refuse no changed value fails with the one unsupported line,

@@ -51,6 +51,10 @@ from wacc.gate.shards import Shard
 from wacc.spec import check_module, check_spec
 
 if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help)
+    from collections.abc import Sequence
+
+    from wacc.gate.compare import Comparison
+    from wacc.gate.groups import FailureGroup
     from wacc.gate.metrics import Metrics
 
 __all__ = ["add_arguments", "run"]
@@ -179,6 +183,36 @@ def _merge(directories: list[Path]) -> tuple[str, dict[str, Metrics], tuple[str,
     return first.implementation, merge_metrics(part.entries for part in parts), first.features
 
 
+def _write_outputs(
+    args: argparse.Namespace,
+    comparison: Comparison,
+    *,
+    implementation: str,
+    seconds: float,
+    groups: Sequence[FailureGroup],
+    artifacts: list[str],
+    not_judged: list[str],
+) -> None:
+    """Write the JUnit XML and the summary that ``args`` asks for (an unwritable path: exit 2)."""
+    from wacc.gate.outputs import write_junit, write_summary
+
+    for option, path, write in (
+        ("--junit-xml", args.junit_xml,
+         lambda path: write_junit(comparison, path, implementation=implementation,
+                                  not_judged=not_judged)),
+        ("--summary-md", args.summary_md,
+         lambda path: write_summary(comparison, path, implementation=implementation,
+                                    seconds=seconds, groups=groups, artifacts=artifacts,
+                                    not_judged=not_judged)),
+    ):  # fmt: skip
+        if path is None:
+            continue
+        try:
+            write(path)
+        except OSError as exc:
+            raise UsageError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """``wacc gate``; see the module docstring."""
     started = time.perf_counter()
@@ -253,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     from wacc.gate.compare import compare
     from wacc.gate.groups import group_findings
     from wacc.gate.measure import measure, units
-    from wacc.gate.outputs import failure_lines, table, write_junit, write_summary
+    from wacc.gate.outputs import failure_lines, table
     from wacc.judge.contract import Coverage, features_missing, not_judged_line
     from wacc.judge.implementation import load_implementation
     from wacc.report.corpus import build_corpus
@@ -263,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         implementation, metrics, present = _merge(args.merge)
         # The shards ran with their features allowed: every missing one is not judged here.
         missing = features_missing(present)
-        not_judged = [not_judged_line(name) for name in missing]
+        reasons = [(name, not_judged_line(name)) for name in missing]
         if baseline is not None:
             _check_implementation(baseline.implementation, implementation, args.baseline,
                                   allowed=args.allow_other_impl)  # fmt: skip
@@ -271,12 +305,18 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_implementation(args.impl)
         implementation = args.impl
         coverage = loaded.coverage(args.allow_missing)
+        reasons = [(name, loaded.not_judged(name)) for name in coverage.not_judged]
         if coverage.unsupported:  # the same verdict as `wacc check`'s, before minutes of running
             for line in loaded.coverage_lines(args.allow_missing):
                 print(line)
+            # Every output asked for is still written (a CI that reads the JUnit XML shows why).
+            stopped = compare({}, {}, features_not_judged=reasons)
+            stopped.unsupported = [loaded.unsupported(name) for name in coverage.unsupported]
+            _write_outputs(args, stopped, implementation=args.impl,
+                           seconds=time.perf_counter() - started, groups=[], artifacts=[],
+                           not_judged=[line for _, line in reasons])  # fmt: skip
             return 1
         present, missing = coverage.present, loaded.missing
-        not_judged = [loaded.not_judged(name) for name in coverage.not_judged]
         corpus = build_corpus(size=GATE_CORPUS_SIZE, corpus_seed=GATE_CORPUS_SEED)
         mine = [u for i, u in enumerate(units(corpus)) if shard.takes(i)]
         quiet = args.quiet or not sys.stderr.isatty()
@@ -291,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
                 metrics = measure(
                     loaded, shard=shard, corpus=corpus, out=args.out, progress=progress
                 )
+    not_judged = [line for _, line in reasons]
     seconds = time.perf_counter() - started
     provenance = collect_provenance(
         devices=["cpu"], corpus_seed=GATE_CORPUS_SEED, corpus_size=GATE_CORPUS_SIZE,
@@ -356,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             metrics, baseline.entries,
             not_judged={key for key in baseline.entries if key.split("/")[1] in skipped},
             new={key for key in metrics if key.split("/")[1] in unknown},
-            lost=lost,
+            lost=lost, features_not_judged=reasons,
         )  # fmt: skip
     except UsageError as exc:
         raise UsageError(f"{str(args.baseline)!r}: {exc}") from None
@@ -387,19 +428,6 @@ def run(args: argparse.Namespace) -> int:
         artifacts.append(f"{replays} replay file(s) in {', '.join(folders)}")
     if args.junit_xml is not None:
         artifacts.append(f"JUnit XML {args.junit_xml} (every key)")
-    for option, path, write in (
-        ("--junit-xml", args.junit_xml,
-         lambda path: write_junit(comparison, path, implementation=implementation,
-                                  not_judged=not_judged)),
-        ("--summary-md", args.summary_md,
-         lambda path: write_summary(comparison, path, implementation=implementation,
-                                    seconds=seconds, groups=groups, artifacts=artifacts,
-                                    not_judged=not_judged)),
-    ):  # fmt: skip
-        if path is None:
-            continue
-        try:
-            write(path)
-        except OSError as exc:
-            raise UsageError(f"{option}: cannot write {str(path)!r}: {exc.strerror}") from None
+    _write_outputs(args, comparison, implementation=implementation, seconds=seconds,
+                   groups=groups, artifacts=artifacts, not_judged=not_judged)  # fmt: skip
     return 0 if comparison.passed else 1

@@ -21,7 +21,9 @@ made with and the implementation lacks now (:mod:`wacc.judge.contract`) is a reg
 extension or core: what the implementation promised is gone, and its keys are no longer judged.
 
 Keys only in the baseline that the run did not judge (``not_judged``: their family needs a
-feature the implementation lacks) are rows ``not judged``; keys only in the run that the
+feature the implementation lacks) are rows ``not judged``, and so is every feature the run did
+not judge (``features_not_judged``: a row ``feature: <name>`` whatever the baseline holds, so
+that a baseline recorded without the feature still shows it); keys only in the run that the
 baseline could not have judged (``new``: it was made without a feature their family needs) are
 judged for hard failures, their metrics compared with nothing until the baseline is recorded
 anew. Any other key only in the baseline or only in the run, or a corpus key with another
@@ -62,14 +64,17 @@ class Comparison:
     regressions: list[str] = field(default_factory=list)
     improvements: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)  # features the baseline had, gone now
+    unsupported: list[str] = field(default_factory=list)  # missing core features: nothing ran
+    # the row key of each feature not judged -> its line, ``not judged: <feature> (why)...``
+    features_not_judged: dict[str, str] = field(default_factory=dict)
     rows: list[tuple[str, Metrics, Metrics, str]] = field(
         default_factory=list
     )  # key, now, base, status
 
     @property
     def passed(self) -> bool:
-        """No hard failure, no regression and no lost feature."""
-        return not self.failures and not self.regressions and not self.lost
+        """No hard failure, no regression, no lost and no unsupported feature."""
+        return not (self.failures or self.regressions or self.lost or self.unsupported)
 
 
 def compare(
@@ -79,10 +84,12 @@ def compare(
     not_judged: Collection[str] = (),
     new: Collection[str] = (),
     lost: Sequence[str] = (),
+    features_not_judged: Sequence[tuple[str, str]] = (),
 ) -> Comparison:
     """Judge ``run`` against ``baseline`` (see the module docstring): ``not_judged`` the keys
     the run could not judge, ``new`` those the baseline could not have, ``lost`` one line per
-    feature lost since the baseline."""
+    feature lost since the baseline, ``features_not_judged`` each feature the run did not judge
+    with its ``not judged: ...`` line (a row ``feature: <name>`` each)."""
     # The UsageErrors name the baseline's field; the command puts the file's name in front.
     missing = sorted(baseline.keys() - run.keys() - set(not_judged))
     extra = sorted(run.keys() - baseline.keys() - set(new))
@@ -92,6 +99,9 @@ def compare(
             f"in the run {shown(extra[:3])} (update it with `wacc gate --update-baseline`)"
         )
     result = Comparison(lost=list(lost))
+    for name, line in features_not_judged:
+        result.features_not_judged[f"feature: {name}"] = line
+        result.rows.append((f"feature: {name}", Metrics(), Metrics(), "not judged"))
     for key in sorted(run.keys() | baseline.keys()):
         if key not in run:  # not judged: shown, never compared
             result.rows.append((key, Metrics(), baseline[key], "not judged"))

@@ -105,19 +105,21 @@ def write_summary(
 ) -> Path:
     """A markdown summary for a pull-request comment: the verdict, the keys that are not plainly
     ok, the largest failure groups with a replay command each, the regressions (a feature lost
-    since the baseline first), what was not judged and why (``not_judged``: one line per missing
+    since the baseline first; before them the missing core features that stopped the run, under
+    ``Not run``), what was not judged and why (``not_judged``: one line per missing
     feature), and where the artifacts are. The caps on rows, groups and items keep it within
     :data:`SUMMARY_MAX_LINES` lines (the JUnit XML has every key, the replay folder every
     failure)."""
     verdict = "passed" if comparison.passed else "FAILED"
     failing = sum(group.count for group in groups)
     unchanged = sum(1 for row in comparison.rows if row[3] == "ok")
+    keys = len(comparison.rows) - len(comparison.features_not_judged)  # a feature's row: no key
     lines = [
         f"### wacc gate {verdict}: `{implementation}` ({seconds:.0f} s)",
         "",
         f"{failing} failing scenario(s) in {len(groups)} distinct failure(s), "
         f"{len(comparison.regressions)} regression(s), {len(comparison.improvements)} "
-        f"improvement(s); {unchanged} of {len(comparison.rows)} keys as in the baseline.",
+        f"improvement(s); {unchanged} of {keys} keys as in the baseline.",
     ]
     notable = [row for row in comparison.rows if row[3] != "ok"]
     if notable:
@@ -136,7 +138,8 @@ def write_summary(
                 lines.append(f"  replay: `{replay_command(group.first.replay, implementation)}`")
         if len(groups) > _SUMMARY_GROUPS:
             lines.append(f"- ... and {len(groups) - _SUMMARY_GROUPS} more (see the artifacts)")
-    for title, items in (("Regressions", comparison.lost + comparison.regressions),
+    for title, items in (("Not run", comparison.unsupported),
+                         ("Regressions", comparison.lost + comparison.regressions),
                          ("Improvements", comparison.improvements),
                          ("Not judged", not_judged)):  # fmt: skip
         if items:
@@ -156,19 +159,31 @@ def write_junit(
     """JUnit XML: one test case per key, its measured time, failed for a hard failure or a
     regression (the failure text: the key's failure and regression lines, and the replay
     command of its first failing scenarios), skipped when not judged (the text: ``not_judged``,
-    why); and a test case ``features``, failed for a feature lost since the baseline."""
+    why; a row ``feature: <name>``: that feature's line); and a test case ``features``, failed
+    for a missing core feature that stopped the run (type ``unsupported``) or a feature lost
+    since the baseline (``REGRESSION``)."""
     suite = TestSuite(f"wacc gate {implementation}")
     features = TestCase("features", classname="wacc.gate", time=0.0)
-    if comparison.lost:
-        failure = Failure(comparison.lost[0][:200], type_="REGRESSION")
-        failure.text = "\n".join(comparison.lost)
+    # A missing core feature (it stopped the run before any key) or a lost one: this case fails.
+    problems = comparison.unsupported + comparison.lost
+    if problems:
+        kind = "unsupported" if comparison.unsupported else "REGRESSION"
+        failure = Failure(problems[0][:200], type_=kind)
+        failure.text = "\n".join(problems)
         features.result = [failure]
     suite.add_testcase(features)
     for key, now, _, status in comparison.rows:
         case = TestCase(key, classname="wacc.gate", time=now.milliseconds / 1000)
         if status == "not judged":
-            skipped = Skipped("; ".join(not_judged)[:200] or "not judged")
-            skipped.text = "\n".join(not_judged)
+            # A feature's row: its own line; a key's: every feature's (which one it needs is
+            # the family's, not said here).
+            why = (
+                [comparison.features_not_judged[key]]
+                if key in comparison.features_not_judged
+                else list(not_judged)
+            )
+            skipped = Skipped("; ".join(why)[:200] or "not judged")
+            skipped.text = "\n".join(why)
             case.result = [skipped]
             suite.add_testcase(case)
             continue

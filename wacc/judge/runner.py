@@ -26,7 +26,8 @@ run, so that the oracles of :mod:`wacc_ref.oracles` compare the two exactly.
   implementation without records as ``"unsupported: records"``: neither matches the reference,
   so each is a divergence, never a crash of the judge. So is an exception from a call the judge
   makes outside the step's own method (the factory, at the first step; ``state_dict()`` after a
-  step and an async handle's ``.result()``: ``"unexpected <Class> from <call>"``).
+  step and an async handle's ``.result()``: ``"unexpected <Class> from <call>"``; after a step
+  that raised itself, ``"<its error>, then unexpected <Class> from <call>"``).
 """
 
 from __future__ import annotations
@@ -343,7 +344,10 @@ class ImplementationRun:
             source = "reading the record of state_dict()" if record is not None else "state"
             return self._state(record), error
         except Exception as exc:  # an implementation under test may raise anything
-            error = self._raised(index, exc, source=source)
+            read = self._raised(index, exc, source=source)
+            # The step's own error stays (it may be the refusal the semantics demand): what
+            # diverged is the state read after it, and the line says both.
+            error = read if error is None else f"{error}, then {read}"
         try:
             return counters_snapshot(self.accumulator.state, self.scenario.work_dtype), error
         except Exception:  # the counters cannot be read either: the error above says why

@@ -12,7 +12,9 @@ missing); an error raised where none was due is one per class raised (which chec
 so is a §11 class raised where the semantics demand another and none of its class is due at all
 (the reference's ``due`` refusals: a check that misfired before the one that should refuse).
 A step that raised and changed the state is that (§11), whichever counter or buffer moved; a
-checkpoint whose record is not right is "record" (§9), whichever field shows it.
+checkpoint whose record is not right is "record" (§9), whichever field shows it; an exception
+from the implementation's ``state_dict()`` or ``state`` when the judge reads the state after a
+step is "state read", whatever the step was and whatever it was expected to do.
 Where one step fails several oracles, the semantics' (an error class or a counter) is what
 diverged, the values (emulation) and their error bound (bound) follow from it; where no step
 fails, the scenario's own finding (resume), or, when the scenario without its checkpoints and
@@ -49,6 +51,12 @@ _PREFERENCE = ("semantics", "emulation", "bound")  # what diverged first at a fa
 # not its state (§9): the invariant is the quantity, which field shows it is a detail.
 _CHANGED_BY_A_RAISE = " raised but changed state"
 _WHICH_FIELD = re.compile(r"^(raised but changed state|record)\.\S+$")
+# The implementation's state_dict() or state raising when the judge reads the state after a step
+# (wacc.judge.runner): one bug of its own, whatever the step did or was expected to do.
+_STATE_READ = re.compile(
+    r"unexpected (?P<cls>\w+) from (?P<call>state_dict\(\)|state|reading the record of "
+    r"state_dict\(\))$"
+)
 
 
 def line_signature(line: str) -> str:
@@ -65,6 +73,9 @@ def divergence(oracle: str, line: str) -> str:
     kind = _SUM_OR_MEAN.sub("", match["op"])
     rest = match["rest"].removeprefix(":").strip()
     error = _ERROR.match(rest)
+    read = _STATE_READ.search(rest) if oracle == "semantics" else None
+    if read is not None:  # whichever step came before and whatever it was expected to do
+        return f"[{oracle}] state read: unexpected {read['cls']} from {read['call']}"
     if oracle == "bound":  # its one quantity, however the line shows the worst element
         quantity = "error within the bound"
     elif error is not None and error["expected"] != "None" and _NOT_DUE.search(error["actual"]):

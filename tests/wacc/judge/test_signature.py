@@ -144,6 +144,38 @@ def test_a_broken_invariant_is_one_signature_whichever_field_shows_it() -> None:
     assert len({divergence("semantics", line) for line in counters}) == 2
 
 
+def test_a_state_read_that_raises_is_one_signature_whatever_the_step_expected() -> None:
+    """An implementation whose state_dict() raises (outside §11) when the judge reads the state
+    after a step is one divergence, whichever step came before (an accumulate, a refused one, a
+    checkpoint) and whatever that step was expected to do; after a step that refused as the
+    semantics demand, the line says so and that the state read after it failed."""
+    implementation = load_implementation("tests.wacc.impls:state_dict_always_raises")
+
+    def judged(*steps: Accumulate | Checkpoint) -> list[str]:
+        scenario = Scenario(work_dtype="float32", grad_dtype="float32", loss_scale=1.0,
+                            fused=False, parameters=(("w", (1,)),), steps=steps)  # fmt: skip
+        verdict = judge(implementation, scenario)
+        assert verdict.failed
+        return [signature(verdict), *verdict.describe()]
+
+    accepted = judged(Accumulate("sum", 1.0, (("w", (1.0,)),)))
+    refused = judged(Accumulate("sum", -1.0, (("w", (1.0,)),)))
+    checkpoint = judged(Checkpoint())
+    assert accepted[0] == refused[0] == checkpoint[0], (accepted, refused, checkpoint)
+    assert accepted[0] == "[semantics] state read: unexpected RuntimeError from state_dict()"
+    said = (
+        "[semantics] step 0 (accumulate_sum): raised InvalidWeightError as expected, then the "
+        "state read after it failed: unexpected RuntimeError from state_dict()"
+    )
+    assert said in refused, refused
+    # the lines a refusal or a misfired check gives stay what they were
+    other = [
+        "step 2 (accumulate_sum): error expected ParameterMismatchError, got None",
+        "step 2 (accumulate_sum): error expected None, got unexpected RuntimeError: boom",
+    ]
+    assert all(divergence("semantics", line) != accepted[0] for line in other)
+
+
 def test_a_record_that_changes_after_it_is_returned_diverges_at_its_checkpoint() -> None:
     """A record that later accumulation changes (it aliases the pending buffers; semantics §9:
     a copy) fails at its checkpoint step, as it is at the end of the scenario, with a message
