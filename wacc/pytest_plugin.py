@@ -23,8 +23,9 @@ FEATURE``, ``--wacc-out DIR`` (default ``wacc-check``). A relative ``file.py`` I
 given in an ini file is relative to that file's directory, as pytest's own path keys are.
 
 A bad value is a usage error before collection, as pytest's own are: ``ERROR: <one line>``,
-exit 4. The IMPL's shape, its file or module are checked without importing it (nor torch,
-unless ``cuda`` is asked for): importing happens when the first item runs.
+exit 4 (a ``DIR`` that is a file, or lies under one, included). The IMPL's shape, its file or
+module are checked without importing it (nor torch, unless ``cuda`` is asked for): importing
+happens when the first item runs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from wacc.choices import FAMILY_NAMES, FEATURES, ORACLE_SET_NAMES, PROFILES, WORK_DTYPES
+from wacc.commands._common import check_out_folder
 from wacc.errors import UsageError
 from wacc.spec import check_spec
 
@@ -263,6 +265,10 @@ def _settings(config: pytest.Config) -> WaccSettings | None:
     out, source, base = _raw(config, options["out"])
     if out is not None:
         settings["out"] = Path(_relative_to(base, str(out)))
+    try:  # a folder that can never be written: one line now, not a traceback per failing item
+        check_out_folder(source, settings.get("out", WaccSettings.out))
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return WaccSettings(**settings)
 
 

@@ -96,6 +96,41 @@ def test_check_writes_nothing_into_the_working_directory(tmp_path: Path, profile
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_out_that_can_never_be_a_folder_is_exit_2_before_the_run(tmp_path: Path) -> None:
+    """``--out`` naming an existing file, or a path under one, is one line and exit 2 before
+    anything runs (issue 33: it was the whole run, then a FileExistsError traceback, exit 3),
+    and the file is left as it was."""
+    keep = tmp_path / "keepme.txt"
+    keep.write_text("mine\n", encoding="utf-8")
+    for out, fragment in ((keep, "exists and is not a folder"), (keep / "sub", "is a file")):
+        result = wacc(
+            "check", "tests.wacc.impls:double_unscale", "--dtype", "float32", "--family",
+            "windows", "--examples", "5", "--quiet", "--out", str(out),
+        )  # fmt: skip
+        line = _one_line_error(result)
+        assert "--out" in line and str(out) in line and fragment in line, line
+        assert not result.stdout  # nothing ran
+    assert keep.read_text(encoding="utf-8") == "mine\n"
+
+
+def test_check_never_overwrites_a_file_already_in_out(tmp_path: Path) -> None:
+    """A file in --out with the name a divergence would take (the user's, or an earlier run's)
+    is kept as it was: the divergence goes to the next free number, and the replay line names
+    that file (issue 33: it was silently overwritten)."""
+    mine = tmp_path / "divergence-01-float32-windows.json"
+    mine.write_text("my notes\n", encoding="utf-8")
+    result = wacc(
+        "check", "tests.wacc.impls:double_unscale", "--dtype", "float32", "--family", "windows",
+        "--examples", "20", "--quiet", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert mine.read_text(encoding="utf-8") == "my notes\n"
+    (line,) = [line for line in result.stdout.splitlines() if "replay:" in line]
+    written = Path(line.split("replay: ", 1)[1].split()[2])
+    assert written == tmp_path / "divergence-02-float32-windows.json"
+    from_json(written.read_text(encoding="utf-8"))  # this run's scenario
+
+
 def test_check_exitfirst_stops_at_the_first_divergence(tmp_path: Path) -> None:
     """``-x`` stops after the first family that finds a divergence (pytest's convention): one
     divergence block and one file, the dtypes and families after it never run; without it the

@@ -375,6 +375,42 @@ def test_an_output_path_that_is_a_directory_is_exit_2_before_the_run(tmp_path: P
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_results_under_a_file_are_exit_2_before_the_run(tmp_path: Path) -> None:
+    """--results under an existing file (or naming a folder), and the default results folder
+    when it is a file, are one line naming the path and exit 2 before the shard runs (issue 33:
+    the shard ran, then NotADirectoryError, exit 3); the file is left as it was."""
+    keep = tmp_path / "keepme.txt"
+    keep.write_text("mine\n", encoding="utf-8")
+    (tmp_path / "wacc-gate-results").write_text("mine too\n", encoding="utf-8")
+    for args, cwd, fragment in (
+        (["--shard", "1/1", "--results", str(keep / "x.json")], REPO, str(keep / "x.json")),
+        (["--shard", "1/1", "--results", str(tmp_path)], REPO, "is a directory"),
+        (["--shard", "2/2"], tmp_path, "wacc-gate-results/shard-2-of-2.json"),
+    ):
+        result = small_gate(*args, cwd=cwd)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "--results" in result.stderr and fragment in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert not result.stdout
+    assert keep.read_text(encoding="utf-8") == "mine\n"
+    assert (tmp_path / "wacc-gate-results").read_text(encoding="utf-8") == "mine too\n"
+
+
+def test_a_shard_without_results_says_it_wrote_into_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """A --shard K/N run without --results writes ./wacc-gate-results/shard-K-of-N.json in the
+    working directory, and says so: in its last line and in --help (issue 33: undocumented)."""
+    result = small_gate("--shard", "4/4", cwd=tmp_path)
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    written = tmp_path / "wacc-gate-results" / "shard-4-of-4.json"
+    assert json.loads(written.read_text(encoding="utf-8"))["shard"] == "4/4"
+    last = result.stdout.strip().splitlines()[-1]
+    assert "wacc-gate-results/shard-4-of-4.json" in last and "working directory" in last, last
+    helped = "".join(gate("--help").stdout.split())  # argparse wraps lines at hyphens too
+    assert "wacc-gate-results/shard-K-of-N.jsonintheworkingdirectory" in helped
+
+
 def test_a_file_impl_is_one_implementation_however_its_path_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -191,6 +191,9 @@ _BAD_OPTIONS = [
     (["--wacc-profile", "fast"], "unknown profile 'fast'"),
     (["--wacc-device", "tpu"], "unknown device 'tpu' (choose from cpu, cuda)"),
     (["--wacc-allow-missing", "speed"], "unknown feature 'speed'"),
+    # an existing file (issue 33: a FileExistsError traceback per failing item, not exit 4)
+    (["--wacc-out", "test_mine.py"], "--wacc-out 'test_mine.py' exists and is not a folder"),
+    (["--wacc-out", "test_mine.py/x"], "'test_mine.py' is a file, not a folder"),
 ]
 
 
@@ -217,6 +220,7 @@ _BAD_INI = [
     ("wacc_examples = 0", "ini key wacc_examples must be >= 1, got 0"),
     ("wacc_seed = 1.5", "ini key wacc_seed must be an integer, got '1.5'"),
     ("wacc_dtype =\n    float32\n    float8", "ini key wacc_dtype: unknown dtype 'float8'"),
+    ("wacc_out = conftest.py", "conftest.py' exists and is not a folder"),
 ]
 
 

@@ -30,6 +30,8 @@ __all__ = [
     "add_allow_missing",
     "add_impl_arguments",
     "check_device",
+    "check_out_file",
+    "check_out_folder",
     "implementation_from",
     "hypothesis_home",
     "oracles_from",
@@ -91,6 +93,33 @@ def check_device(device: str) -> str:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda was asked for, but torch sees no CUDA device")
     return device
+
+
+def _no_file_on_the_way(option: str, path: Path) -> None:
+    """:class:`UsageError` when the nearest existing folder of ``path`` (itself excluded) is a
+    file: ``path`` can then never be created (a NotADirectoryError after the whole run)."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+            return
+
+
+def check_out_folder(option: str, path: Path) -> None:
+    """:class:`UsageError` when the folder ``option`` names can never be made or written: it is
+    a file, or a file is on its way. Checked before anything runs, not when the first file is
+    written (seconds or minutes later, with a traceback)."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {str(path)!r} exists and is not a folder")
+    _no_file_on_the_way(option, path)
+
+
+def check_out_file(option: str, path: Path) -> None:
+    """:class:`UsageError` when the file ``option`` names can never be written: it is a folder,
+    or a file is on the way to it (checked before the run, as :func:`check_out_folder`)."""
+    if path.is_dir():
+        raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
+    _no_file_on_the_way(option, path)
 
 
 def implementation_from(args: argparse.Namespace) -> Implementation:

@@ -44,6 +44,7 @@ from wacc.choices import FAMILY_NAMES, PROFILES, WORK_DTYPES
 from wacc.commands._common import (
     add_impl_arguments,
     check_device,
+    check_out_folder,
     hypothesis_home,
     implementation_from,
     oracles_from,
@@ -85,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("wacc-check"),
-        help="where shrunk divergences go (default: ./wacc-check)",
+        help="where shrunk divergences go (default: ./wacc-check); a file already there is "
+        "never overwritten: a divergence takes the next free number",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -197,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     """``wacc check``; see the module docstring."""
     if args.examples is not None and args.examples < 1:
         raise UsageError(f"--examples must be >= 1, got {args.examples}")
+    check_out_folder("--out", args.out)  # before the run: a divergence is written at its end
     device = check_device(args.device)
     implementation = implementation_from(args)
     from tqdm import tqdm

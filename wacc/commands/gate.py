@@ -45,7 +45,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wacc.choices import DEFAULT_IMPL
-from wacc.commands._common import add_allow_missing, check_device, hypothesis_home
+from wacc.commands._common import (
+    add_allow_missing,
+    check_device,
+    check_out_file,
+    check_out_folder,
+    hypothesis_home,
+)
 from wacc.errors import UsageError
 from wacc.gate.shards import Shard
 from wacc.spec import check_module, check_spec
@@ -58,6 +64,10 @@ if TYPE_CHECKING:  # the judge is imported when the command runs (a fast --help)
     from wacc.gate.metrics import Metrics
 
 __all__ = ["add_arguments", "run"]
+
+# Where a shard run without --results writes its results: a folder of the working directory.
+_DEFAULT_RESULTS = Path("wacc-gate-results")
+_DEFAULT_NOTE = f" (no --results: the default, ./{_DEFAULT_RESULTS}/ in the working directory)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard", default="1/1", metavar="K/N", help="run shard K of N (default 1/1)"
     )
     parser.add_argument("--results", type=Path, metavar="FILE", help="write this shard's results "
-                        "for --merge (1/1 included: the verdict is then --merge's)")  # fmt: skip
+                        "for --merge (1/1 included: the verdict is then --merge's); a --shard "
+                        f"K/N run without it writes ./{_DEFAULT_RESULTS}/shard-K-of-N.json in the "
+                        "working directory")  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR", help="merge shard results")
     add_allow_missing(parser, what="an IMPL")
     parser.add_argument(
@@ -226,10 +238,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--shard: {exc}") from None
     for option, path in (("--junit-xml", args.junit_xml), ("--summary-md", args.summary_md)):
         # Found now, not after the whole run: an output that can never be written.
-        if path is not None and path.is_dir():
-            raise UsageError(f"{option}: {str(path)!r} is a directory, not a file to write")
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder for replay files")
+        if path is not None:
+            check_out_file(option, path)
+    check_out_folder("--out", args.out)
     for folder in args.merge or ():
         if not folder.is_dir():
             raise UsageError(f"--merge: {str(folder)!r} is not a folder of shard results")
@@ -238,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
     # --results makes a run one shard of a matrix, 1/1 included (a one-runner matrix): it writes
     # its results for --merge, which gives the verdict.
     sharded = shard.count > 1 or args.results is not None
+    # A shard without --results writes into the working directory (said in --help and docs).
+    results = args.results or _DEFAULT_RESULTS / f"shard-{shard.index}-of-{shard.count}.json"
+    if sharded:
+        check_out_file("--results", results)
     if args.update_baseline and sharded:
         raise UsageError("--update-baseline needs the whole run: merge the shards first (--merge)")
     if args.update_baseline and (args.junit_xml or args.summary_md):
@@ -344,18 +359,16 @@ def run(args: argparse.Namespace) -> int:
     failing = sum(m.failing for m in metrics.values())
     groups = group_findings(metrics)
     if sharded:
-        path = (
-            args.results or Path("wacc-gate-results") / f"shard-{shard.index}-of-{shard.count}.json"
-        )
         write_gate_file(
             GateFile(kind=RESULTS_FORMAT, implementation=implementation, entries=metrics,
                      shard=str(shard), provenance=provenance, features=present),
-            path,
+            results,
         )  # fmt: skip
         for line in failure_lines(groups, implementation=implementation) + not_judged:
             print(line)
         print(f"wacc gate shard {shard}: {len(metrics)} keys, {failing} failing scenario(s); "
-              f"results in {path} ({seconds:.1f} s)")  # fmt: skip
+              f"results in {results}{_DEFAULT_NOTE if args.results is None else ''} "
+              f"({seconds:.1f} s)")  # fmt: skip
         return 1 if failing else 0
     if args.update_baseline:
         if failing:

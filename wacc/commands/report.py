@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from wacc.choices import WORK_DTYPES
-from wacc.commands._common import add_allow_missing
+from wacc.commands._common import add_allow_missing, check_out_folder
 from wacc.errors import UsageError
 from wacc.spec import check_module
 
@@ -113,8 +113,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     size = "quick" if args.quick else "full" if args.full else "default"
     out: Path = args.out
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+    check_out_folder("--out", out)
     for spec in args.impl:  # a typo or a missing module answers before the judge is imported
         check_module(spec)
     if len(set(args.impl)) != len(args.impl):

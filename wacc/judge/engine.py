@@ -252,13 +252,26 @@ def _shrunk(
 
 
 def write_finding(finding: Finding, out: Path, number: int | None = None) -> Path:
-    """Write the finding's scenario JSON under ``out`` (created) and return its path."""
+    """Write the finding's scenario JSON under ``out`` (created) and return its path:
+    ``divergence-NN-<dtype>-<family>.json``, NN from ``number`` (else the count of those in
+    ``out``, plus one), moved up past every NN a file in ``out`` already has. A file is never
+    overwritten (an earlier run's, or one the user put there): created exclusively."""
     out.mkdir(parents=True, exist_ok=True)
     if number is None:
         number = len(list(out.glob("divergence-*.json"))) + 1
-    path = out / f"divergence-{number:02d}-{finding.dtype}-{finding.family}.json"
-    path.write_text(to_json(finding.verdict.scenario, indent=1) + "\n", encoding="utf-8")
-    return path
+    text = to_json(finding.verdict.scenario, indent=1) + "\n"
+    while True:
+        if any(out.glob(f"divergence-{number:02d}-*.json")):
+            number += 1
+            continue
+        path = out / f"divergence-{number:02d}-{finding.dtype}-{finding.family}.json"
+        try:
+            with path.open("x", encoding="utf-8") as handle:
+                handle.write(text)
+        except FileExistsError:  # made between the look and the write: the next number
+            number += 1
+            continue
+        return path
 
 
 def run_check(
