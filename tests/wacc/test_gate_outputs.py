@@ -324,6 +324,51 @@ def test_a_lost_feature_fails_the_features_case(tmp_path: Path) -> None:
     assert listed[:2] == [f"- {line}" for line in lost]
 
 
+def test_a_feature_not_judged_is_a_row_and_a_skipped_case_of_its_own(tmp_path: Path) -> None:
+    """Each feature the run did not judge is a table row ``feature: <name>`` with status ``not
+    judged`` and a skipped JUnit case whose text is that feature's own line (not every
+    feature's); gate.md counts only the keys as keys."""
+    lines = [("set_loss_scale", "not judged: set_loss_scale (the dynamic loss scaling ext.)"),
+             ("loss_scaler", "not judged: loss_scaler (likewise)")]  # fmt: skip
+    comparison = compare(_RUN, _BASE, not_judged=["float16/dynamic_scaling/corpus"],
+                         new=["float64/mean/check"], features_not_judged=lines)  # fmt: skip
+    features = [row for row in comparison.rows if row[0].startswith("feature: ")]
+    assert [(row[0], row[3]) for row in features] == [
+        ("feature: set_loss_scale", "not judged"), ("feature: loss_scaler", "not judged"),
+    ]  # fmt: skip
+    assert comparison.features_not_judged == {f"feature: {n}": line for n, line in lines}
+    path = write_junit(comparison, tmp_path / "gate.xml", implementation="x:make",
+                       not_judged=["every feature's line"])  # fmt: skip
+    cases = {c.get("name"): list(c) for c in ET.parse(path).iter("testcase")}
+    for name, line in lines:
+        (skipped,) = cases[f"feature: {name}"]
+        assert skipped.tag == "skipped" and skipped.get("message") == line
+        assert skipped.text == line
+    text = write_summary(
+        comparison, tmp_path / "gate.md", implementation="x:make", seconds=0.0
+    ).read_text(encoding="utf-8")
+    keys = len(comparison.rows) - len(lines)
+    assert f"of {keys} keys as in the baseline." in text
+
+
+def test_a_missing_core_feature_fails_the_features_case_as_unsupported(tmp_path: Path) -> None:
+    """A missing core feature that stopped the run fails the JUnit case ``features`` with type
+    ``unsupported`` (not REGRESSION) and every line, and is gate.md's ``Not run`` block."""
+    unsupported = ["unsupported: checksum: no probe record could be checked (RuntimeError: x)"]
+    comparison = compare({}, {})
+    comparison.unsupported.extend(unsupported)
+    assert not comparison.passed
+    path = write_junit(comparison, tmp_path / "gate.xml", implementation="x:make")
+    case = next(c for c in ET.parse(path).iter("testcase") if c.get("name") == "features")
+    (failure,) = list(case)
+    assert failure.get("type") == "unsupported" and failure.get("message") == unsupported[0]
+    text = write_summary(
+        comparison, tmp_path / "gate.md", implementation="x:make", seconds=0.0
+    ).read_text(encoding="utf-8")
+    assert text.startswith("### wacc gate FAILED: `x:make`")
+    assert section(text, "**Not run**").strip().splitlines() == [f"- {unsupported[0]}"]
+
+
 def test_the_summary_is_blocks_a_reader_can_scan(tmp_path: Path) -> None:
     """gate.md is its title, the counts, the table, the failures (each with its replay command
     naming the implementation), the regressions, improvements, what was not judged and the
