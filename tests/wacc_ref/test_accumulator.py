@@ -221,6 +221,17 @@ def test_lazy_buffers_and_none_gradients() -> None:
     assert result.weight == 3.0
 
 
+def test_finish_mean_divides_the_parameters_after_one_without_gradient() -> None:
+    """finish_mean gives None for a parameter that got no gradient and still divides every
+    parameter tracked after it: [1, 3] / W = 2 is [0.5, 1.5] (exact in float32)."""
+    acc = ReferenceAccumulator(dtype="float32", loss_scale=1.0)
+    params = {"a": (), "w": (2,)}  # the parameter without a gradient comes first
+    acc.accumulate_sum(params, 2, grads={"w": [1.0, 3.0]})
+    result = acc.finish_mean()
+    assert result.grads["a"] is None
+    assert result.grads["w"].tolist() == [0.5, 1.5]  # type: ignore[union-attr]
+
+
 # --- §6 accumulate_mean ---------------------------------------------------------------------
 
 

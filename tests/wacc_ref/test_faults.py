@@ -9,6 +9,8 @@ import pytest
 from hypothesis import find
 
 from tests.wacc_ref.scenario_support import FAULT_SHAPES, FAULT_VALUES, fault_scenario
+from wacc_ref.accumulator import ReferenceAccumulator
+from wacc_ref.errors import InvalidWeightError, ParameterMismatchError
 from wacc_ref.faults import ACCEPTED_FAULTS, FAULT_KINDS, REFUSED_FAULTS, Fault, fault_problem
 from wacc_ref.oracles import run_reference
 from wacc_ref.scenario import Accumulate
@@ -104,6 +106,47 @@ def test_the_refusals_due_list_every_failing_check_in_the_order_of_s5() -> None:
         assert outcomes[1].due == due, (scenario, outcomes[1])
         assert outcomes[1].error == (due[0] if due else None)
         assert outcomes[0].due == () and outcomes[-1].due is None
+
+
+def test_the_refusals_due_judge_params_against_the_binding_of_an_open_window() -> None:
+    """Once a window holds a step (issued 1, then 2), params with another name or another shape
+    than the bound ones are due ParameterMismatchError, the class the step then raises; in a
+    window with nothing in it (after finish_sums) the same params are due nothing, and the step
+    takes them as the new binding (semantics §5: the tracked set changes only between windows)."""
+    bound = {"w": (2,)}
+    grads = {"w": [1.0, 2.0]}
+    accumulator = ReferenceAccumulator(dtype="float64", loss_scale=1.0)
+    for _ in range(2):  # issued 1, then 2: the window is open at each
+        accumulator.accumulate_sum(bound, 1.0, grads=grads)
+        for params in ({"v": (2,)}, {"w": (3,)}):
+            assert accumulator.refusals_due(params, 1.0, grads={}, mean=False) == (
+                "ParameterMismatchError",
+            )
+            with pytest.raises(ParameterMismatchError):
+                accumulator.accumulate_sum(params, 1.0, grads={})
+    accumulator.finish_sums()
+    other = {"v": (3,)}
+    assert accumulator.refusals_due(other, 1.0, grads={"v": [1.0, 2.0, 3.0]}, mean=False) == ()
+    accumulator.accumulate_sum(other, 1.0, grads={"v": [1.0, 2.0, 3.0]})  # rebinds: no raise
+    assert accumulator.refusals_due(bound, 1.0, grads={}, mean=False) == ("ParameterMismatchError",)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_the_refusals_due_see_a_total_weight_that_overflows(mean: bool) -> None:
+    """In float64, a window holding weight 1.5e308 is due InvalidWeightError for a second 1.5e308
+    (W = 3e308 overflows float64, semantics §6), sum or mean alike, and the step raises it; a
+    second weight of 1 (W stays finite) is due nothing."""
+    params = {"w": (2,)}
+    grads = {"w": [1.0, 2.0]}
+    accumulator = ReferenceAccumulator(dtype="float64", loss_scale=1.0)
+    accumulator.accumulate_sum(params, 1.5e308, grads=grads)
+    assert accumulator.refusals_due(params, 1.5e308, grads=grads, mean=mean) == (
+        "InvalidWeightError",
+    )
+    step = accumulator.accumulate_mean if mean else accumulator.accumulate_sum
+    with pytest.raises(InvalidWeightError, match="overflow"):
+        step(params, 1.5e308, grads=grads)
+    assert accumulator.refusals_due(params, 1.0, grads=grads, mean=mean) == ()
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)

@@ -23,6 +23,7 @@ from wacc_ref.errors import (
     WeightedAccumulationError,
     ZeroTotalWeightError,
 )
+from wacc_ref.faults import Fault
 from wacc_ref.oracles import (
     found_inf_violations,
     run_reference,
@@ -528,6 +529,65 @@ def test_trace_differences_names_skipped_result_and_record_differences() -> None
     assert trace_differences(trace, both) == [
         "step 2 (checkpoint) state.issued: expected 2, got 3",
         "step 2 (checkpoint) record.issued: expected 2, got 3",
+    ]
+
+
+def _refusals_scenario() -> Scenario:
+    """Step 0 is due InvalidWeightError then ParameterMismatchError (a negative weight with an
+    int64 gradient), step 1 nothing, step 2 InvalidWeightError only."""
+    int64 = Fault("int64", "w")
+    return make_scenario(
+        (
+            Accumulate("sum", -1.0, (("w", (1.0, 2.0)),), fault=int64),
+            Accumulate.of("sum", 1.0, {"w": [1.0, 2.0]}),
+            Accumulate.of("mean", -1.0, {"w": [1.0, 2.0]}),
+        )
+    )
+
+
+def test_trace_differences_note_a_refusal_of_a_class_that_is_not_due() -> None:
+    """Where the reference refuses with one §11 class and the other trace raised another §11
+    class that the step is not due at all, the error line ends "(no X is due at this step)" (a
+    check that misfired); no note where the class raised is due (if not first), where the
+    reference raised nothing, or where what was raised is not a §11 class."""
+    trace = run_reference(_refusals_scenario())
+    assert [o.due for o in trace.outcomes] == [
+        ("InvalidWeightError", "ParameterMismatchError"),
+        (),
+        ("InvalidWeightError",),
+    ]
+
+    def raising(position: int, error: str) -> list[str]:
+        outcomes = list(trace.outcomes)
+        outcomes[position] = dataclasses.replace(outcomes[position], error=error)
+        return trace_differences(trace, ScenarioTrace(outcomes=tuple(outcomes)))
+
+    assert raising(2, "ParameterMismatchError") == [
+        "step 2 (accumulate_mean): error expected InvalidWeightError, got ParameterMismatchError"
+        " (no ParameterMismatchError is due at this step)"
+    ]
+    assert raising(0, "ParameterMismatchError") == [  # due, after the weight's
+        "step 0 (accumulate_sum): error expected InvalidWeightError, got ParameterMismatchError"
+    ]
+    assert raising(1, "ParameterMismatchError") == [  # nothing refused: not a refusal's note
+        "step 1 (accumulate_sum): error expected None, got ParameterMismatchError"
+    ]
+    assert raising(2, "RuntimeError") == [  # not a §11 class
+        "step 2 (accumulate_mean): error expected InvalidWeightError, got RuntimeError"
+    ]
+
+
+def test_a_refusal_the_reference_does_not_judge_has_no_due_and_no_note() -> None:
+    """In exact mode a NaN gradient is refused with ExactModeError, a check refusals_due does
+    not judge: the step's ``due`` is None (not known, not "nothing due"), and another §11 class
+    raised there gets no "(no X is due ...)" note."""
+    scenario = make_scenario((Accumulate.of("sum", 1.0, {"w": [math.nan, 1.0]}),))
+    trace = run_reference(scenario, mode="exact")
+    assert trace.outcomes[0].error == "ExactModeError"
+    assert trace.outcomes[0].due is None
+    other = dataclasses.replace(trace.outcomes[0], error="ParameterMismatchError")
+    assert trace_differences(trace, ScenarioTrace(outcomes=(other,))) == [
+        "step 0 (accumulate_sum): error expected ExactModeError, got ParameterMismatchError"
     ]
 
 
